@@ -1,0 +1,55 @@
+"""Plain typed descriptions of what to quantise and with what data.
+
+The recipe (compiler/recipe.py) validates user input once, at the edge, and hands these
+frozen dataclasses to the quantisation code; nothing below the edge re-validates YAML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHODS = ("none", "fp8", "fp8_dynamic", "awq", "gptq", "smoothquant")
+ACTIVATIONS = ("none", "int8_dynamic", "int8_static", "fp8_dynamic", "fp8_static")
+KV_CACHE = ("none", "fp8", "int8")
+BACKENDS = ("llmcompressor", "modelopt")
+
+# What `activations: default` means for each method.
+DEFAULT_ACTIVATIONS = {
+    "none": "none",
+    "fp8": "fp8_static",
+    "fp8_dynamic": "fp8_dynamic",
+    "awq": "none",
+    "gptq": "none",
+    "smoothquant": "int8_dynamic",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    """The recipe's `quantization` section after validation and defaulting."""
+
+    method: str = "none"
+    weight_bits: int = 16  # 16 means "not quantised" (method none)
+    group_size: int | None = None  # None: one scale per output channel
+    symmetric: bool = True
+    activations: str = "none"
+    kv_cache: str = "none"
+    ignore: tuple[str, ...] = ("lm_head",)
+    backend: str = "llmcompressor"
+    smoothing_strength: float = 0.8  # SmoothQuant migration strength alpha
+    dampening_frac: float = 0.01  # GPTQ Hessian dampening
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSpec:
+    """The recipe's `calibration` section: where text comes from and how much of it."""
+
+    dataset: str = (
+        "builtin:shakespeare"  # builtin:NAME | path.txt | path.jsonl | traffic:path.jsonl
+    )
+    num_samples: int = 64
+    max_seq_len: int = 256
+    seed: int = 0
+    text_field: str = "text"  # for plain jsonl datasets
+    base_dir: str = "."  # relative dataset paths resolve against the recipe's directory
+    extra: dict[str, str] = field(default_factory=dict)

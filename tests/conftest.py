@@ -1,0 +1,30 @@
+"""Session fixtures: tiny deterministic models built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import make_tiny_model
+
+# Hermetic: never reach a model hub, keep dataset caches out of the user's home.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random LlamaForCausalLM (hidden 128) with a trained BPE tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), arch="mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")

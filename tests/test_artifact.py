@@ -1,0 +1,70 @@
+"""The artifact format: atomic publication, content digests, verification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runtime import artifact
+from runtime.errors import ArtifactError
+
+
+def build(root: Path, payload: bytes = b"weights") -> Path:
+    manifest = artifact.Manifest(name="demo", recipe={"name": "demo"})
+    with artifact.assemble(root, manifest) as staging:
+        (staging.dir / "model").mkdir()
+        (staging.dir / "model" / "w.bin").write_bytes(payload)
+    assert staging.path is not None
+    return staging.path
+
+
+def test_assemble_publishes_under_the_content_digest(tmp_path: Path) -> None:
+    path = build(tmp_path)
+    manifest = artifact.load_manifest(path)
+    assert path.name == f"demo-{manifest.digest[:12]}"
+    assert list(manifest.files) == ["model/w.bin"]
+    assert artifact.verify(path) == []
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_same_content_gives_the_same_artifact(tmp_path: Path) -> None:
+    assert build(tmp_path) == build(tmp_path)
+    assert build(tmp_path, b"other") != build(tmp_path)
+
+
+def test_a_failure_while_assembling_leaves_nothing_behind(tmp_path: Path) -> None:
+    manifest = artifact.Manifest(name="demo")
+    with pytest.raises(RuntimeError), artifact.assemble(tmp_path, manifest) as staging:
+        (staging.dir / "half.bin").write_bytes(b"x")
+        raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_reports_changed_missing_and_unrecorded_files(tmp_path: Path) -> None:
+    path = build(tmp_path)
+    (path / "model" / "w.bin").write_bytes(b"tampered")
+    (path / "extra.txt").write_text("?")
+    problems = artifact.verify(path)
+    assert problems[0].startswith("model/w.bin: sha256")
+    assert problems[1] == "extra.txt: not recorded in the manifest"
+    (path / "model" / "w.bin").unlink()
+    assert artifact.verify(path)[0] == "model/w.bin: missing"
+
+
+def test_manifest_round_trip_keeps_unknown_keys(tmp_path: Path) -> None:
+    path = build(tmp_path)
+    data = json.loads((path / artifact.MANIFEST).read_text())
+    data["future_field"] = {"x": 1}
+    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    assert artifact.load_manifest(path).to_dict()["future_field"] == {"x": 1}
+
+
+def test_a_newer_format_version_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = build(tmp_path)
+    data = json.loads((path / artifact.MANIFEST).read_text())
+    data["format_version"] = artifact.FORMAT_VERSION + 1
+    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="upgrade kiln"):
+        artifact.load_manifest(path)

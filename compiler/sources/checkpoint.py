@@ -1,0 +1,133 @@
+"""Materialising a source: a local float Hugging Face checkpoint directory the quantisers load.
+
+A directory that already has safetensors weights is used in place. A GGUF is dequantised to
+float32 and a pytorch_model.bin checkpoint re-saved as safetensors, once, into a content-addressed
+cache entry `cache_dir/<kind>-<digest[:16]>/` written through a temporary directory and a rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from compiler.sources.digest import source_digest
+from compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
+from compiler.sources.spec import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
+from runtime.errors import SourceError, StageFailure
+
+PROVENANCE_FILE = "kiln_source.json"
+_STALE_TEMP_S = 24 * 3600
+
+
+def materialize(ref: SourceRef, cache_dir: Path) -> Path:
+    """A local float HF directory (config, safetensors, tokenizer, generation_config) for `ref`.
+
+    A directory with safetensors weights is returned as is. Anything else is converted once into
+    `cache_dir/<kind>-<digest[:16]>/`; an interrupted run leaves no half-written entry, and a
+    second call returns the entry at once.
+    """
+    if ref.kind in (HF_DIR, HUB_CACHE) and any(ref.path.glob("*.safetensors")):
+        return ref.path
+    digest = source_digest(ref)
+    entry = cache_dir / f"{ref.kind}-{digest[:16]}"
+    if entry.is_dir():
+        return entry
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(cache_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=cache_dir))
+    try:
+        if ref.kind in (GGUF, BUILTIN):
+            _dequantise_gguf(ref, tmp)
+        else:
+            _convert_to_safetensors(ref, tmp)
+        provenance = {"spec": ref.spec, "kind": ref.kind, "path": str(ref.path), "digest": digest}
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        # mkdtemp makes the directory owner-only (and safetensors its file); an entry is read by
+        # whoever runs kiln next, so give it a checkpoint's usual modes.
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        try:
+            os.rename(tmp, entry)  # atomic within one filesystem
+        except OSError:
+            if not entry.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another run finished the same entry first; theirs is identical
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return entry
+
+
+def _remove_stale_temps(cache_dir: Path) -> None:
+    """Delete temporary entries that a killed run left behind (untouched for a day)."""
+    cutoff = time.time() - _STALE_TEMP_S
+    for tmp in cache_dir.glob(".*.tmp"):
+        try:
+            if tmp.is_dir() and tmp.stat().st_mtime < cutoff:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _dequantise_gguf(ref: SourceRef, out: Path) -> None:
+    """Load the GGUF dequantised to float32 and save it as an ordinary HF checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, name = str(ref.path.parent), ref.path.name
+    try:
+        # dequantize=True unpacks every block at load time, then drops the GGUF quantizer and the
+        # quantization_config: what is left is a plain dense model that save_pretrained accepts.
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            gguf_file=name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (OSError, ValueError, KeyError, NotImplementedError, RuntimeError) as exc:
+        raise StageFailure(
+            f"model.source {ref.spec!r}: transformers could not load {ref.path} ({exc}); "
+            f"kiln compiles GGUFs of architecture {', '.join(sorted(CAUSAL_LM_CLASSES))}"
+        ) from exc
+    # transformers' GGUF tokenizer converter (5.17, integrations/ggml.py) takes both the BOS and
+    # the EOS token from the BOS id; set the special tokens from the file's own ids instead.
+    metadata = inspect_source(ref).config
+    for attr in ("bos_token", "eos_token", "pad_token"):
+        token_id = metadata.get(f"{attr}_id")
+        if token_id is not None:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(token_id)))
+    # The converter also asks for clean_up_tokenization_spaces, which strips the space before
+    # punctuation when decoding: wrong for a byte-level BPE (transformers 5 ignores it, with a
+    # warning on every load; 4.x applies it).
+    tokenizer.clean_up_tokenization_spaces = False
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _convert_to_safetensors(ref: SourceRef, out: Path) -> None:
+    """Re-save a pytorch_model.bin checkpoint as safetensors, with its tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    if not any(ref.path.glob("pytorch_model*.bin")):
+        raise SourceError(
+            f"model.source {ref.spec!r}: {ref.path} has no weights (no *.safetensors and no "
+            "pytorch_model*.bin); copy the complete checkpoint there"
+        )
+    try:
+        # dtype="auto" keeps the checkpoint's own dtype: this converts the format, not the values.
+        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype="auto")
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise StageFailure(
+            f"model.source {ref.spec!r}: transformers could not load {ref.path} ({exc})"
+        ) from exc
+    model.save_pretrained(out)
+    for src in sorted(ref.path.iterdir()):
+        weights = src.name.startswith("pytorch_model")
+        if src.is_file() and not weights and not (out / src.name).exists():
+            shutil.copy2(src, out / src.name)

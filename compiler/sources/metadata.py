@@ -1,0 +1,146 @@
+"""What a source says about its model before any weights load: config.json or GGUF metadata.
+
+The GGUF → config mapping is ours: the gguf package reads the fields, while transformers' own
+mapping sits in private modules behind the full transformers import, which inspection avoids.
+The mapped config is kept in the sidecar $XDG_CACHE_HOME/kiln/gguf-configs.json (see sidecar.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from compiler.modelinfo import SUPPORTED_ARCHITECTURES, ModelInfo
+from compiler.sources.sidecar import FileFacts
+from compiler.sources.spec import BUILTIN, GGUF, SourceRef
+from runtime.errors import SourceError
+
+GGUF_SIDECAR = "gguf-configs.json"
+
+# Model type (HF `model_type`, which is also llama.cpp's architecture name for these three) → the
+# transformers class it loads as. llama.cpp writes Mistral checkpoints as "llama", so a Mistral
+# GGUF comes back as LlamaForCausalLM.
+CAUSAL_LM_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def inspect_source(ref: SourceRef) -> ModelInfo:
+    """The model's shapes from its config.json or GGUF metadata; never reads weights."""
+    if ref.kind in (GGUF, BUILTIN):
+        try:
+            config = gguf_config(ref.path)
+        except (OSError, ValueError) as exc:
+            raise SourceError(
+                f"model.source {ref.spec!r}: {ref.path} is not a readable GGUF ({exc})"
+            ) from None
+        return _model_info(ref, config, f"{ref.path} metadata")
+    config_path = ref.path / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SourceError(
+            f"model.source {ref.spec!r}: cannot read {config_path} ({exc}); "
+            "point model.source at a complete Hugging Face checkpoint directory"
+        ) from None
+    return _model_info(ref, config, str(config_path))
+
+
+def check_architecture(info: ModelInfo) -> list[str]:
+    """Problems that stop kiln compiling this model (empty when it can)."""
+    problems: list[str] = []
+    if info.architecture not in SUPPORTED_ARCHITECTURES:
+        problems.append(
+            f"architecture {info.architecture} is not supported; kiln compiles "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    quantization = info.config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        problems.append(
+            f"the checkpoint is already quantised (quantization_config.quant_method={method}); "
+            "point model.source at the float checkpoint it was made from"
+        )
+    if info.num_kv_heads <= 0 or info.num_heads % info.num_kv_heads:
+        problems.append(
+            f"num_attention_heads {info.num_heads} is not a multiple of num_key_value_heads "
+            f"{info.num_kv_heads}; the config is damaged"
+        )
+    return problems
+
+
+def _model_info(ref: SourceRef, config: dict[str, Any], origin: str) -> ModelInfo:
+    if not config.get("architectures") and config.get("model_type"):
+        # transformers picks the class from model_type when a config names no architectures
+        model_type = str(config["model_type"])
+        arch = CAUSAL_LM_CLASSES.get(model_type, f"{model_type} (model_type)")
+        config = {**config, "architectures": [arch]}
+    try:
+        return ModelInfo.from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        # Configs of other families name their shapes differently (GPT-2's n_embd, n_layer).
+        arch = (config.get("architectures") or ["<none>"])[0]
+        raise SourceError(
+            f"model.source {ref.spec!r}: {origin} has no usable {exc} for architecture {arch}; "
+            f"kiln compiles {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None
+
+
+def gguf_config(path: Path) -> dict[str, Any]:
+    """An HF-style config dict from a GGUF's metadata, remembered in a sidecar per file version.
+
+    GGUFReader parses every metadata string (SmolLM2's 49k-token vocabulary takes 3-7 s here);
+    preflight runs on every compile, so the result is kept while (path, size, mtime_ns) holds.
+    """
+    known = FileFacts(GGUF_SIDECAR)
+    config = known.get(path)
+    if not isinstance(config, dict):
+        config = _read_gguf_config(path)
+        known.put(path, config)
+        known.save()
+    return dict(config)
+
+
+def _read_gguf_config(path: Path) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)  # memory-maps the file; tensor data is never read
+
+    def field(key: str, default: Any = None) -> Any:
+        found = reader.get_field(key)
+        return default if found is None else found.contents()
+
+    arch = field("general.architecture")
+    if not arch:
+        raise ValueError("no general.architecture key")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    heads = field(f"{arch}.attention.head_count")
+    if isinstance(heads, list):
+        raise ValueError("per-layer head counts, which kiln does not compile")
+    # Keys follow llama.cpp's `{arch}.*` naming; the values mirror the config transformers' GGUF
+    # loader builds, so inspection agrees with the materialised checkpoint.
+    config: dict[str, Any] = {
+        "architectures": [CAUSAL_LM_CLASSES.get(arch, f"{arch} (GGUF)")],
+        "model_type": arch,
+        "hidden_size": field(f"{arch}.embedding_length"),
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": field(f"{arch}.attention.key_length"),
+        "max_position_embeddings": field(f"{arch}.context_length", 2048),
+        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field(f"{arch}.rope.freq_base"),
+        "vocab_size": len(tokens.data) if tokens is not None else field(f"{arch}.vocab_size"),
+        # llama.cpp writes output.weight only when the LM head is not the embedding matrix
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": field("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",  # what materialize writes
+        "gguf_file_type": field("general.file_type"),
+    }
+    return {key: value for key, value in config.items() if value is not None}

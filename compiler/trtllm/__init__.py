@@ -1,0 +1,11 @@
+"""TensorRT-LLM unified checkpoint: export from a quantised HF checkpoint, and read back.
+
+`export_checkpoint(model_dir, out_dir, tp_size=..., dtype=...)` writes `config.json` and
+`rank{N}.safetensors` for `trtllm-build` (TensorRT-LLM 1.2.x); `decode_checkpoint(dir)`
+returns the float weights it carries, under Hugging Face names, for round-trip checks.
+"""
+
+from compiler.trtllm.decode import decode_checkpoint, read_checkpoint
+from compiler.trtllm.export import export_checkpoint
+
+__all__ = ["decode_checkpoint", "export_checkpoint", "read_checkpoint"]

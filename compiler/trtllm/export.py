@@ -1,0 +1,360 @@
+"""Write a TensorRT-LLM unified checkpoint (`config.json` + `rank{N}.safetensors`).
+
+No library writes this format from a compressed-tensors checkpoint (ModelOpt's
+`export_tensorrt_llm_checkpoint` takes only a live ModelOpt-quantised model), so the
+mapping is ours, written from TensorRT-LLM 1.2's loader: `preprocess_weights` in
+tensorrt_llm/models/modeling_utils.py and the layers in tensorrt_llm/quantization/layers.py.
+
+Layouts, chosen so one checkpoint builds on every GPU (trtllm-build lays quantised weights
+out for the GPU it runs on only for the ModelOpt-flow algorithms):
+- NO_QUANT: weights in `dtype`.
+- FP8: float8 weight, per-tensor `weights_scaling_factor` and `activation_scaling_factor`.
+  A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
+  re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
+- W4A16_AWQ: int4 codes packed two output rows per byte, (out/2, in) int8, ModelOpt's
+  packing; `weights_scaling_factor` (out, in/group) float32; `prequant_scaling_factor`
+  where the quantiser kept one; asymmetric groups add `zero` = -zero_point × scale laid out
+  (in/group, out) in `dtype`, as the groupwise kernel reads it (w = code × scale + zero).
+- W4A16_GPTQ: exported as W4A16_AWQ (same groupwise kernel; TensorRT-LLM's W4A16_GPTQ
+  layout is pre-interleaved for one GPU architecture). `producer.source_quant_algo` keeps
+  the original name.
+- W8A16 and W4A16 (per channel): dequantised weights in `dtype`; trtllm-build quantises
+  them itself (symmetric, per channel) — its codes can differ from the quantiser's.
+- W8A8_SQ_PER_CHANNEL (static activations): int8 weight, `weights_scaling_factor` (out,),
+  `activation_scaling_factor`, `prequant_scaling_factor` (the "ootb" layers).
+- W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (dynamic activations): int8 weight,
+  `per_channel_scale` (1, out), `smoother` (1, in) on dense and proj, `scale_to_int` on the
+  two norms (the plugin layers).
+- KV cache FP8/INT8: `attention.kv_cache_scaling_factor` = max(k_scale, v_scale).
+Tensor parallel: qkv by heads (KV heads replicated when tp exceeds them), fc/gate/lm_head by
+rows (lm_head padded to a multiple of tp), dense/proj by columns; embedding replicated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from compiler.trtllm.config import checkpoint_config
+from compiler.trtllm.source import QLinear, Source, pack_int4_rows, read_source
+from runtime.errors import UsageError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Source algo → the algo the checkpoint declares.
+CHECKPOINT_ALGO = {
+    "NO_QUANT": "NO_QUANT",
+    "FP8": "FP8",
+    "W4A16_AWQ": "W4A16_AWQ",
+    "W4A16_GPTQ": "W4A16_AWQ",
+    "W8A16": "W8A16",
+    "W4A16": "W4A16",
+    "W8A8_SQ_PER_CHANNEL": "W8A8_SQ_PER_CHANNEL",
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+}
+NOT_EXPORTED = {
+    "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
+    "null (W8A16)",
+    "FP8_PER_CHANNEL_PER_TOKEN": "the FP8 rowwise layout is not exported yet; use method fp8",
+    "W4A8_AWQ": "W4A8 AWQ is not exported yet; use awq with activations none",
+}
+FLOAT_WEIGHTS = ("NO_QUANT", "W8A16", "W4A16")  # trtllm-build quantises these itself
+# HF projection → (TensorRT-LLM module, tensor-parallel role)
+MODULES = {
+    "o_proj": ("attention.dense", "row"),
+    "gate_proj": ("mlp.fc", "column"),
+    "up_proj": ("mlp.gate", "column"),
+    "down_proj": ("mlp.proj", "row"),
+}
+
+
+def _fuse(parts: list[QLinear], algo: str, notes: list[str], name: str) -> QLinear:
+    """Stack linears that share an input along the output dim (q, k, v → qkv)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if first.scale is None:  # float
+        return QLinear(torch.cat([p.weight for p in parts]))
+    input_scale = None
+    if first.input_scale is not None:
+        input_scale = torch.stack([p.input_scale for p in parts if p.input_scale is not None])
+        input_scale = input_scale.max()
+    if first.scale.ndim == 0:  # per tensor: one scale for the fused GEMM
+        scale = torch.stack([p.scale for p in parts if p.scale is not None]).max()
+        codes, moved = [], 0.0
+        for p in parts:
+            assert p.scale is not None
+            requant = (p.weight.to(torch.float32) * (p.scale / scale)).to(p.weight.dtype)
+            before, after = p.dequantize(), requant.to(torch.float32) * scale
+            largest = before.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+            moved = max(moved, float((before - after).abs().max() / largest))
+            codes.append(requant)
+        if moved > 0:
+            notes.append(
+                f"{name}: re-quantised to one {algo} scale, max change {moved:.2e} "
+                "of the largest weight"
+            )
+        return QLinear(torch.cat(codes), scale, None, input_scale, first.pre_quant_scale)
+    pqs = first.pre_quant_scale
+    if pqs is not None and any(
+        p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, pqs) for p in parts
+    ):
+        raise UsageError(f"{name}: fused linears carry different pre-quant scales")
+    return QLinear(
+        torch.cat([p.weight for p in parts]),
+        _cat([p.scale for p in parts]),
+        _cat([p.zero for p in parts]),
+        input_scale,
+        pqs,
+        first.group_size,
+    )
+
+
+def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = [t for t in tensors if t is not None]
+    return torch.cat(present) if present else None
+
+
+def _head_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
+    """Rows of a q/k/v projection that rank `rank` holds (replicating heads when tp > heads)."""
+    if heads % tp == 0:
+        per = heads // tp
+        return torch.arange(rank * per * head_dim, (rank + 1) * per * head_dim)
+    head = rank // (tp // heads)
+    return torch.arange(head * head_dim, (head + 1) * head_dim)
+
+
+def _shard(lin: QLinear, role: str, tp: int, rank: int) -> QLinear:
+    if tp == 1:
+        return lin
+    if role == "row":
+        width = lin.weight.shape[1] // tp
+        return lin.cols(rank * width, (rank + 1) * width)
+    rows = lin.weight.shape[0] // tp
+    return lin.rows(torch.arange(rank * rows, (rank + 1) * rows))
+
+
+def _tensors(
+    prefix: str, lin: QLinear, algo: str, role: str, dtype: torch.dtype, pre_quant: bool
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one (fused, sharded) linear."""
+    if algo in FLOAT_WEIGHTS or lin.scale is None:
+        return {f"{prefix}.weight": lin.dequantize().to(dtype).contiguous()}
+    f32 = torch.float32
+    one = torch.ones(1, dtype=f32)
+    act = lin.input_scale.reshape(1).to(f32) if lin.input_scale is not None else one
+    pqs = lin.pre_quant_scale
+    if algo == "FP8":
+        return {
+            f"{prefix}.weight": lin.weight.contiguous(),
+            f"{prefix}.weights_scaling_factor": lin.scale.reshape(1).to(f32),
+            f"{prefix}.activation_scaling_factor": act,
+        }
+    if algo == "W4A16_AWQ":
+        out = {
+            f"{prefix}.weight": pack_int4_rows(lin.weight).contiguous(),
+            f"{prefix}.weights_scaling_factor": lin.scale.to(f32).contiguous(),
+        }
+        if pre_quant:
+            in_features = lin.weight.shape[1]
+            out[f"{prefix}.prequant_scaling_factor"] = (
+                pqs if pqs is not None else torch.ones(in_features)
+            ).to(dtype)
+        if lin.zero is not None:
+            zero = -lin.zero.to(f32) * lin.scale.to(f32)
+            out[f"{prefix}.zero"] = zero.t().contiguous().to(dtype)
+        return out
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        in_features = lin.weight.shape[1]
+        return {
+            f"{prefix}.weight": lin.weight.contiguous(),
+            f"{prefix}.weights_scaling_factor": lin.scale.to(f32).reshape(-1).contiguous(),
+            f"{prefix}.activation_scaling_factor": act,
+            f"{prefix}.prequant_scaling_factor": (
+                pqs if pqs is not None else torch.ones(in_features)
+            ).to(dtype),
+        }
+    # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN
+    out = {
+        f"{prefix}.weight": lin.weight.contiguous(),
+        f"{prefix}.per_channel_scale": lin.scale.to(f32).reshape(1, -1).contiguous(),
+    }
+    if role == "row":
+        smoother = 1 / pqs if pqs is not None else torch.ones(lin.weight.shape[1])
+        out[f"{prefix}.smoother"] = smoother.to(f32).reshape(1, -1).contiguous()
+    elif pqs is not None and not torch.all(pqs == 1):
+        raise UsageError(
+            f"{prefix}: the SmoothQuant plugin layout folds a column linear's "
+            "smoothing into the norm; this checkpoint kept it separate"
+        )
+    return out
+
+
+def export_checkpoint(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    tp_size: int = 1,
+    dtype: str = "bfloat16",
+    quant_algo: str | None = None,
+) -> dict[str, Any]:
+    """Export the quantised HF checkpoint in `model_dir` to a TensorRT-LLM checkpoint in `out_dir`.
+
+    `quant_algo` is what the quantiser recorded (read off the checkpoint when None). Returns
+    a record for the manifest: the checkpoint's quant algos, tp, files and notes.
+    """
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype {dtype!r}: use {' or '.join(DTYPES)}")
+    src = read_source(Path(model_dir), quant_algo)
+    if src.quant_algo in NOT_EXPORTED:
+        raise UsageError(f"{src.quant_algo}: {NOT_EXPORTED[src.quant_algo]}")
+    if src.quant_algo not in CHECKPOINT_ALGO:
+        raise UsageError(f"{src.quant_algo} has no TensorRT-LLM checkpoint export")
+    info, algo, torch_dtype = src.info, CHECKPOINT_ALGO[src.quant_algo], DTYPES[dtype]
+    tp = tp_size
+    if tp < 1 or (
+        info.num_heads % tp
+        or (info.num_kv_heads % tp and tp % info.num_kv_heads)
+        or info.intermediate_size % tp
+    ):
+        raise UsageError(
+            f"tp_size {tp} does not split {info.num_heads} heads, {info.num_kv_heads} KV heads "
+            f"and {info.intermediate_size} MLP columns"
+        )
+    pre_quant = algo == "W4A16_AWQ" and any(
+        lin.pre_quant_scale is not None for lin in src.linears.values()
+    )
+    notes: list[str] = []
+    if algo in ("W8A16", "W4A16"):
+        notes.append(
+            f"{algo}: weights stored dequantised in {dtype}; trtllm-build re-quantises "
+            "them per channel"
+        )
+    exclude = [] if algo == "NO_QUANT" else _excluded(src)
+    modules = _modules(src)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for rank in range(tp):
+        tensors = _rank_tensors(
+            src, modules, algo, tp, rank, torch_dtype, pre_quant, notes if rank == 0 else []
+        )
+        path = out_dir / f"rank{rank}.safetensors"
+        save_file(tensors, str(path))
+        files.append(path.name)
+    config = checkpoint_config(src, algo, tp, dtype, pre_quant, exclude)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {
+        "quant_algo": config["quantization"]["quant_algo"] or "NO_QUANT",
+        "kv_cache_quant_algo": src.kv_cache_quant_algo,
+        "source_quant_algo": src.quant_algo,
+        "source_format": src.fmt,
+        "tp_size": tp,
+        "dtype": dtype,
+        "files": ["config.json", *files],
+        "notes": notes,
+    }
+
+
+def _excluded(src: Source) -> list[str]:
+    """TensorRT-LLM names of the linears the quantiser left in float."""
+    names = ["lm_head"] if src.linears["lm_head"].scale is None else []
+    for i in range(src.info.num_layers):
+        qkv = [
+            src.linears[f"model.layers.{i}.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")
+        ]
+        if len({lin.scale is None for lin in qkv}) > 1:
+            raise UsageError(
+                f"layer {i}: q, k and v must be all quantised or all ignored "
+                "(TensorRT-LLM fuses them)"
+            )
+        if qkv[0].scale is None:
+            names.append(f"transformer.layers.{i}.attention.qkv")
+        for hf, (trt, _) in MODULES.items():
+            block = "self_attn" if hf == "o_proj" else "mlp"
+            if src.linears[f"model.layers.{i}.{block}.{hf}"].scale is None:
+                names.append(f"transformer.layers.{i}.{trt}")
+    return names
+
+
+def _modules(src: Source) -> dict[str, tuple[QLinear, str]]:
+    """TensorRT-LLM module name → (whole linear, tp role); q/k/v are fused per rank later."""
+    out: dict[str, tuple[QLinear, str]] = {"lm_head": (src.linears["lm_head"], "column")}
+    for i in range(src.info.num_layers):
+        for hf, (trt, role) in MODULES.items():
+            block = "self_attn" if hf == "o_proj" else "mlp"
+            out[f"transformer.layers.{i}.{trt}"] = (
+                src.linears[f"model.layers.{i}.{block}.{hf}"],
+                role,
+            )
+    return out
+
+
+def _pad_rows(lin: QLinear, pad: int) -> QLinear:
+    """`pad` more output rows of zeros (TensorRT-LLM pads the vocab to a multiple of tp)."""
+
+    def grow(t: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+        if t is None or t.ndim == 0:
+            return t
+        return torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype)])
+
+    weight = torch.cat(
+        [lin.weight, torch.zeros((pad, lin.weight.shape[1]), dtype=lin.weight.dtype)]
+    )
+    return QLinear(
+        weight,
+        grow(lin.scale, 1.0),
+        grow(lin.zero, 0),
+        lin.input_scale,
+        lin.pre_quant_scale,
+        lin.group_size,
+    )
+
+
+def _rank_tensors(
+    src: Source,
+    modules: dict[str, tuple[QLinear, str]],
+    algo: str,
+    tp: int,
+    rank: int,
+    dtype: torch.dtype,
+    pre_quant: bool,
+    notes: list[str],
+) -> dict[str, torch.Tensor]:
+    info = src.info
+    out: dict[str, torch.Tensor] = {
+        "transformer.vocab_embedding.weight": src.tensors["model.embed_tokens.weight"].to(dtype),
+        "transformer.ln_f.weight": src.tensors["model.norm.weight"].to(dtype),
+    }
+    for name, (lin, role) in modules.items():
+        if name == "lm_head" and lin.weight.shape[0] % tp:
+            lin = _pad_rows(lin, tp - lin.weight.shape[0] % tp)
+        out.update(_tensors(name, _shard(lin, role, tp, rank), algo, role, dtype, pre_quant))
+    for i in range(info.num_layers):
+        prefix = f"model.layers.{i}.self_attn"
+        parts = [
+            src.linears[f"{prefix}.{proj}"].rows(_head_rows(heads, info.head_dim, tp, rank))
+            for proj, heads in (
+                ("q_proj", info.num_heads),
+                ("k_proj", info.num_kv_heads),
+                ("v_proj", info.num_kv_heads),
+            )
+        ]
+        qkv = _fuse(parts, algo, notes, f"layer {i} qkv")
+        layer = f"transformer.layers.{i}"
+        out.update(_tensors(f"{layer}.attention.qkv", qkv, algo, "column", dtype, pre_quant))
+        out[f"{layer}.input_layernorm.weight"] = src.tensors[
+            f"model.layers.{i}.input_layernorm.weight"
+        ].to(dtype)
+        out[f"{layer}.post_layernorm.weight"] = src.tensors[
+            f"model.layers.{i}.post_attention_layernorm.weight"
+        ].to(dtype)
+        if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
+            for norm in ("input_layernorm", "post_layernorm"):
+                out[f"{layer}.{norm}.scale_to_int"] = torch.ones(1, dtype=dtype)
+        if i in src.kv_scales:
+            out[f"{layer}.attention.kv_cache_scaling_factor"] = src.kv_scales[i].reshape(1)
+    return out

@@ -14,6 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_kiln_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep kiln's per-user caches (file digests, GGUF metadata) out of the real home."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random LlamaForCausalLM (hidden 128) with a trained BPE tokenizer."""

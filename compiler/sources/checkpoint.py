@@ -17,6 +17,7 @@ from pathlib import Path
 from compiler.sources.digest import source_digest
 from compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
 from compiler.sources.spec import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
+from quant import imports
 from runtime.errors import SourceError, StageFailure
 
 PROVENANCE_FILE = "kiln_source.json"
@@ -26,12 +27,15 @@ _STALE_TEMP_S = 24 * 3600
 def materialize(ref: SourceRef, cache_dir: Path) -> Path:
     """A local float HF directory (config, safetensors, tokenizer, generation_config) for `ref`.
 
-    A directory with safetensors weights is returned as is. Anything else is converted once into
-    `cache_dir/<kind>-<digest[:16]>/`; an interrupted run leaves no half-written entry, and a
-    second call returns the entry at once.
+    A directory with safetensors weights, or a pre-quantised AWQ/GPTQ one (not float: the
+    quantise stage converts it with quant.imports), is returned as is. Anything else is converted
+    once into `cache_dir/<kind>-<digest[:16]>/`; an interrupted run leaves no half-written entry,
+    and a second call returns the entry at once.
     """
-    if ref.kind in (HF_DIR, HUB_CACHE) and any(ref.path.glob("*.safetensors")):
-        return ref.path
+    if ref.kind in (HF_DIR, HUB_CACHE) and (
+        any(ref.path.glob("*.safetensors")) or _pre_quantised(ref.path)
+    ):
+        return ref.path  # an AWQ/GPTQ import is converted by the quantise stage, not here
     digest = source_digest(ref)
     entry = cache_dir / f"{ref.kind}-{digest[:16]}"
     if entry.is_dir():
@@ -61,6 +65,13 @@ def materialize(ref: SourceRef, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return entry
+
+
+def _pre_quantised(path: Path) -> bool:
+    try:
+        return imports.detect(imports.read_config(path)) is not None
+    except (OSError, ValueError, SourceError):
+        return False
 
 
 def _remove_stale_temps(cache_dir: Path) -> None:

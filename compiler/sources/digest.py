@@ -20,6 +20,8 @@ DIGEST_SIDECAR = "file-digests.json"
 # licences and images change nothing the compiler reads.
 CHECKPOINT_FILES = (
     "config.json",
+    "quantize_config.json",  # AutoGPTQ's quantization settings (quant.imports reads them)
+    "quant_config.json",  # early AutoAWQ's
     "generation_config.json",
     "*.safetensors",
     "*.safetensors.index.json",

@@ -14,6 +14,7 @@ from typing import Any
 from compiler.modelinfo import SUPPORTED_ARCHITECTURES, ModelInfo
 from compiler.sources.sidecar import FileFacts
 from compiler.sources.spec import BUILTIN, GGUF, SourceRef
+from quant import imports
 from runtime.errors import SourceError
 
 GGUF_SIDECAR = "gguf-configs.json"
@@ -40,7 +41,7 @@ def inspect_source(ref: SourceRef) -> ModelInfo:
         return _model_info(ref, config, f"{ref.path} metadata")
     config_path = ref.path / "config.json"
     try:
-        config = json.loads(config_path.read_text())
+        config = imports.read_config(ref.path)  # AutoGPTQ may keep quantize_config.json apart
     except (OSError, json.JSONDecodeError) as exc:
         raise SourceError(
             f"model.source {ref.spec!r}: cannot read {config_path} ({exc}); "
@@ -50,7 +51,11 @@ def inspect_source(ref: SourceRef) -> ModelInfo:
 
 
 def check_architecture(info: ModelInfo) -> list[str]:
-    """Problems that stop kiln compiling this model (empty when it can)."""
+    """Problems that stop kiln compiling this model (empty when it can).
+
+    A pre-quantised AutoAWQ / AutoGPTQ / GPTQModel checkpoint is accepted (quant.imports
+    converts it); any other quantised checkpoint is refused.
+    """
     problems: list[str] = []
     if info.architecture not in SUPPORTED_ARCHITECTURES:
         problems.append(
@@ -58,12 +63,19 @@ def check_architecture(info: ModelInfo) -> list[str]:
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     quantization = info.config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        problems.append(
-            f"the checkpoint is already quantised (quantization_config.quant_method={method}); "
-            "point model.source at the float checkpoint it was made from"
-        )
+    try:
+        imported = imports.detect(info.config)  # AWQ / GPTQ checkpoints are converted, not refused
+    except SourceError as exc:
+        problems.append(exc.message)
+    else:
+        if quantization and imported is None:
+            known = isinstance(quantization, dict)
+            method = quantization.get("quant_method", "?") if known else "?"
+            problems.append(
+                f"the checkpoint is already quantised (quantization_config.quant_method={method}); "
+                f"kiln imports only {imports.SUPPORTED} checkpoints — point model.source at one "
+                "of those or at the float checkpoint it was made from"
+            )
     if info.num_kv_heads <= 0 or info.num_heads % info.num_kv_heads:
         problems.append(
             f"num_attention_heads {info.num_heads} is not a multiple of num_key_value_heads "

@@ -314,14 +314,16 @@ def test_config_without_architectures_is_named_by_its_model_type(
 
 
 def test_already_quantised_checkpoint_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
-    model = copy_checkpoint(tiny_llama, tmp_path / "awq")
+    model = copy_checkpoint(tiny_llama, tmp_path / "bnb")
     config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
     (model / "config.json").write_text(json.dumps(config))
     info = sources.inspect_source(sources.parse_source(str(model), base_dir=tmp_path))
     assert sources.check_architecture(info) == [
-        "the checkpoint is already quantised (quantization_config.quant_method=awq); "
-        "point model.source at the float checkpoint it was made from"
+        "the checkpoint is already quantised (quantization_config.quant_method=bitsandbytes); "
+        "kiln imports only AutoAWQ GEMM (4-bit) and AutoGPTQ / GPTQModel gptq or gptq_v2 "
+        "(4- or 8-bit) checkpoints — point model.source at one of those or at the float "
+        "checkpoint it was made from"
     ]
 
 

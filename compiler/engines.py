@@ -1,0 +1,142 @@
+"""The per-target part of `kiln compile`: TensorRT-LLM export, engine build, serve options.
+
+For every target in the recipe the artifact gets, under `engines/<target>/`:
+- `plan.json`: the planner's memory/capacity answer;
+- `build.sh` and the exact `trtllm-build` command (status `planned`), or the engines
+  themselves with their `kiln-engine.json` stamp (status `built`, only where TensorRT-LLM
+  1.2.x and a GPU of the target's compute capability are present);
+- `trtllm-serve.yaml`: options for the PyTorch backend serving `model/` directly;
+and under `trtllm/tp<N>/` the unified checkpoint `trtllm-build` reads. A scheme that one
+path cannot carry is recorded as `unsupported: <reason>` for that path; nothing pretends.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compiler.modelinfo import ModelInfo
+from compiler.planner import DeploySpec, Plan
+from compiler.targets import PROFILES, check_target
+from compiler.trtllm.build import BuildPlanError, build_plan, run_build
+from compiler.trtllm.export import export_checkpoint
+from compiler.trtllm.serve_config import serve_options, write_serve_config
+from quant.spec import QuantSpec
+from runtime.artifact import json_dumps
+from runtime.errors import KilnError
+
+TRTLLM_DIR = "trtllm"
+ENGINES_DIR = "engines"
+CHECKPOINT_DTYPE = "bfloat16"
+
+
+def checkpoint_dir(tp: int) -> str:
+    """Artifact-relative directory of the TensorRT-LLM checkpoint for tensor parallel `tp`."""
+    return f"{TRTLLM_DIR}/tp{tp}"
+
+
+@dataclass
+class TargetOutcome:
+    """What the artifact holds for one target: per-path status and the files written."""
+
+    name: str
+    engine: str  # built | planned | failed | unsupported: <reason>
+    pytorch: str  # ready | unsupported: <reason>
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "pytorch": self.pytorch, **self.record}
+
+
+def export_for(quantized_model: Path, tp: int, quant_algo: str | None, out: Path) -> dict[str, Any]:
+    """Export the quantised checkpoint for `tp`, or record why this mode has no export."""
+    try:
+        return export_checkpoint(
+            quantized_model, out, tp_size=tp, dtype=CHECKPOINT_DTYPE, quant_algo=quant_algo
+        )
+    except KilnError as exc:
+        shutil.rmtree(out, ignore_errors=True)
+        return {"unsupported": exc.message}
+
+
+def _unsupported(problems: list[Any]) -> str:
+    return "unsupported: " + "; ".join(f"{p.problem} (use {p.allowed})" for p in problems)
+
+
+def write_target(
+    root: Path,
+    name: str,
+    info: ModelInfo,
+    spec: QuantSpec,
+    deploy: DeploySpec,
+    plan: Plan,
+    export: dict[str, Any],
+    path: str = "both",
+) -> TargetOutcome:
+    """Fill `root/engines/<name>/` (root is the artifact being assembled) and say what it holds.
+
+    `export` is the record of `trtllm/tp<N>/` from `export_for`; `path` is the recipe's
+    `deploy.trtllm_path` (both, engine or pytorch).
+    """
+    engine_dir = root / ENGINES_DIR / name
+    engine_dir.mkdir(parents=True)
+    (engine_dir / "plan.json").write_text(json_dumps(plan.to_dict()))
+    record: dict[str, Any] = {"plan": f"{ENGINES_DIR}/{name}/plan.json", "tp_size": plan.tp_size}
+
+    engine_problems = check_target(spec, name, path="engine")
+    if path == "pytorch":
+        engine = "skipped: deploy.trtllm_path is pytorch"
+    elif engine_problems:
+        engine = _unsupported(engine_problems)
+    elif "unsupported" in export:
+        engine = f"unsupported: {export['unsupported']}"
+    else:
+        engine = _build(root, name, info, spec, deploy, plan, record)
+
+    pytorch_problems = check_target(spec, name, path="pytorch")
+    if path == "engine":
+        pytorch = "skipped: deploy.trtllm_path is engine"
+    elif pytorch_problems:
+        pytorch = _unsupported(pytorch_problems)
+    else:
+        options = serve_options(spec, deploy, plan)
+        write_serve_config(engine_dir / "trtllm-serve.yaml", options)
+        record["serve_config"] = f"{ENGINES_DIR}/{name}/trtllm-serve.yaml"
+        pytorch = "ready"
+    return TargetOutcome(name, engine, pytorch, record)
+
+
+def _build(
+    root: Path,
+    name: str,
+    info: ModelInfo,
+    spec: QuantSpec,
+    deploy: DeploySpec,
+    plan: Plan,
+    record: dict[str, Any],
+) -> str:
+    """Plan the engine build, run it where this machine can, and record the outcome."""
+    engine_dir = root / ENGINES_DIR / name / "engine"
+    try:
+        build = build_plan(info, spec, PROFILES[name], deploy, plan,
+                           root / checkpoint_dir(plan.tp_size), engine_dir)  # fmt: skip
+    except BuildPlanError as exc:
+        return "unsupported: " + "; ".join(str(p) for p in exc.problems)
+    # The recorded command and build.sh use artifact-relative paths: the artifact is renamed
+    # into place after this, and is usually copied to a GPU builder before building.
+    relative = build.relative_to(root)
+    script = root / ENGINES_DIR / name / "build.sh"
+    relative.write_script(script, cd="../..")
+    outcome = run_build(build, script_path=script, write_script=False)
+    record["build"] = {
+        **outcome.to_dict(),
+        "commands": [p.command for p in relative.plans()],
+        "script": str(script.relative_to(root)),
+        "stamps": [str(s.relative_to(root)) for s in outcome.stamps],
+    }
+    if outcome.status == "built":
+        return "built"
+    shutil.rmtree(engine_dir, ignore_errors=True)  # a failed build leaves no half engine
+    return "planned" if outcome.status == "planned" else f"failed: {outcome.reason}"

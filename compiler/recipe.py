@@ -1,0 +1,401 @@
+"""The recipe: one YAML file describing a deployment, validated once at the edge.
+
+Loading keeps the file and line of every key (also through `extends:` chains), so each
+problem is reported as `file:line: key: problem — what is allowed`. The pydantic models
+below forbid unknown keys; everything past this module works on plain dataclasses
+(`quant.spec.QuantSpec`, `quant.spec.CalibrationSpec`, `compiler.planner.DeploySpec`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from compiler.planner import DeploySpec
+from quant.spec import DEFAULT_ACTIVATIONS, CalibrationSpec, QuantSpec
+from runtime.errors import RecipeError
+
+Key = tuple[str | int, ...]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    source: str = Field(description="local HF dir, .gguf file, builtin:NAME or a hub id")
+
+
+class QuantizationSection(_Strict):
+    method: Literal["none", "fp8", "fp8_dynamic", "awq", "gptq", "smoothquant"] = "none"
+    weight_bits: Literal[4, 8] | None = None
+    group_size: int | None = None
+    symmetric: bool | None = None
+    activations: Literal[
+        "default", "none", "int8_dynamic", "int8_static", "fp8_dynamic", "fp8_static"
+    ] = "default"
+    kv_cache: Literal["none", "fp8", "int8"] = "none"
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    backend: Literal["llmcompressor", "modelopt"] = "llmcompressor"
+    smoothing_strength: float = Field(0.8, gt=0.0, lt=1.0)
+    dampening_frac: float = Field(0.01, gt=0.0, lt=1.0)
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, value: int | None) -> int | None:
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError("must be a power of two of at least 16 (32, 64 or 128), or omitted")
+        return value
+
+
+class CalibrationSection(_Strict):
+    dataset: str = "builtin:shakespeare"
+    num_samples: int = Field(64, ge=1, le=4096)
+    max_seq_len: int = Field(256, ge=16, le=32768)
+    seed: int = 0
+    text_field: str = "text"
+
+
+class ReportSection(_Strict):
+    dataset: str = "builtin:licenses"
+    num_samples: int = Field(16, ge=1, le=1024)
+    max_seq_len: int = Field(256, ge=16, le=32768)
+
+
+class DeploySection(_Strict):
+    max_seq_len: int = Field(4096, ge=16)
+    max_input_len: int | None = Field(None, ge=1)
+    max_batch_size: int = Field(256, ge=1)
+    max_num_tokens: int = Field(8192, ge=16)
+    kv_free_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    tp_size: int | None = Field(None, ge=1, le=64)
+    pp_size: int = Field(1, ge=1, le=64)
+    tokens_per_block: int = Field(32, ge=1)
+    gpu_price_per_hour: float | None = Field(None, gt=0)
+    expected_output_tokens_per_s: float | None = Field(None, gt=0)
+    # Which TensorRT-LLM path the artifact must serve: 1.2.x engines, the PyTorch backend, or both.
+    trtllm_path: Literal["both", "engine", "pytorch"] = "both"
+
+
+class RecipeModel(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
+    model: ModelSection
+    quantization: QuantizationSection = QuantizationSection()
+    calibration: CalibrationSection = CalibrationSection()
+    report: ReportSection = ReportSection()
+    targets: list[str] = Field(default_factory=list)
+    deploy: DeploySection = DeploySection()
+    output: str = "artifacts"
+
+
+# Per method: (default weight bits, allowed weight bits, default group size, default symmetric).
+_METHOD_DEFAULTS: dict[str, tuple[int, tuple[int, ...], int | None, bool]] = {
+    "none": (16, (), None, True),
+    "fp8": (8, (8,), None, True),
+    "fp8_dynamic": (8, (8,), None, True),
+    "awq": (4, (4,), 128, False),
+    "gptq": (4, (4, 8), 128, True),
+    "smoothquant": (8, (8,), None, True),
+}
+
+
+@dataclass
+class Recipe:
+    """A loaded, schema-valid recipe with the origin (file, line) of every key."""
+
+    path: Path
+    config: RecipeModel
+    raw: dict[str, Any]
+    origins: dict[Key, tuple[Path, int]] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)  # the recipe and every file it extends
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def where(self, key: str | Key) -> str:
+        """`file:line` of a dotted key, falling back to its closest defined parent."""
+        parts: Key = tuple(key.split(".")) if isinstance(key, str) else key
+        while parts:
+            if parts in self.origins:
+                file, line = self.origins[parts]
+                return f"{file}:{line}"
+            parts = parts[:-1]
+        return f"{self.path}:1"
+
+    def base_dir(self, key: str) -> Path:
+        """Directory that relative paths under `key` resolve against: the file that set it."""
+        parts = tuple(key.split("."))
+        while parts:
+            if parts in self.origins:
+                return self.origins[parts][0].parent
+            parts = parts[:-1]
+        return self.path.parent
+
+    def problem(self, key: str, problem: str, allowed: str = "") -> str:
+        """Format one problem line the way `kiln validate` prints it."""
+        tail = f" — {allowed}" if allowed else ""
+        return f"{self.where(key)}: {key}: {problem}{tail}"
+
+    def quant_spec(self) -> QuantSpec:
+        """The quantization section with per-method defaults filled in."""
+        q = self.config.quantization
+        bits, _, group, symmetric = _METHOD_DEFAULTS[q.method]
+        weight_bits = q.weight_bits if q.weight_bits is not None else bits
+        if q.method == "none":
+            weight_bits = 16
+        group_size = q.group_size if q.group_size is not None else group
+        if weight_bits == 8 and q.group_size is None:
+            group_size = None  # 8-bit weights default to one scale per output channel
+        activations = DEFAULT_ACTIVATIONS[q.method] if q.activations == "default" else q.activations
+        return QuantSpec(
+            method=q.method,
+            weight_bits=weight_bits,
+            group_size=group_size,
+            symmetric=q.symmetric if q.symmetric is not None else symmetric,
+            activations=activations,
+            kv_cache=q.kv_cache,
+            ignore=tuple(q.ignore),
+            backend=q.backend,
+            smoothing_strength=q.smoothing_strength,
+            dampening_frac=q.dampening_frac,
+        )
+
+    def calibration_spec(self) -> CalibrationSpec:
+        c = self.config.calibration
+        return CalibrationSpec(
+            dataset=c.dataset,
+            num_samples=c.num_samples,
+            max_seq_len=c.max_seq_len,
+            seed=c.seed,
+            text_field=c.text_field,
+            base_dir=str(self.base_dir("calibration.dataset")),
+        )
+
+    def report_spec(self) -> CalibrationSpec:
+        r = self.config.report
+        return CalibrationSpec(
+            dataset=r.dataset,
+            num_samples=r.num_samples,
+            max_seq_len=r.max_seq_len,
+            seed=0,
+            base_dir=str(self.base_dir("report.dataset")),
+        )
+
+    def deploy_spec(self) -> DeploySpec:
+        return DeploySpec(**self.config.deploy.model_dump(exclude={"trtllm_path"}))
+
+    def output_dir(self) -> Path:
+        out = Path(self.config.output)
+        return out if out.is_absolute() else (self.base_dir("output") / out).resolve()
+
+    def resolved(self) -> dict[str, Any]:
+        """The fully defaulted recipe as JSON-able data (what the manifest records)."""
+        data = self.config.model_dump(mode="json")
+        spec = self.quant_spec()
+        data["quantization"].update(
+            weight_bits=spec.weight_bits,
+            group_size=spec.group_size,
+            symmetric=spec.symmetric,
+            activations=spec.activations,
+        )
+        return data
+
+
+# --- YAML with line numbers -------------------------------------------------------------
+
+
+def _walk(
+    node: yaml.Node, key: Key, file: Path, origins: dict[Key, tuple[Path, int]], problems: list[str]
+) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for k_node, v_node in node.value:
+            name = str(k_node.value)
+            child = (*key, name)
+            line = k_node.start_mark.line + 1
+            if name in seen:
+                dotted = ".".join(map(str, child))
+                problems.append(f"{file}:{line}: {dotted}: duplicate key — write each key once")
+            seen.add(name)
+            origins[child] = (file, line)
+            _walk(v_node, child, file, origins, problems)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            child = (*key, index)
+            origins[child] = (file, item.start_mark.line + 1)
+            _walk(item, child, file, origins, problems)
+
+
+def _read_yaml(
+    path: Path, problems: list[str]
+) -> tuple[dict[str, Any], dict[Key, tuple[Path, int]]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RecipeError(
+            [f"{path}: file not found — pass the path of a recipe YAML file"]
+        ) from None
+    except OSError as exc:
+        raise RecipeError([f"{path}: cannot read ({exc.strerror})"]) from None
+    try:
+        data = yaml.safe_load(text)
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        reason = getattr(exc, "problem", None) or str(exc)
+        raise RecipeError([f"{path}:{line}: invalid YAML: {reason} — fix the syntax"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            [f"{path}:1: a recipe is a YAML mapping (key: value), not {type(data).__name__}"]
+        )
+    origins: dict[Key, tuple[Path, int]] = {}
+    if root is not None:
+        _walk(root, (), path, origins, problems)
+    return data, origins
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _load_chain(
+    path: Path, chain: list[Path], problems: list[str]
+) -> tuple[dict[str, Any], dict[Key, tuple[Path, int]], list[Path]]:
+    path = path.resolve()
+    if path in chain:
+        cycle = " → ".join(str(p) for p in [*chain, path])
+        raise RecipeError([f"{chain[-1]}: extends: cycle {cycle} — a recipe cannot extend itself"])
+    data, origins = _read_yaml(path, problems)
+    files = [path]
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data, origins, files
+    if not isinstance(parent, str):
+        line = origins.get(("extends",), (path, 1))[1]
+        raise RecipeError(
+            [f"{path}:{line}: extends: must be one file path — e.g. extends: base.yaml"]
+        )
+    base_path = (path.parent / parent) if not Path(parent).is_absolute() else Path(parent)
+    if not base_path.is_file():
+        line = origins.get(("extends",), (path, 1))[1]
+        raise RecipeError(
+            [
+                f"{path}:{line}: extends: {parent!r} not found (looked for {base_path}) — "
+                "give a path relative to this recipe"
+            ]
+        )
+    base, base_origins, base_files = _load_chain(base_path, [*chain, path], problems)
+    # Where the child sets a non-mapping value, the base's whole subtree under it is replaced.
+    replaced = [k for k in origins if not isinstance(_get(data, k), dict)]
+    merged_origins = {
+        k: v
+        for k, v in base_origins.items()
+        if not any(len(k) > len(r) and k[: len(r)] == r for r in replaced)
+    }
+    merged_origins.update({k: v for k, v in origins.items() if k != ("extends",)})
+    return _merge(base, data), merged_origins, [path, *base_files]
+
+
+def _get(data: Any, key: Key) -> Any:
+    for part in key:
+        in_dict = isinstance(data, dict) and part in data
+        in_list = isinstance(data, list) and isinstance(part, int) and part < len(data)
+        if in_dict or in_list:
+            data = data[part]
+        else:
+            return None
+    return data
+
+
+def _allowed_keys(loc: Key) -> str:
+    model: type[BaseModel] = RecipeModel
+    for part in loc[:-1]:
+        info = model.model_fields.get(str(part))
+        annotation = info.annotation if info else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            return ""
+    return "allowed keys: " + ", ".join(model.model_fields)
+
+
+def _format_error(error: Any) -> tuple[Key, str, str]:
+    loc: Key = tuple(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return loc, "unknown key", _allowed_keys(loc)
+    if kind == "missing":
+        return loc, "required key is missing", "add it"
+    message = str(error["msg"])
+    if kind == "literal_error":
+        return loc, f"{error['input']!r} is not allowed", message.replace("Input should be", "use")
+    if kind == "value_error":
+        return loc, f"{error['input']!r}: {message.removeprefix('Value error, ')}", ""
+    if kind == "string_pattern_mismatch":
+        return (
+            loc,
+            f"{error['input']!r} is not a valid name",
+            ("lower-case letters, digits, '.', '_' and '-', starting with a letter or digit"),
+        )
+    return loc, f"{error.get('input')!r}: {message}", ""
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read a recipe and its `extends` chain; raise RecipeError listing every schema problem."""
+    path = Path(path)
+    problems: list[str] = []
+    data, origins, files = _load_chain(path, [], problems)
+    recipe = Recipe(path=path.resolve(), config=None, raw=data, origins=origins, files=files)  # type: ignore[arg-type]
+    try:
+        recipe.config = RecipeModel.model_validate(data)
+    except ValidationError as exc:
+        for error in exc.errors():
+            loc, problem, allowed = _format_error(error)
+            dotted = ".".join(str(p) for p in loc) or "(top level)"
+            problems.append(
+                recipe.problem(dotted, problem, allowed) if loc else f"{recipe.path}:1: {problem}"
+            )
+    if not problems:
+        problems.extend(_method_problems(recipe))
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def _method_problems(recipe: Recipe) -> list[str]:
+    """Per-method consistency of weight bits that the schema alone cannot express."""
+    q = recipe.config.quantization
+    _, allowed_bits, _, _ = _METHOD_DEFAULTS[q.method]
+    if q.weight_bits is not None and q.method != "none" and q.weight_bits not in allowed_bits:
+        bits = " or ".join(str(b) for b in allowed_bits)
+        return [
+            recipe.problem(
+                "quantization.weight_bits",
+                f"{q.method} does not quantise weights to {q.weight_bits} bits",
+                f"use {bits}",
+            )
+        ]
+    if q.method == "none" and (q.weight_bits is not None or q.group_size is not None):
+        return [
+            recipe.problem(
+                "quantization.method",
+                "method none keeps float weights, so weight_bits/group_size do not apply",
+                "set a method (gptq, awq, fp8, ...) or drop those keys",
+            )
+        ]
+    return []

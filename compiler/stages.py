@@ -1,0 +1,128 @@
+"""Stages as pure functions of their inputs, cached by a hash of those inputs.
+
+A stage writes into a fresh hidden directory; only when its function returns is the
+directory renamed to `<cache>/<stage>/<key>/` with a `stage.json` beside the outputs. So an
+unchanged re-run finds every stage done, and a run killed mid-way resumes at the first
+stage whose directory is missing. Partial directories of a killed run are swept at start
+under the output directory's lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import KilnError, StageFailure, UsageError
+
+STAGE_RECORD = "stage.json"
+PARTIAL = ".partial"
+
+
+def input_key(*parts: Any) -> str:
+    """sha256 of the canonical JSON of the inputs: the stage's cache key."""
+    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass
+class StageResult:
+    """What a stage produced: where, whether it ran now, how long it took, and its record."""
+
+    name: str
+    key: str
+    path: Path
+    status: str  # "ran" | "cached"
+    seconds: float
+    record: dict[str, Any]
+
+
+class StageCache:
+    """The `.kiln-cache` directory under an output root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def stage_dir(self, name: str, key: str) -> Path:
+        return self.root / name / key[:24]
+
+    def lookup(self, name: str, key: str) -> StageResult | None:
+        path = self.stage_dir(name, key)
+        record_path = path / STAGE_RECORD
+        if not record_path.is_file():
+            return None
+        record = json.loads(record_path.read_text())
+        return StageResult(name, key, path, "cached", float(record.get("seconds", 0.0)), record)
+
+    def run(
+        self,
+        name: str,
+        key: str,
+        fn: Callable[[Path], dict[str, Any] | None],
+        force: bool = False,
+    ) -> StageResult:
+        """Return the cached result for (name, key), or run `fn(out_dir)` and publish it."""
+        if not force and (hit := self.lookup(name, key)) is not None:
+            return hit
+        final = self.stage_dir(name, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", suffix=PARTIAL, dir=final.parent))
+        start = time.perf_counter()
+        try:
+            record = fn(work) or {}
+        except KilnError:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        except MemoryError as exc:
+            shutil.rmtree(work, ignore_errors=True)
+            raise StageFailure(
+                f"stage {name} ran out of memory; lower calibration.num_samples or "
+                "calibration.max_seq_len"
+            ) from exc
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        seconds = time.perf_counter() - start
+        record = {**record, "stage": name, "key": key, "seconds": round(seconds, 3)}
+        (work / STAGE_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(work, final)
+        return StageResult(name, key, final, "ran", seconds, record)
+
+    def sweep_partials(self) -> int:
+        """Remove directories a killed run left half-written; returns how many."""
+        count = 0
+        if self.root.exists():
+            for path in self.root.glob(f"*/*{PARTIAL}"):
+                shutil.rmtree(path, ignore_errors=True)
+                count += 1
+        return count
+
+
+@contextmanager
+def output_lock(root: Path) -> Iterator[None]:
+    """Hold an exclusive lock on an output root so two compiles never interleave there."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock_path = root / ".kiln.lock"
+    with open(lock_path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                f"{root}: another `kiln compile` is writing here; wait for it or set a "
+                "different output directory"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,202 @@
+"""`kiln compile` end to end on a tiny model: artifact, caching, resume, inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from compiler.cli import main
+from runtime import artifact
+
+REPO = Path(__file__).parents[2]
+
+
+def recipe_file(
+    tmp_path: Path,
+    model: Path,
+    *,
+    samples: int = 8,
+    seq: int = 64,
+    method: str = "gptq",
+    extra: str = "",
+) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"""\
+name: tiny-{method}
+model:
+  source: {model}
+quantization:
+  method: {method}
+  group_size: 64
+calibration:
+  dataset: builtin:licenses
+  num_samples: {samples}
+  max_seq_len: {seq}
+report:
+  num_samples: 4
+  max_seq_len: 64
+output: out
+{extra}""")
+    return path
+
+
+def kiln(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def published(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> tuple[Path, dict]:
+    tmp = tmp_path_factory.mktemp("compile")
+    recipe = recipe_file(tmp, tiny_llama)
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    return recipe, json.loads(stdout)
+
+
+def test_compile_publishes_a_content_addressed_artifact(compiled: tuple[Path, dict]) -> None:
+    recipe, result = compiled
+    path = Path(result["artifact"])
+    assert path.parent == recipe.parent / "out"
+    manifest = artifact.load_manifest(path)
+    assert path.name == f"tiny-gptq-{manifest.digest[:12]}"
+    assert result["digest"] == manifest.digest
+    assert set(result["stages"]) == {"source", "quantize", "report", "package"}
+    assert all(stage["status"] == "ran" for stage in result["stages"].values())
+    assert "model/config.json" in manifest.files and "reports/quantization.json" in manifest.files
+    assert manifest.recipe["quantization"]["weight_bits"] == 4
+    assert manifest.source["architecture"] == "LlamaForCausalLM"
+    assert {"torch", "transformers", "llmcompressor"} <= set(manifest.tools)
+    assert artifact.verify(path) == []
+    config = json.loads((path / "model" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_rerun_of_an_unchanged_recipe_is_a_no_op(compiled: tuple[Path, dict]) -> None:
+    recipe, first = compiled
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    again = json.loads(stdout)
+    assert again["up_to_date"] is True
+    assert again["artifact"] == first["artifact"]
+    assert all(stage["status"] == "cached" for stage in again["stages"].values())
+    code, _, stderr = kiln("compile", str(recipe))
+    assert "up to date" in stderr
+
+
+def test_force_recomputes_and_reproduces_the_same_digest(compiled: tuple[Path, dict]) -> None:
+    recipe, first = compiled
+    code, stdout, stderr = kiln("compile", str(recipe), "--json", "--force")
+    assert code == 0, stderr
+    again = json.loads(stdout)
+    assert again["stages"]["quantize"]["status"] == "ran"
+    assert again["digest"] == first["digest"]  # calibration is deterministic on CPU
+
+
+def test_inspect_shows_and_verifies(compiled: tuple[Path, dict]) -> None:
+    _, result = compiled
+    code, stdout, _ = kiln("inspect", result["artifact"], "--verify")
+    assert code == 0
+    assert "tiny-gptq" in stdout and "all digests match" in stdout
+    code, stdout, _ = kiln("inspect", result["artifact"], "--json")
+    assert json.loads(stdout)["digest"] == result["digest"]
+
+
+def test_inspect_verify_catches_a_changed_file(compiled: tuple[Path, dict], tmp_path: Path) -> None:
+    _, result = compiled
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", result["artifact"], str(copy)], check=True)
+    with open(copy / "model" / "config.json", "a") as handle:
+        handle.write(" ")
+    code, _, stderr = kiln("inspect", str(copy), "--verify")
+    assert code == 3
+    assert "model/config.json: sha256" in stderr
+
+
+def test_inspect_of_a_non_artifact_is_a_clear_error(tmp_path: Path) -> None:
+    code, _, stderr = kiln("inspect", str(tmp_path))
+    assert code == 3
+    assert "not a kiln artifact" in stderr
+
+
+def test_recipe_error_exits_2_and_creates_no_output(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = recipe_file(tmp_path, tiny_llama, extra="colour: blue\n")
+    code, _, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 2
+    assert "colour: unknown key" in stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_killed_compile_leaves_nothing_visible_and_the_next_run_resumes(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    recipe = recipe_file(tmp_path, tiny_llama, samples=256, seq=256)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "compiler.cli", "compile", str(recipe)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    quantize = tmp_path / "out" / ".kiln-cache" / "quantize"
+    deadline = time.monotonic() + 120
+    while not list(quantize.glob("*.partial")):
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "quantize stage never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert published(tmp_path / "out") == []
+
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["stages"]["source"]["status"] == "cached"
+    assert result["stages"]["quantize"]["status"] == "ran"
+    assert published(tmp_path / "out") == [Path(result["artifact"])]
+    assert not list(quantize.glob("*.partial"))
+
+
+def test_a_published_awq_checkpoint_compiles_without_recalibration(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    from tests.prequantized import make_awq_checkpoint
+
+    awq = make_awq_checkpoint(tiny_llama, tmp_path / "awq", group_size=64).path
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: tiny-awq-import\nmodel:\n  source: {awq}\ntargets: [l40s]\n"
+                      "output: out\n")  # fmt: skip
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
+    assert manifest.scheme["scheme"] == "W4A16_AWQ"
+    assert manifest.scheme["backend"] == "import"
+    assert manifest.scheme["calibration"] is None
+    assert "trtllm/tp1/rank0.safetensors" in manifest.files
+    assert manifest.targets["l40s"]["engine"] == "planned"
+
+
+def test_a_recipe_that_contradicts_an_imported_checkpoint_is_refused(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    from tests.prequantized import make_awq_checkpoint
+
+    awq = make_awq_checkpoint(tiny_llama, tmp_path / "awq", group_size=64).path
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: x\nmodel:\n  source: {awq}\nquantization:\n  method: gptq\n"
+                      "  group_size: 64\n")  # fmt: skip
+    code, _, stderr = kiln("validate", str(recipe))
+    assert code == 2
+    assert f"{recipe}:5: quantization.method:" in stderr

@@ -1,0 +1,257 @@
+"""The recipe's contract: every problem reported at once as file:line: key: problem — fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from compiler.cli import main
+from compiler.recipe import load_recipe
+from runtime.errors import RecipeError
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def validate(recipe: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["validate", str(recipe)])
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def good(tmp_path: Path, tiny_llama: Path) -> Path:
+    return write(
+        tmp_path / "good.yaml",
+        f"""\
+name: tiny-gptq
+model:
+  source: {tiny_llama}
+quantization:
+  method: gptq
+  group_size: 64
+calibration:
+  dataset: builtin:licenses
+  num_samples: 8
+  max_seq_len: 64
+targets: [h100-sxm]
+""",
+    )
+
+
+def test_valid_recipe_passes_with_method_defaults(good: Path) -> None:
+    code, output = validate(good)
+    assert code == 0, output
+    spec = load_recipe(good).quant_spec()
+    assert (spec.weight_bits, spec.group_size, spec.symmetric, spec.activations) == (
+        4,
+        64,
+        True,
+        "none",
+    )
+
+
+def test_unknown_key_names_file_line_and_allowed_keys(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = write(
+        tmp_path / "r.yaml",
+        f"name: x\nmodel:\n  source: {tiny_llama}\nquantisation:\n  method: gptq\n",
+    )
+    code, output = validate(recipe)
+    assert code == 2
+    assert (
+        f"{recipe}:4: quantisation: unknown key — allowed keys: name, model, quantization" in output
+    )
+
+
+def test_unknown_method_lists_the_methods(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = write(
+        tmp_path / "r.yaml",
+        f"name: x\nmodel:\n  source: {tiny_llama}\nquantization:\n  method: int3\n",
+    )
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:5: quantization.method: 'int3' is not allowed — use 'none', 'fp8'" in output
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = write(
+        tmp_path / "r.yaml",
+        f"""\
+name: Bad Name
+model:
+  source: {tiny_llama}
+quantization:
+  method: gptq
+  group_size: 48
+calibration:
+  num_samples: 0
+""",
+    )
+    with pytest.raises(RecipeError) as info:
+        load_recipe(recipe)
+    problems = info.value.problems
+    assert len(problems) == 3
+    assert problems[0].startswith(f"{recipe}:1: name: 'Bad Name' is not a valid name")
+    assert problems[1].startswith(
+        f"{recipe}:6: quantization.group_size: 48: must be a power of two"
+    )
+    assert problems[2].startswith(f"{recipe}:8: calibration.num_samples:")
+
+
+def test_group_size_that_does_not_divide_the_model_is_caught_before_loading(
+    tmp_path: Path,
+) -> None:
+    # SmolLM2-135M's shapes: hidden 576 is not a multiple of 128. Only config.json exists, so
+    # the check provably runs without weights.
+    model = tmp_path / "smollm2-shapes"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, '
+        '"intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, '
+        '"num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192}'
+    )
+    recipe = write(
+        tmp_path / "r.yaml",
+        f"name: x\nmodel:\n  source: {model}\nquantization:\n  method: gptq\n  group_size: 128\n",
+    )
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:6: quantization.group_size:" in output
+    assert "576 is not divisible by 128" in output and "use 64 or 32" in output
+
+
+def test_bits_that_the_method_cannot_produce(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = write(
+        tmp_path / "r.yaml",
+        f"name: x\nmodel:\n  source: {tiny_llama}\n"
+        "quantization:\n  method: awq\n  weight_bits: 8\n",
+    )
+    code, output = validate(recipe)
+    assert code == 2
+    assert (
+        f"{recipe}:6: quantization.weight_bits: awq does not quantise weights to 8 bits — use 4"
+        in output
+    )
+
+
+def test_missing_recipe_file(tmp_path: Path) -> None:
+    code, output = validate(tmp_path / "nope.yaml")
+    assert code == 2
+    assert "nope.yaml: file not found" in output
+
+
+def test_missing_model_and_calibration_files(tmp_path: Path) -> None:
+    recipe = write(
+        tmp_path / "r.yaml",
+        "name: x\nmodel:\n  source: ./no-such-model\n"
+        "quantization:\n  method: gptq\n  group_size: 64\n"
+        "calibration:\n  dataset: ./missing.jsonl\n",
+    )
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:3: model.source:" in output
+    assert f"{recipe}:8: calibration.dataset:" in output
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, '
+        '"n_layer": 2, "n_head": 2, "vocab_size": 100, "n_positions": 64}'
+    )
+    recipe = write(tmp_path / "r.yaml", f"name: x\nmodel:\n  source: {model}\n")
+    code, output = validate(recipe)
+    assert code == 2
+    assert "GPT2LMHeadModel" in output
+    assert "LlamaForCausalLM" in output and "Qwen2ForCausalLM" in output
+
+
+def test_unknown_target_lists_known_targets(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = write(
+        tmp_path / "r.yaml",
+        f"name: x\nmodel:\n  source: {tiny_llama}\ntargets: [h100-sxm, h1000]\n",
+    )
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:4: targets.1: unknown GPU target 'h1000' — known targets:" in output
+
+
+def test_extends_merges_base_and_reports_lines_in_the_file_that_set_them(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    base = write(
+        tmp_path / "base.yaml",
+        f"""\
+model:
+  source: {tiny_llama}
+quantization:
+  method: gptq
+  group_size: 48
+calibration:
+  num_samples: 8
+""",
+    )
+    child = write(
+        tmp_path / "team" / "child.yaml" if (tmp_path / "team").mkdir() is None else base,
+        "extends: ../base.yaml\nname: child\nquantization:\n  weight_bits: 8\n",
+    )
+    with pytest.raises(RecipeError) as info:
+        load_recipe(child)
+    assert info.value.problems == [
+        f"{base}:5: quantization.group_size: 48: must be a power of two of at least 16 "
+        "(32, 64 or 128), or omitted"
+    ]
+    base.write_text(base.read_text().replace("48", "64"))
+    recipe = load_recipe(child)
+    spec = recipe.quant_spec()
+    assert (spec.method, spec.weight_bits, spec.group_size) == ("gptq", 8, 64)
+    assert recipe.config.calibration.num_samples == 8
+
+
+def test_extends_cycle_is_refused(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", "extends: b.yaml\nname: a\n")
+    write(tmp_path / "b.yaml", "extends: a.yaml\nname: b\n")
+    code, output = validate(tmp_path / "a.yaml")
+    assert code == 2
+    assert "extends: cycle" in output and "a.yaml" in output and "b.yaml" in output
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
+    recipe = write(tmp_path / "r.yaml", "name: x\nmodel: [unclosed\n")
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:" in output and "invalid YAML" in output
+
+
+def test_duplicate_keys_are_refused(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = write(tmp_path / "r.yaml", f"name: x\nmodel:\n  source: {tiny_llama}\nname: y\n")
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:4: name: duplicate key" in output
+
+
+def fake_hub_cache(root: Path) -> Path:
+    """A Hugging Face hub cache holding only the configs of the example recipes' models."""
+    for config in (Path(__file__).parents[1] / "data" / "hub-configs").glob("*.json"):
+        repo = root / f"models--{config.stem}"
+        snapshot = repo / "snapshots" / "0123456789abcdef"
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(config.read_text())
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123456789abcdef")
+    return root
+
+
+def test_shipped_example_recipes_validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(fake_hub_cache(tmp_path / "hub")))
+    recipes = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for recipe in recipes:
+        if recipe.name.startswith("_"):
+            continue  # fragments meant to be extended
+        code, output = validate(recipe)
+        assert code == 0, f"{recipe}: {output}"

@@ -1,0 +1,77 @@
+"""Quantisation backends: what each can produce, and the function that produces it.
+
+A backend registers itself with `@register_backend(...)` on the function that quantises a
+loaded model and saves it; the declared capabilities are what `quant.schemes.check` reads,
+so a refused combination names what the backend can do. Backends import their library
+inside the run function: importing this package stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quant.schemes import Scheme
+    from quant.spec import QuantSpec
+
+# run(model, tokenizer, scheme, spec, samples, out_dir, progress): quantise in place, save to
+# out_dir. `samples` are token-id lists, already cut to max_seq_len.
+RunFn = Callable[
+    [Any, Any, "Scheme", "QuantSpec", list[list[int]], Path, Callable[[str], None]], None
+]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend and the schemes, activation and KV cache modes it supports."""
+
+    name: str
+    format: str  # the checkpoint format it writes
+    schemes: frozenset[str]
+    activations: frozenset[str]
+    kv_cache: frozenset[str]
+    asymmetric: frozenset[str]  # schemes it can do with zero points
+    per_channel: frozenset[str]  # grouped schemes it can also do with group_size null
+    packages: tuple[str, ...]  # distributions whose versions the manifest records
+    run: RunFn
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(
+    name: str,
+    *,
+    format: str,
+    schemes: set[str],
+    activations: set[str],
+    kv_cache: set[str],
+    asymmetric: set[str] = frozenset(),  # type: ignore[assignment]
+    per_channel: set[str] = frozenset(),  # type: ignore[assignment]
+    packages: tuple[str, ...] = (),
+) -> Callable[[RunFn], RunFn]:
+    """Decorator: register `fn` as the run function of backend `name`."""
+
+    def decorate(fn: RunFn) -> RunFn:
+        BACKENDS[name] = Backend(
+            name=name,
+            format=format,
+            schemes=frozenset(schemes),
+            activations=frozenset(activations),
+            kv_cache=frozenset(kv_cache),
+            asymmetric=frozenset(asymmetric),
+            per_channel=frozenset(per_channel),
+            packages=packages,
+            run=fn,
+        )
+        return fn
+
+    return decorate
+
+
+# Registration happens on import.
+import quant.backends.llmcompressor  # noqa: E402
+import quant.backends.modelopt  # noqa: E402, F401

@@ -1,0 +1,299 @@
+"""Quantisation schemes as data, and the checks that a spec can work before anything loads.
+
+A `QuantSpec` (method, bits, activations, KV cache, backend) resolves to one canonical
+`Scheme`, named like TensorRT-LLM's `QuantAlgo` where it has one (FP8, W4A16_AWQ, ...).
+Adding a scheme means adding one `SchemeDef` to `SCHEMES`; which backend can produce it is
+declared where the backend registers itself (quant/backends/).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from quant.spec import ACTIVATIONS, KV_CACHE, METHODS, QuantSpec
+from runtime.errors import PreflightError
+
+if TYPE_CHECKING:
+    from compiler.modelinfo import ModelInfo
+
+GROUP_SIZES = (128, 64, 32)  # what TensorRT-LLM's groupwise kernels take, largest first
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One reason a spec cannot work: the recipe key, what is wrong, and what would work."""
+
+    key: str
+    problem: str
+    allowed: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.problem} (allowed: {self.allowed})"
+
+
+@dataclass(frozen=True, slots=True)
+class SchemeDef:
+    """A family of specs that quantise the same way (one registry entry)."""
+
+    name: str
+    methods: tuple[str, ...]
+    weight_bits: int
+    activations: tuple[str, ...]
+    weight_type: str  # "int", "float" or "none"
+    grouped: bool = False  # group_size applies (weight-only int schemes)
+    asymmetric: bool = False  # zero points make sense
+    calibrated: bool = True  # needs calibration data
+    # TensorRT-LLM QuantAlgo per activation mode; `per_channel` is used when group_size is None.
+    trtllm: tuple[tuple[str, str], ...] = ()
+    trtllm_per_channel: str | None = None
+
+
+SCHEMES: dict[str, SchemeDef] = {
+    d.name: d
+    for d in (
+        SchemeDef("NO_QUANT", ("none",), 16, ("none",), "none", calibrated=False,
+                  trtllm=(("none", "NO_QUANT"),)),
+        SchemeDef("FP8", ("fp8",), 8, ("fp8_static",), "float",
+                  trtllm=(("fp8_static", "FP8"),)),
+        SchemeDef("FP8_DYNAMIC", ("fp8_dynamic", "fp8"), 8, ("fp8_dynamic",), "float",
+                  calibrated=False, trtllm=(("fp8_dynamic", "FP8_PER_CHANNEL_PER_TOKEN"),)),
+        SchemeDef("W4A16_AWQ", ("awq",), 4, ("none",), "int", grouped=True, asymmetric=True,
+                  trtllm=(("none", "W4A16_AWQ"),), trtllm_per_channel="W4A16"),
+        SchemeDef("W4A8_AWQ", ("awq",), 4, ("fp8_static",), "int", grouped=True,
+                  trtllm=(("fp8_static", "W4A8_AWQ"),)),
+        SchemeDef("W4A16_GPTQ", ("gptq",), 4, ("none",), "int", grouped=True, asymmetric=True,
+                  trtllm=(("none", "W4A16_GPTQ"),), trtllm_per_channel="W4A16"),
+        SchemeDef("W8A16", ("gptq",), 8, ("none",), "int", grouped=True, asymmetric=True,
+                  trtllm=(("none", "W8A16_GPTQ"),), trtllm_per_channel="W8A16"),
+        SchemeDef("W8A8_SQ", ("smoothquant",), 8, ("int8_dynamic", "int8_static"), "int",
+                  trtllm=(("int8_dynamic", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"),
+                          ("int8_static", "W8A8_SQ_PER_CHANNEL"))),
+    )
+}  # fmt: skip
+
+KV_TRTLLM = {"none": None, "fp8": "FP8", "int8": "INT8"}
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """A resolved scheme: everything a backend, the exporter and the manifest need to know."""
+
+    name: str
+    method: str
+    weight_bits: int
+    weight_type: str
+    group_size: int | None
+    symmetric: bool
+    activations: str
+    kv_cache: str
+    needs_calibration: bool
+    trtllm_quant_algo: str
+    trtllm_kv_cache_quant_algo: str | None
+
+    @property
+    def label(self) -> str:
+        """Name plus KV cache mode, e.g. `FP8+KV_FP8`."""
+        return self.name if self.kv_cache == "none" else f"{self.name}+KV_{self.kv_cache.upper()}"
+
+
+def _spec_problems(spec: QuantSpec) -> tuple[SchemeDef | None, list[Problem]]:
+    """Match a spec against SCHEMES; the problems say why nothing (or something) does not fit."""
+    if spec.method not in METHODS:
+        return None, [
+            Problem("quantization.method", f"unknown method {spec.method!r}", ", ".join(METHODS))
+        ]
+    problems: list[Problem] = []
+
+    def add(key: str, problem: str, allowed: str) -> None:
+        problems.append(Problem(f"quantization.{key}", problem, allowed))
+
+    if spec.kv_cache not in KV_CACHE:
+        add("kv_cache", f"unknown KV cache mode {spec.kv_cache!r}", ", ".join(KV_CACHE))
+    if spec.activations not in ACTIVATIONS:
+        add("activations", f"unknown activation mode {spec.activations!r}", ", ".join(ACTIVATIONS))
+        return None, problems
+    candidates = [d for d in SCHEMES.values() if spec.method in d.methods]
+    bits = sorted({d.weight_bits for d in candidates})
+    if spec.weight_bits not in bits:
+        add(
+            "weight_bits",
+            f"method {spec.method} does not quantise weights to {spec.weight_bits} bits",
+            " or ".join(map(str, bits)),
+        )
+        return None, problems
+    candidates = [d for d in candidates if d.weight_bits == spec.weight_bits]
+    match = next((d for d in candidates if spec.activations in d.activations), None)
+    if match is None:
+        acts = [a for d in candidates for a in d.activations]
+        add(
+            "activations",
+            f"method {spec.method} with {spec.weight_bits}-bit weights cannot "
+            f"use activations {spec.activations}",
+            ", ".join(acts),
+        )
+        return None, problems
+    if spec.group_size is not None and not match.grouped:
+        add(
+            "group_size",
+            f"{match.name} scales per output channel; group_size applies to awq and gptq only",
+            "null",
+        )
+    if spec.group_size is not None and match.grouped and spec.group_size not in GROUP_SIZES:
+        add(
+            "group_size",
+            f"group size {spec.group_size} has no TensorRT-LLM kernel",
+            ", ".join(map(str, GROUP_SIZES)) + " or null (per channel)",
+        )
+    if not spec.symmetric and not match.asymmetric:
+        add("symmetric", f"{match.name} is symmetric only (no zero points)", "true")
+    if match.name == "NO_QUANT" and spec.kv_cache != "none":
+        add(
+            "kv_cache",
+            "method none copies the float model unchanged; a quantised KV "
+            "cache needs a quantisation method",
+            "none",
+        )
+    return match, problems
+
+
+def _backend_problems(spec: QuantSpec, scheme: SchemeDef) -> list[Problem]:
+    from quant.backends import BACKENDS  # registry; imports no heavy library
+
+    backend = BACKENDS.get(spec.backend)
+    if backend is None:
+        return [
+            Problem(
+                "quantization.backend", f"unknown backend {spec.backend!r}", ", ".join(BACKENDS)
+            )
+        ]
+    others = [b.name for b in BACKENDS.values() if b is not backend and scheme.name in b.schemes]
+    alternative = f"; {' or '.join(others)} can do {scheme.name}" if others else ""
+    problems: list[Problem] = []
+
+    def add(key: str, problem: str, allowed: str) -> None:
+        problems.append(Problem(f"quantization.{key}", problem, allowed))
+
+    if scheme.name not in backend.schemes:
+        add(
+            "backend",
+            f"{backend.name} cannot produce {scheme.name}{alternative}",
+            f"{backend.name} does {', '.join(sorted(backend.schemes))}",
+        )
+        return problems
+    if spec.activations not in backend.activations:
+        add(
+            "activations",
+            f"{backend.name} cannot calibrate activations {spec.activations}",
+            ", ".join(a for a in scheme.activations if a in backend.activations),
+        )
+    if spec.kv_cache not in backend.kv_cache:
+        add(
+            "kv_cache",
+            f"{backend.name} cannot quantise the KV cache to {spec.kv_cache}",
+            ", ".join(sorted(backend.kv_cache)),
+        )
+    if not spec.symmetric and scheme.asymmetric and scheme.name not in backend.asymmetric:
+        add("symmetric", f"{backend.name} does {scheme.name} symmetric only", "true")
+    if scheme.grouped and spec.group_size is None and scheme.name not in backend.per_channel:
+        add(
+            "group_size",
+            f"{backend.name} does {scheme.name} with groups (blocks) only",
+            ", ".join(map(str, GROUP_SIZES)),
+        )
+    return problems
+
+
+def is_ignored(name: str, ignore: tuple[str, ...]) -> bool:
+    """Does a module name match an `ignore` entry?
+
+    An entry is a module name or dotted suffix (`lm_head`, `down_proj`,
+    `layers.0.mlp.down_proj`) or, after `re:`, a regular expression matched from the start
+    of the full name (llm-compressor's convention).
+    """
+    return any(re.match(p, name) for p in ignore_regexes(ignore))
+
+
+def ignore_regexes(ignore: tuple[str, ...]) -> list[str]:
+    """`ignore` entries as regular expressions over full module names."""
+    return [e[3:] if e.startswith("re:") else rf"^(?:.*\.)?{re.escape(e)}$" for e in ignore]
+
+
+def quantised_linears(info: ModelInfo, ignore: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """(out, in) of every linear that will be quantised, by full module name."""
+    shapes = info.linear_shapes()
+    out: dict[str, tuple[int, int]] = {}
+    for layer in range(info.num_layers):
+        for short, shape in shapes.items():
+            block = "self_attn" if short in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            out[f"model.layers.{layer}.{block}.{short}"] = shape
+    out["lm_head"] = (info.vocab_size, info.hidden_size)
+    return {name: shape for name, shape in out.items() if not is_ignored(name, ignore)}
+
+
+def _group_problems(spec: QuantSpec, info: ModelInfo) -> list[Problem]:
+    group = spec.group_size
+    if group is None:
+        return []
+    dims = {shape[1] for shape in quantised_linears(info, spec.ignore).values()}
+    bad = sorted(d for d in dims if d % group)
+    if not bad:
+        return []
+    works = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
+    fix = f"use {' or '.join(map(str, works))}" if works else "use group_size: null (per channel)"
+    problem = f"{', '.join(map(str, bad))} is not divisible by {group} — {fix}"
+    owners = sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, s in quantised_linears(info, spec.ignore).items()
+            if s[1] in bad
+        }
+    )
+    return [
+        Problem(
+            "quantization.group_size",
+            f"{problem} (in_features of {', '.join(owners)})",
+            ", ".join(map(str, works)) or "null",
+        )
+    ]
+
+
+def check(spec: QuantSpec, info: ModelInfo | None = None) -> list[Problem]:
+    """Everything wrong with a spec, without loading weights; empty when it can work.
+
+    With `info`, also checks that the group size divides the in_features of every
+    quantised linear (those not matched by `ignore`).
+    """
+    match, problems = _spec_problems(spec)
+    if match is None:
+        return problems
+    problems += _backend_problems(spec, match)
+    if info is not None and match.grouped:
+        problems += _group_problems(spec, info)
+    return problems
+
+
+def resolve(spec: QuantSpec) -> Scheme:
+    """The canonical scheme for a spec; raises PreflightError listing what is wrong."""
+    match, problems = _spec_problems(spec)
+    if match is None or problems:
+        raise PreflightError(
+            "quantization spec cannot work:\n" + "\n".join(f"  {p}" for p in problems)
+        )
+    algo = dict(match.trtllm)[spec.activations]
+    if match.grouped and spec.group_size is None and match.trtllm_per_channel:
+        algo = match.trtllm_per_channel
+    return Scheme(
+        name=match.name,
+        method=spec.method,
+        weight_bits=spec.weight_bits,
+        weight_type=match.weight_type,
+        group_size=spec.group_size if match.grouped else None,
+        symmetric=spec.symmetric,
+        activations=spec.activations,
+        kv_cache=spec.kv_cache,
+        needs_calibration=match.calibrated or spec.kv_cache != "none",
+        trtllm_quant_algo=algo,
+        trtllm_kv_cache_quant_algo=KV_TRTLLM[spec.kv_cache],
+    )

@@ -1,0 +1,66 @@
+"""Quantised tiny checkpoints, made once per session and shared by the quant tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quant import quantize
+from quant.spec import CalibrationSpec, QuantSpec
+
+CALIBRATION = CalibrationSpec(dataset="builtin:licenses", num_samples=8, max_seq_len=64)
+HELD_OUT = CalibrationSpec(dataset="builtin:licenses", num_samples=6, max_seq_len=96, seed=7)
+
+# Every scheme with every backend that can produce it (KV cache modes folded in).
+SPECS: dict[str, QuantSpec] = {
+    "llmcompressor-fp8-kv_fp8": QuantSpec(
+        method="fp8", weight_bits=8, activations="fp8_static", kv_cache="fp8"
+    ),
+    "llmcompressor-fp8_dynamic": QuantSpec(
+        method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic"
+    ),
+    "llmcompressor-awq-w4-g64-asym": QuantSpec(
+        method="awq", weight_bits=4, group_size=64, symmetric=False
+    ),
+    "llmcompressor-gptq-w4-g64-kv_int8": QuantSpec(
+        method="gptq", weight_bits=4, group_size=64, kv_cache="int8"
+    ),
+    "llmcompressor-gptq-w8": QuantSpec(method="gptq", weight_bits=8),
+    "llmcompressor-smoothquant-dynamic": QuantSpec(
+        method="smoothquant", weight_bits=8, activations="int8_dynamic"
+    ),
+    "llmcompressor-smoothquant-static": QuantSpec(
+        method="smoothquant", weight_bits=8, activations="int8_static"
+    ),
+    "modelopt-fp8-kv_fp8": QuantSpec(
+        method="fp8", weight_bits=8, activations="fp8_static", kv_cache="fp8", backend="modelopt"
+    ),
+    "modelopt-awq-w4-g64": QuantSpec(
+        method="awq", weight_bits=4, group_size=64, backend="modelopt"
+    ),
+    "modelopt-smoothquant-static": QuantSpec(
+        method="smoothquant", weight_bits=8, activations="int8_static", backend="modelopt"
+    ),
+    "modelopt-w4a8-awq-g64": QuantSpec(
+        method="awq", weight_bits=4, group_size=64, activations="fp8_static", backend="modelopt"
+    ),
+}
+
+Quantised = Callable[[str], tuple[Path, dict[str, Any]]]
+
+
+@pytest.fixture(scope="session")
+def quantised(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Quantised:
+    """get(key) → (checkpoint dir, quantize() record) for SPECS[key], quantised once."""
+    made: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def get(key: str) -> tuple[Path, dict[str, Any]]:
+        if key not in made:
+            out = tmp_path_factory.mktemp(key)
+            made[key] = (out, quantize(tiny_llama, SPECS[key], CALIBRATION, out))
+        return made[key]
+
+    return get

@@ -1,0 +1,72 @@
+"""The quantisation report read back from saved checkpoints: numbers that make sense."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quant import quantize
+from quant.calibration import load_texts
+from quant.report import quantization_report
+from quant.spec import QuantSpec
+from tests.quant.conftest import CALIBRATION, HELD_OUT, Quantised
+
+
+@pytest.fixture(scope="module")
+def report(tiny_llama: Path, quantised: Quantised) -> Any:
+    texts = load_texts(HELD_OUT)
+    made: dict[str, dict[str, Any]] = {}
+
+    def get(key: str) -> dict[str, Any]:
+        if key not in made:
+            made[key] = quantization_report(tiny_llama, quantised(key)[0], texts, max_seq_len=96)
+        return made[key]
+
+    return get
+
+
+def test_fp8_diverges_little_and_w4_more(report: Any) -> None:
+    fp8, w4 = report("llmcompressor-fp8-kv_fp8"), report("llmcompressor-gptq-w4-g64-kv_int8")
+    assert fp8["kl_mean"] < 0.03
+    assert w4["kl_mean"] > 2 * fp8["kl_mean"]
+    assert fp8["kl_p99"] >= fp8["kl_mean"]
+    assert fp8["top1_agreement"] > w4["top1_agreement"]
+    assert fp8["perplexity_float"] == w4["perplexity_float"]
+    assert fp8["tokens"] == w4["tokens"] > 300
+
+
+def test_weight_error_is_per_quantised_linear(report: Any) -> None:
+    fp8, w4 = report("llmcompressor-fp8-kv_fp8"), report("llmcompressor-gptq-w4-g64-kv_int8")
+    assert len(w4["layers"]) == 14  # 2 layers × 7 linears; lm_head is ignored
+    assert all(layer["rel_mse"] < 2e-3 for layer in fp8["layers"])
+    assert all(3e-3 < layer["rel_mse"] < 5e-2 for layer in w4["layers"])
+    assert w4["worst_layer"] in {layer["name"] for layer in w4["layers"]}
+
+
+@pytest.mark.parametrize(
+    "key", ["llmcompressor-awq-w4-g64-asym", "modelopt-awq-w4-g64", "modelopt-w4a8-awq-g64"]
+)
+def test_smoothing_is_undone_before_comparing_weights(report: Any, key: str) -> None:
+    """AWQ folds scales into norms and neighbours; uncorrected, those would dominate the error."""
+    layers = report(key)["layers"]
+    assert any(layer["smoothing_corrected"] for layer in layers)
+    assert all(layer["rel_mse"] < 5e-2 for layer in layers)
+
+
+@pytest.mark.parametrize("key", ["modelopt-fp8-kv_fp8", "modelopt-smoothquant-static"])
+def test_modelopt_exports_are_read_back(report: Any, key: str) -> None:
+    result = report(key)
+    assert result["format"] == "modelopt"
+    assert len(result["layers"]) == 14
+    assert result["kl_mean"] < 0.03
+    assert all(layer["rel_mse"] < 2e-3 for layer in result["layers"])
+
+
+def test_float_copy_agrees_exactly(tiny_llama: Path, tmp_path: Path) -> None:
+    quantize(tiny_llama, QuantSpec(), CALIBRATION, tmp_path)
+    result = quantization_report(tiny_llama, tmp_path, load_texts(HELD_OUT), max_seq_len=32)
+    assert result["format"] == "float" and result["layers"] == []
+    assert result["kl_mean"] == pytest.approx(0, abs=1e-6)
+    assert result["top1_agreement"] == 1.0

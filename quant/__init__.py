@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from quant import calibration as calib_data
+from quant.memory import calibration_dtype
 from quant.schemes import SCHEMES, Problem, Scheme, check, resolve
 from quant.spec import CalibrationSpec, QuantSpec
 from runtime.errors import CalibrationDataError, PreflightError, StageFailure
@@ -97,9 +98,10 @@ def quantize(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    say(f"loading {model_dir} (float32, CPU)")
+    dtype = getattr(torch, calibration_dtype(info.torch_dtype))
+    say(f"loading {model_dir} ({dtype}, CPU)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     samples: list[list[int]] = []
     calib_record = None

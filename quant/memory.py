@@ -7,6 +7,15 @@ from quant.schemes import quantised_linears, resolve
 from quant.spec import CalibrationSpec, QuantSpec
 
 FP32 = 4
+# A checkpoint is calibrated in its own float dtype: an 8B bf16 model needs 16 GB, not 32.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def calibration_dtype(checkpoint_dtype: str) -> str:
+    """The torch dtype name a checkpoint is loaded in for calibration (float32 if unknown)."""
+    name = checkpoint_dtype.removeprefix("torch.")
+    return name if name in DTYPE_BYTES else "float32"
+
 # Python with torch, transformers, datasets and llm-compressor imported: 526 MiB resident
 # (measured, CPU build of torch 2.13), before any model loads.
 RUNTIME_BYTES = 550 * 2**20
@@ -19,7 +28,7 @@ def estimate_calibration_bytes(
 
     Basis (llm-compressor's sequential pipeline, fp32 on CPU; ModelOpt is no larger for the
     schemes it does, since it calibrates batch by batch):
-    - weights: every parameter in fp32, plus one more copy of the largest linear's weight
+    - weights: every parameter in the checkpoint's float dtype, plus one fp32 copy of the largest linear's weight
       for quantise/compress scratch;
     - activations: the layer-input cache the sequential pipeline keeps for all samples
       (num_samples × max_seq_len × hidden, held twice: inputs and outputs of the layer being
@@ -39,7 +48,8 @@ def estimate_calibration_bytes(
     method, calibrated = scheme.method, scheme.needs_calibration
     linears = quantised_linears(info, spec.ignore)
     largest = max((o * i for o, i in linears.values()), default=0)
-    weights = info.num_parameters * FP32 + largest * FP32
+    weight_bytes = DTYPE_BYTES[calibration_dtype(info.torch_dtype)]
+    weights = info.num_parameters * weight_bytes + largest * FP32
 
     activations = 0
     if calibrated:

@@ -4,7 +4,7 @@ Starts from ModelOpt's own presets (FP8_DEFAULT_CFG, INT4_AWQ_CFG, INT8_SMOOTHQU
 W4A8_AWQ_BETA_CFG), sets the AWQ block size to the group size, adds FP8_KV_CFG for an FP8
 KV cache, and appends a disabling entry for every linear the spec ignores. The export writes
 `hf_quant_config.json` and a config.json whose quantization_config has quant_method
-"modelopt"; unquantised tensors are exported in float32, as loaded.
+"modelopt"; unquantised tensors are exported in the dtype the model was loaded in.
 
 What ships differs from the calibrated in-memory model in one ModelOpt-made way (see
 modelopt/torch/export): AWQ's per-linear pre_quant_scales of q/k/v (and gate/up) are
@@ -95,7 +95,7 @@ def run(
 
     calibrate(model, scheme, spec, samples)
     progress(f"exporting ModelOpt HF checkpoint to {out_dir}")
-    export_hf_checkpoint(model, dtype=torch.float32, export_dir=out_dir)
+    export_hf_checkpoint(model, dtype=model.dtype, export_dir=out_dir)
 
 
 # Reading the export back. transformers has no "modelopt" quantizer, so a ModelOpt HF

@@ -16,6 +16,7 @@ def calibration_dtype(checkpoint_dtype: str) -> str:
     name = checkpoint_dtype.removeprefix("torch.")
     return name if name in DTYPE_BYTES else "float32"
 
+
 # Python with torch, transformers, datasets and llm-compressor imported: 526 MiB resident
 # (measured, CPU build of torch 2.13), before any model loads.
 RUNTIME_BYTES = 550 * 2**20

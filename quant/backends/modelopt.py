@@ -90,7 +90,6 @@ def run(
 
     The export rewrites the model's weights into their packed form: `model` cannot run after.
     """
-    import torch
     from modelopt.torch.export import export_hf_checkpoint
 
     calibrate(model, scheme, spec, samples)

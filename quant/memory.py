@@ -29,8 +29,8 @@ def estimate_calibration_bytes(
 
     Basis (llm-compressor's sequential pipeline, fp32 on CPU; ModelOpt is no larger for the
     schemes it does, since it calibrates batch by batch):
-    - weights: every parameter in the checkpoint's float dtype, plus one fp32 copy of the largest linear's weight
-      for quantise/compress scratch;
+    - weights: every parameter in the checkpoint's float dtype, plus one fp32 copy of the
+      largest linear's weight for quantise/compress scratch;
     - activations: the layer-input cache the sequential pipeline keeps for all samples
       (num_samples × max_seq_len × hidden, held twice: inputs and outputs of the layer being
       calibrated), plus one sample's pass through a layer (q/k/v, attention scores per head,

@@ -1,0 +1,179 @@
+"""Paged attention over the KV-cache tensors, in plain torch ops.
+
+Layout: each layer's K and V cache is [num_kv_heads, num_blocks, block_size, head_dim], so
+gathering a batch's blocks with one `index_select` along dim 1 yields [kv_heads, batch,
+context, head_dim] with no copy beyond the gather itself, and grouped-query heads fold into
+the query length of `scaled_dot_product_attention` (queries [kv_heads, batch, group,
+head_dim]). On this CPU that is 6x faster than gathering in token-major layout and permuting.
+
+A step's tokens are laid out decodes first (one token per sequence, attended as one batch),
+then each prefill chunk (attended one sequence at a time with a causal mask aligned to the
+end of its context, which covers chunked prefill and prefix-cache hits).
+
+The KV cache may hold FP8 or INT8 codes with per-tensor (or per-head) scales from the
+checkpoint: values are quantised on write and dequantised on read, so attention always sees
+exactly what the cache holds, as on the serving GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's prefill chunk: rows [start, start + length) of the step's tokens."""
+
+    start: int
+    length: int
+    context_len: int
+    block_ids: torch.Tensor
+    # Additive mask [length, context_len]; None when the chunk is the whole context (causal).
+    bias: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each of them attends to."""
+
+    slot_mapping: torch.Tensor
+    num_decodes: int = 0
+    # Each decode row's blocks, padded to the longest row: [num_decodes * blocks_per_row].
+    decode_block_ids: torch.Tensor | None = None
+    # Additive mask [1, num_decodes, 1, blocks_per_row * block_size] hiding the padding.
+    decode_bias: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedKVCache:
+    """Every layer's K and V blocks, with optional FP8/INT8 storage and per-layer scales."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: str | None = None,
+        k_scales: list[torch.Tensor] | None = None,
+        v_scales: list[torch.Tensor] | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # Attention runs in `dtype`: the storage dtype, or the model's for FP8/INT8 codes.
+        self.dtype = dtype
+        self.quant = quant
+        storage = {None: dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[quant]
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        # Zeros, not empty: padding slots are masked, but 0 * NaN garbage would still poison V.
+        self.k = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
+        self.k_scales = [_head_scale(s, device) for s in k_scales or []]
+        self.v_scales = [_head_scale(s, device) for s in v_scales or []]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int
+    ) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store K and V [tokens, kv_heads, head_dim] at flat slot ids (block * size + offset)."""
+        flat = (self.num_kv_heads, -1, self.head_dim)
+        for cache, values, scales in ((self.k, k, self.k_scales), (self.v, v, self.v_scales)):
+            values = values.transpose(0, 1)
+            target = cache[layer]
+            if self.quant is not None:
+                values = self._encode(values, scales[layer])
+            elif values.dtype != self.dtype:
+                values = values.to(self.dtype)
+            if self.quant == "fp8":  # index_copy_ has no float8 kernel; bytes are bytes
+                target, values = target.view(torch.uint8), values.view(torch.uint8)
+            target.view(flat).index_copy_(1, slots, values)
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks, in order: [kv_heads, len(block_ids) * block_size, dim]."""
+        out = []
+        for cache, scales in ((self.k, self.k_scales), (self.v, self.v_scales)):
+            blocks = cache[layer].index_select(1, block_ids)
+            values = blocks.view(self.num_kv_heads, -1, self.head_dim)
+            if self.quant is not None:
+                values = (values.to(torch.float32) * scales[layer]).to(self.dtype)
+            out.append(values)
+        return out[0], out[1]
+
+    def _encode(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        scaled = values.to(torch.float32) / scale
+        if self.quant == "fp8":
+            return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return scaled.round_().clamp_(-128, 127).to(torch.int8)
+
+
+def _head_scale(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A per-tensor scale as a scalar, a per-head one as [kv_heads, 1, 1] for broadcasting."""
+    scale = scale.to(device=device, dtype=torch.float32)
+    return scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1, 1)
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend; q [T, heads, dim] -> [T, heads * dim]."""
+    cache.write(layer, k, v, meta.slot_mapping)
+    tokens, heads, dim = q.shape
+    kv_heads = cache.num_kv_heads
+    group = heads // kv_heads
+    if q.dtype != cache.dtype:  # a bf16 cache under an fp32 model: attend as it is held
+        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
+    decoded = None
+    if meta.num_decodes:
+        assert meta.decode_block_ids is not None
+        batch = meta.num_decodes
+        keys, values = cache.gather(layer, meta.decode_block_ids)
+        query = q[:batch].view(batch, kv_heads, group, dim).transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            query,
+            keys.view(kv_heads, batch, -1, dim),
+            values.view(kv_heads, batch, -1, dim),
+            attn_mask=meta.decode_bias,
+            scale=scale,
+        )
+        decoded = attended.transpose(0, 1).reshape(batch, heads * dim)
+        if not meta.prefills:
+            return decoded
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[: meta.num_decodes] = decoded.view(-1, heads, dim)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        if chunk.bias is None and cache.quant is None:
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        else:
+            keys, values = cache.gather(layer, chunk.block_ids)
+            keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]
+        attended = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),
+            keys,
+            values,
+            attn_mask=chunk.bias,
+            is_causal=chunk.bias is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[rows] = attended.transpose(0, 1)
+    return out.view(tokens, heads * dim)

@@ -1,0 +1,376 @@
+"""Engine: requests in, tokens out, one scheduler step at a time.
+
+`add_request` validates and queues a prompt, `step` runs one batched forward (continuous
+batching: requests join and leave at every step) and returns each advanced request's new
+tokens and text as a delta, `abort` frees a request's blocks at once, and `generate` drives
+all of it for a list of prompts. `AsyncEngine` (async_engine.py) puts the step loop on a
+background thread for servers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.attention import PagedKVCache
+from runtime.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, engine_config
+from runtime.detokenizer import Detokenizer, find_stop
+from runtime.errors import ArtifactError, UsageError
+from runtime.kv_cache import KVCacheManager
+from runtime.loader import KVCacheSpec, load_model, read_config
+from runtime.model import CausalLM
+from runtime.model_runner import ModelRunner, StepLogits
+from runtime.outputs import EngineStats, RequestOutput, delta_output, final_output
+from runtime.sampling import Logprob, SamplingParams, make_generator, sample, token_logprobs
+from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.sequence import Request, RequestStatus
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """A paged-KV, continuously batching engine for one Llama-family model."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Any,
+        config: EngineConfig | None = None,
+        kv_spec: KVCacheSpec | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.max_model_len = self._max_model_len(model, config)
+        kv_spec = kv_spec or KVCacheSpec()
+        c = model.config
+        kv_dtype = model.dtype
+        if config.kv_cache_dtype != "auto":
+            if kv_spec.quant:
+                raise UsageError(
+                    f"kv_cache_dtype={config.kv_cache_dtype!r}: this checkpoint stores its KV "
+                    f"cache as {kv_spec.quant} with calibrated scales; leave kv_cache_dtype auto"
+                )
+            kv_dtype = getattr(torch, config.kv_cache_dtype)
+        itemsize = 1 if kv_spec.quant else kv_dtype.itemsize
+        per_block = PagedKVCache.bytes_per_block(
+            c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, itemsize
+        )
+        self.num_blocks = self._num_blocks(config, per_block)
+        cache = PagedKVCache(
+            c.num_layers,
+            self.num_blocks,
+            config.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            kv_dtype,
+            model.device,
+            kv_spec.quant,
+            kv_spec.k_scales,
+            kv_spec.v_scales,
+        )
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(model, cache)
+        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(c.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._steps = 0
+        self._busy = 0.0
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None, **config: Any
+    ) -> Engine:
+        """Load a Hugging Face model directory (dense or compressed-tensors)."""
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        options = engine_config(device=device, **config)
+        raw = read_config(model_dir)
+        max_len = options.max_model_len or _model_len_limit(raw)
+        model, kv_spec = load_model(model_dir, options.dtype, torch.device(device), max_len)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        eos = set(_generation_eos(model_dir))
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        return cls(model, tokenizer, options, kv_spec, sorted(eos))
+
+    @classmethod
+    def from_artifact(
+        cls, path: str | Path, device: str = "cpu", verify: bool = False, **config: Any
+    ) -> Engine:
+        """Load the model of a kiln artifact (`<artifact>/model/`); `verify` re-hashes every
+        file against the manifest first."""
+        from runtime.artifact import MODEL_DIR, load_manifest
+        from runtime.artifact import verify as verify_artifact
+
+        load_manifest(path)
+        if verify and (problems := verify_artifact(path)):
+            raise ArtifactError(f"{path}: artifact does not verify: " + "; ".join(problems))
+        model_dir = Path(path) / MODEL_DIR
+        if not (model_dir / "config.json").is_file():
+            raise ArtifactError(f"{path}: artifact has no {MODEL_DIR}/config.json")
+        return cls.from_pretrained(model_dir, device=device, **config)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and tokenise a prompt into a Request without queueing it."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.detokenizer is None:
+                raise UsageError("this engine has no tokenizer: pass token ids, not text")
+            token_ids = self.detokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not token_ids:
+            raise UsageError(f"request {rid}: the prompt is empty; send at least one token")
+        vocab = self.model.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise UsageError(f"request {rid}: token ids must lie in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise UsageError(
+                f"request {rid}: prompt has {len(token_ids)} tokens; the model's limit is "
+                f"{self.max_model_len} including output; shorten the prompt"
+            )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(token_ids) > budget:
+            raise UsageError(
+                f"request {rid}: prompt has {len(token_ids)} tokens, more than "
+                f"max_num_batched_tokens={budget} with chunked prefill off; raise the budget "
+                "or enable chunked prefill"
+            )
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if self.kv.blocks_needed(longest) > self.num_blocks:
+            raise UsageError(
+                f"request {rid}: needs {self.kv.blocks_needed(longest)} KV blocks but the "
+                f"cache has {self.num_blocks}; lower max_tokens or raise kv_cache_memory_bytes"
+            )
+        request = Request(rid, token_ids, params, priority=priority, cache_salt=cache_salt)
+        request.generator = make_generator(params.seed, self.model.device)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        if self.detokenizer is not None:
+            self.detokenizer.start(request)
+        return request
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        request = self.make_request(prompt, params, request_id, priority, cache_salt)
+        self.add(request)
+        return request.request_id
+
+    def add(self, request: Request) -> None:
+        """Queue a Request built by `make_request`."""
+        if request.request_id in self.requests:
+            raise UsageError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return False
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward; returns a delta for every request that got a token."""
+        began = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            return []
+        with torch.inference_mode():
+            logits = self.runner.run(scheduled)
+            outputs = self._update(scheduled, logits)
+        self._steps += 1
+        self._busy += time.perf_counter() - began
+        return outputs
+
+    def _update(self, scheduled: SchedulerOutput, step: StepLogits) -> list[RequestOutput]:
+        logits = step.logits
+        for request, row, begin, count in step.prompt_rows:
+            logprobs = torch.log_softmax(logits[row : row + count], dim=-1)
+            targets = torch.tensor(
+                request.prompt_token_ids[begin + 1 : begin + 1 + count], device=logits.device
+            )
+            top_n = [request.params.prompt_logprobs or 0] * count
+            request.prompt_logprobs.extend(self._named(token_logprobs(logprobs, targets, top_n)))
+        for request, count in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
+            request.num_computed_tokens += count
+            self.kv.cache_full_blocks(request)
+        if not step.sample_rows:
+            return []
+        requests = [request for request, _ in step.sample_rows]
+        rows = logits[torch.tensor([row for _, row in step.sample_rows], device=logits.device)]
+        tokens = sample(rows, [r.params for r in requests], [r.generator for r in requests])
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        entries = {}
+        if wanted:
+            chosen = torch.tensor(wanted, device=logits.device)
+            logprobs = torch.log_softmax(rows[chosen], dim=-1)
+            top_n = [requests[i].params.logprobs or 0 for i in wanted]
+            named = self._named(token_logprobs(logprobs, tokens[chosen], top_n))
+            entries = dict(zip(wanted, named, strict=True))
+        outputs = []
+        now = time.monotonic()
+        for i, (request, token) in enumerate(zip(requests, tokens.tolist(), strict=True)):
+            if not request.output_token_ids:
+                self._prompt_tokens += request.num_prompt_tokens
+            request.append_token(token)
+            self._generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if i in entries:
+                request.logprobs.append(entries[i])
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                self.requests.pop(request.request_id, None)
+            outputs.append(delta_output(request))
+        return outputs
+
+    def _named(self, entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        """Fill in each Logprob's token text (what an OpenAI-style response shows)."""
+        if self.detokenizer is not None:
+            ids = sorted({token for entry in entries for token in entry})
+            texts = dict(zip(ids, self.detokenizer.token_texts(ids), strict=True))
+            for entry in entries:
+                for token, logprob in entry.items():
+                    logprob.decoded_token = texts[token]
+        return entries
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        detokenizer = self.detokenizer
+        if params.detokenize and detokenizer and find_stop(request, detokenizer.step(request)):
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- outputs --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (texts or token-id lists) to completion; outputs in prompt order."""
+        if isinstance(params, SamplingParams) or params is None:
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise UsageError(
+                    f"generate: {len(prompts)} prompts but {len(per_prompt)} sampling params; "
+                    "pass one SamplingParams or one per prompt"
+                )
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        for request in requests:
+            self.add(request)
+        while any(not r.finished for r in requests):
+            self.step()
+        return [final_output(r) for r in requests]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_blocks=self.num_blocks,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._steps,
+            busy_seconds=self._busy,
+        )
+
+    # -- sizing ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _max_model_len(model: CausalLM, config: EngineConfig) -> int:
+        c = model.config
+        limit = c.max_position_embeddings
+        if c.sliding_window:
+            limit = min(limit, c.sliding_window)
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise UsageError(
+                f"max_model_len={config.max_model_len} exceeds the model's {limit} "
+                "(max_position_embeddings, or sliding_window which this runtime does not "
+                "implement); lower it"
+            )
+        return config.max_model_len
+
+    def _num_blocks(self, config: EngineConfig, per_block: int) -> int:
+        if config.num_blocks is not None:
+            return config.num_blocks
+        if config.kv_cache_memory_bytes is not None:
+            blocks = config.kv_cache_memory_bytes // per_block
+            if blocks < 1:
+                raise UsageError(
+                    f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block; "
+                    f"one block takes {per_block} bytes"
+                )
+            return blocks
+        wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))
+
+
+def _model_len_limit(config: dict[str, Any]) -> int:
+    return int(config.get("max_position_embeddings", 2048))
+
+
+def _generation_eos(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return eos if isinstance(eos, list) else [] if eos is None else [int(eos)]

@@ -1,0 +1,282 @@
+"""Quantised linear kernels, and the registry that picks one per layer; weights stay quantised.
+
+`make_linear` picks the layer that runs a `LinearWeights`, from a registry of (predicate,
+class) pairs tried in order. Kernels, as measured on a 2-core AVX-512 VNNI CPU (no
+AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
+
+- W4A16 (`Int4Linear`): `aten._weight_int4pack_mm_for_cpu`. Its fp32 and fp16 paths are
+  50-100x slower than its bf16 path, so activations enter as bf16 (still 16-bit activations)
+  and scales/zeros are held in bf16. 2x faster than fp32 dense at one token, 1.7x slower at
+  32; prefill-sized inputs dequantise instead (see the class).
+- W8A16 per-channel (`Int8WeightLinear`): `aten._weight_int8pack_mm`, bf16 activations for
+  the same reason.
+- W8A8 int8 (`Int8Linear`): `torch._int_mm` (VNNI) after per-token dynamic (or static
+  per-tensor) symmetric activation quantisation: 4x faster than fp32 dense at 32 tokens.
+- FP8 (`Fp8Linear`): `torch._scaled_mm` on CUDA. The CPU has no FP8 arithmetic and its
+  `_scaled_mm` is slower than converting, so on CPU the weight is dequantised on every call
+  and activations are fake-quantised to FP8 (slow: a correctness path, not a fast one).
+- Anything else integer, notably group-wise W8A16 (the W8A16 preset's group 128): the
+  generic `DequantLinear`. A loop of per-group `_weight_int8pack_mm` calls beats it only at
+  one token (0.8 vs 3.6 ms) and loses 2x at 32 tokens (11 vs 5.6 ms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.linear import (
+    DenseLinear,
+    DequantLinear,
+    Linear,
+    LinearWeights,
+    SplitLinear,
+    bias_of,
+    concat,
+)
+
+FP8_MAX = 448.0
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class Int4Linear(Linear):
+    """W4A16, group-wise or per-channel, with or without zero points, on the int4pack kernel.
+
+    The kernel computes w = (u - 8) * scale + zero with u in [0, 15]; our codes q = u - 8 give
+    w = (q - zp) * scale, so zero = -zp * scale. Act-order (g_idx) weights are permuted once so
+    their groups are contiguous, and each input is permuted to match.
+
+    From `DEQUANT_ROWS` tokens up (prefill), the kernel loses to dequantising the nibbles
+    (kept as well: 0.5 byte per weight) and running an fp32 GEMM. Measured for a 576x3072
+    layer, one thread: kernel 16 / 64 ms at 128 / 512 tokens, dequantise (~12 ms) + GEMM
+    15 / 35 ms. Both paths use the same bf16-rounded
+    activations, scales and zeros, so they differ only in summation order.
+    """
+
+    DEQUANT_ROWS = 128
+
+    def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
+        assert w.scale is not None
+        codes, scale, zero_point = w.weight, w.scale.float(), w.zero_point
+        self.group_size = w.in_features // scale.shape[1]
+        self.perm: torch.Tensor | None = None
+        if w.g_idx is not None:
+            self.perm = torch.argsort(w.g_idx.long(), stable=True).to(device)
+            codes = codes[:, self.perm.cpu()]
+        unsigned = (codes.to(torch.int32) + 8).contiguous()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2).to(device)
+        zeros = -zero_point.float() * scale if zero_point is not None else torch.zeros_like(scale)
+        self.scales_and_zeros = (
+            torch.stack([scale.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous().to(device)
+        )
+        rows = w.out_features
+        self.nibbles = (unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)).to(torch.uint8).to(device)
+        # [rows, groups, 1] for broadcasting over each group's columns in the dequant path.
+        self.scale_rows = self.scales_and_zeros[..., 0].t().float().reshape(rows, -1, 1)
+        self.zero_rows = self.scales_and_zeros[..., 1].t().float().reshape(rows, -1, 1)
+        self.bias = bias_of(w, dtype, device)
+        self.dtype = dtype
+        self.out_features = w.out_features
+
+    @staticmethod
+    def supports(w: LinearWeights, device: torch.device) -> bool:
+        if w.scheme.type != "int" or w.scheme.num_bits != 4 or w.scheme.activations is not None:
+            return False
+        if device.type != "cpu" or w.scale is None or w.out_features % 16:
+            return False
+        group = w.in_features // w.scale.shape[1]
+        return group in INT4_GROUP_SIZES and w.in_features % group == 0 and _grouped(w)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernel computes with (columns in kernel order)."""
+        low, high = self.nibbles & 15, self.nibbles >> 4
+        unsigned = torch.stack((low, high), dim=-1).view(self.nibbles.shape[0], -1)
+        grouped = unsigned.float().sub_(8).view(self.scale_rows.shape[0], -1, self.group_size)
+        return grouped.mul_(self.scale_rows).add_(self.zero_rows).view(unsigned.shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        activations = x.to(torch.bfloat16)
+        if x.shape[0] >= self.DEQUANT_ROWS:
+            y = F.linear(activations.float(), self.dequantized()).to(self.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                activations, self.packed, self.group_size, self.scales_and_zeros
+            ).to(self.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8WeightLinear(Linear):
+    """W8A16 per-channel symmetric on `_weight_int8pack_mm` (bf16 activations)."""
+
+    def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
+        assert w.scale is not None
+        self.codes = w.weight.contiguous().to(device)
+        self.scale = w.scale[:, 0].to(device=device, dtype=torch.bfloat16)
+        self.bias = bias_of(w, dtype, device)
+        self.dtype = dtype
+        self.out_features = w.out_features
+
+    @staticmethod
+    def supports(w: LinearWeights, device: torch.device) -> bool:
+        s = w.scheme
+        # The CPU kernel crashes (SIGSEGV) when in_features is not a multiple of 32.
+        return (
+            s.type == "int"
+            and s.num_bits == 8
+            and s.activations is None
+            and w.scale is not None
+            and w.scale.shape[1] == 1
+            and w.zero_point is None
+            and w.in_features % 32 == 0
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(self.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(Linear):
+    """W8A8 int8: symmetric per-channel weights, per-token dynamic or static activations.
+
+    Activation scale = max|x| / 127.5 and codes clamp to [-128, 127], as compressed-tensors
+    computes them, so results match its fake quantisation up to float summation order.
+    """
+
+    def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
+        assert w.scale is not None and w.scheme.activations is not None
+        self.codes_t = w.weight.to(device).t()
+        self.weight_scale = w.scale[:, 0].float().to(device)
+        self.act = w.scheme.activations
+        self.input_scale = w.input_scale.float().to(device) if w.input_scale is not None else None
+        self.bias = bias_of(w, dtype, device)
+        self.dtype = dtype
+        self.out_features = w.out_features
+
+    @staticmethod
+    def supports(w: LinearWeights, device: torch.device) -> bool:
+        s, a = w.scheme, w.scheme.activations
+        return (
+            s.type == "int"
+            and s.num_bits == 8
+            and w.zero_point is None
+            and w.scale is not None
+            and w.scale.shape[1] == 1
+            and a is not None
+            and a.type == "int"
+            and a.num_bits == 8
+            and a.symmetric
+            and (a.dynamic or w.input_scale is not None)
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.act.dynamic:
+            dims = -1 if self.act.strategy == "token" else None
+            peak = x.abs().amax(dim=-1, keepdim=True) if dims == -1 else x.abs().amax()
+            scale = _nonzero(peak / 127.5)
+        else:
+            assert self.input_scale is not None
+            scale = self.input_scale
+        codes = torch.round(x / scale).clamp_(-128, 127).to(torch.int8)
+        rows = codes.shape[0]
+        if codes.is_cuda and rows <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
+            codes = F.pad(codes, (0, 0, 0, 17 - rows))
+        y = torch._int_mm(codes, self.codes_t)[:rows].float() * (scale * self.weight_scale)
+        y = y.to(self.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Fp8Linear(Linear):
+    """FP8 (e4m3) weights with per-tensor or per-channel scales; activations FP8 or 16-bit.
+
+    CUDA: `torch._scaled_mm`. CPU: the weight is dequantised on every call and activations
+    are fake-quantised (quantise to FP8 and back), which gives the same values, slowly.
+    """
+
+    def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
+        assert w.scale is not None
+        self.weight = w.weight.to(device)
+        self.weight_scale = w.scale.float().to(device)
+        self.act = w.scheme.activations
+        self.input_scale = w.input_scale.float().to(device) if w.input_scale is not None else None
+        self.bias = bias_of(w, dtype, device)
+        self.dtype = dtype
+        self.device = device
+        self.out_features = w.out_features
+
+    @staticmethod
+    def supports(w: LinearWeights, device: torch.device) -> bool:
+        a = w.scheme.activations
+        return (
+            w.scheme.type == "float"
+            and w.scheme.num_bits == 8
+            and w.scale is not None
+            and w.scale.shape[1] == 1
+            and (a is None or (a.type == "float" and a.num_bits == 8 and a.symmetric))
+            and (a is None or a.dynamic or w.input_scale is not None)
+        )
+
+    def _activation_scale(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.act is not None
+        if not self.act.dynamic:
+            assert self.input_scale is not None
+            return self.input_scale.reshape(1, 1)
+        if self.act.strategy == "token":
+            return _nonzero(x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX)
+        return _nonzero(x.abs().amax().float() / FP8_MAX).reshape(1, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is not None:
+            scale = self._activation_scale(x)
+            x_fp8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            if self.device.type == "cuda":
+                y = torch._scaled_mm(
+                    x_fp8,
+                    self.weight.t(),
+                    scale_a=scale.expand(x.shape[0], 1).contiguous(),
+                    scale_b=self.weight_scale.t().contiguous(),
+                    out_dtype=torch.bfloat16,
+                ).to(self.dtype)
+                return y if self.bias is None else y + self.bias
+            x = (x_fp8.to(torch.float32) * scale).to(self.dtype)
+        weight = (self.weight.to(torch.float32) * self.weight_scale).to(self.dtype)
+        return F.linear(x, weight, self.bias)
+
+
+def _grouped(w: LinearWeights) -> bool:
+    """True when every group has exactly group_size columns (always so without g_idx)."""
+    if w.g_idx is None or w.scale is None:
+        return True
+    counts = torch.bincount(w.g_idx.long(), minlength=w.scale.shape[1])
+    return bool((counts == w.in_features // w.scale.shape[1]).all())
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+
+
+LinearFactory = Callable[[LinearWeights, torch.dtype, torch.device], Linear]
+# Tried in order; the first whose predicate holds builds the layer.
+LINEAR_KERNELS: list[tuple[Callable[[LinearWeights, torch.device], bool], LinearFactory]] = [
+    (lambda w, d: w.scheme.type == "dense", DenseLinear),
+    (Int4Linear.supports, Int4Linear),
+    (lambda w, d: Int8WeightLinear.supports(w, d) and d.type == "cpu", Int8WeightLinear),
+    (Int8Linear.supports, Int8Linear),
+    (Fp8Linear.supports, Fp8Linear),
+    (lambda w, d: w.scheme.type == "int" and w.scheme.activations is None, DequantLinear),
+]
+
+
+def make_linear(parts: list[LinearWeights], dtype: torch.dtype, device: torch.device) -> Linear:
+    """The fastest exact layer for these projections (stacked when they can be)."""
+    stacked = concat(parts) if len(parts) > 1 else parts[0]
+    if stacked is None:
+        return SplitLinear([make_linear([p], dtype, device) for p in parts])
+    for predicate, factory in LINEAR_KERNELS:
+        if predicate(stacked, device):
+            return factory(stacked, dtype, device)
+    raise ValueError(f"no kernel for weight scheme {stacked.scheme}")

@@ -1,0 +1,197 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Plain tensors and functions rather than nn.Modules: the engine only runs inference, and the
+forward reads top to bottom like the architecture. q/k/v and gate/up projections are stacked
+into one matmul each when their encodings allow. Logits are computed only for the rows the
+engine asks for (each sequence's last token, plus prompt rows when prompt log-probabilities
+are wanted), which skips the vocabulary projection for most prefill tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention import AttentionMetadata, PagedKVCache, paged_attention
+from runtime.errors import ArtifactError
+from runtime.linear import Linear
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The fields of a Hugging Face config.json that the forward pass needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], source: str) -> ModelConfig:
+        """Parse config.json; raises ArtifactError naming `source` for unsupported models."""
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in ARCHITECTURES:
+            raise ArtifactError(
+                f"{source}: architecture {arch} is not supported by the kiln runtime; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            raise ArtifactError(f"{source}: hidden_act {config['hidden_act']!r} (want silu)")
+        rope = dict(config.get("rope_parameters") or {})
+        legacy = config.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ArtifactError(
+                f"{source}: rope type {rope_type!r} is not supported (default, linear, llama3)"
+            )
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        window = config.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+            window = None
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return cls(
+            architecture=arch,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            sliding_window=int(window) if window else None,
+            eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or Llama-3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        return inv_freq / factor
+    # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class CausalLM:
+    """Embedding, decoder layers, final norm and LM head, run over a paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: Linear,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = embed.dtype
+        self.device = embed.device
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
+        # Tables for x * cos + rotate_half(x) * sin with rotate_half's sign folded into sin.
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(
+            device=self.device, dtype=self.dtype
+        )
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(
+            device=self.device, dtype=self.dtype
+        )
+        self.scale = config.head_dim**-0.5
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(logits_rows), vocab]."""
+        c = self.config
+        heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
+        qk_size = (heads + kv_heads) * dim
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        residual = F.embedding(token_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._rms_norm(residual, layer.input_norm))
+            # Queries and keys are rotated in one pass: they sit side by side in qkv.
+            qk = self._rope(qkv[:, :qk_size].unflatten(-1, (heads + kv_heads, dim)), cos, sin)
+            v = qkv[:, qk_size:].unflatten(-1, (kv_heads, dim))
+            attended = paged_attention(
+                index, qk[:, :heads], qk[:, heads:], v, cache, meta, self.scale
+            )
+            if attended.dtype != self.dtype:
+                attended = attended.to(self.dtype)
+            residual = residual + layer.o_proj(attended)
+            gate_up = layer.gate_up(self._rms_norm(residual, layer.post_norm))
+            half = gate_up.shape[-1] // 2
+            activated = F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
+            residual = residual + layer.down(activated)
+        hidden = residual
+        selected = self._rms_norm(hidden.index_select(0, logits_rows), self.norm)
+        return self.lm_head(selected).float()

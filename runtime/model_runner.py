@@ -1,0 +1,126 @@
+"""ModelRunner: turns a scheduler step into model inputs, runs the forward, returns logits.
+
+The step's tokens are laid out decodes first (requests advancing by one token), then prefill
+chunks. For each request the runner records which logits rows it needs: the last row when
+the request reaches the end of its tokens (it samples), and the rows whose next token is a
+prompt token while it still owes prompt log-probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention import AttentionMetadata, PagedKVCache, PrefillChunk
+from runtime.model import CausalLM
+from runtime.scheduler import SchedulerOutput
+from runtime.sequence import Request
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """The forward's logits and, per request, which of its rows mean what."""
+
+    logits: torch.Tensor
+    # (request, first logits row, first position, count) for prompt log-probability rows.
+    prompt_rows: list[tuple[Request, int, int, int]]
+    # (request, row) for requests that sample a token this step.
+    sample_rows: list[tuple[Request, int]]
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache; runs one scheduled step at a time."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.device = model.device
+
+    def run(self, step: SchedulerOutput) -> StepLogits:
+        order = sorted(
+            range(len(step.requests)), key=lambda i: step.num_new_tokens[i] != 1
+        )  # decodes first; sort is stable
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[Request, int, int]] = []
+        for i in order:
+            request, count = step.requests[i], step.num_new_tokens[i]
+            start = request.num_computed_tokens
+            if count == 1:
+                table = request.block_table
+                token_ids.append(request.all_token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_tables.append(table[: start // bs + 1])
+                decode_lens.append(start + 1)
+            else:
+                prefills.append((request, len(token_ids), count))
+                token_ids.extend(request.all_token_ids[start : start + count])
+                positions.extend(range(start, start + count))
+                table = request.block_table
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + count))
+
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decodes=len(decode_lens))
+        rows: list[int] = []
+        sample_rows: list[tuple[Request, int]] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []
+        for row, i in enumerate(order[: len(decode_lens)]):
+            request = step.requests[i]
+            self._plan_rows(request, row, 1, rows, sample_rows, prompt_rows)
+        if decode_lens:
+            width = max(len(t) for t in decode_tables)
+            flat = [b for t in decode_tables for b in t + [0] * (width - len(t))]
+            meta.decode_block_ids = self._tensor(flat)
+            lens = torch.tensor(decode_lens, device=self.device)
+            keys = torch.arange(width * bs, device=self.device)
+            hidden = keys.unsqueeze(0) >= lens.unsqueeze(1)
+            bias = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
+            meta.decode_bias = bias.masked_fill_(hidden, float("-inf")).view(1, len(lens), 1, -1)
+        for request, first, count in prefills:
+            start = request.num_computed_tokens
+            context = start + count
+            blocks = self._tensor(request.block_table[: -(-context // bs)])
+            causal: torch.Tensor | None = None
+            if start > 0:  # the chunk's queries sit at the end of a longer context
+                query_pos = torch.arange(start, context, device=self.device).unsqueeze(1)
+                hidden = torch.arange(context, device=self.device).unsqueeze(0) > query_pos
+                causal = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
+                causal.masked_fill_(hidden, float("-inf"))
+            meta.prefills.append(PrefillChunk(first, count, context, blocks, causal))
+            self._plan_rows(request, first, count, rows, sample_rows, prompt_rows)
+
+        logits = self.model.forward(
+            self._tensor(token_ids), self._tensor(positions), self.cache, meta, self._tensor(rows)
+        )
+        return StepLogits(logits, prompt_rows, sample_rows)
+
+    def _plan_rows(
+        self,
+        request: Request,
+        first: int,
+        count: int,
+        rows: list[int],
+        sample_rows: list[tuple[Request, int]],
+        prompt_rows: list[tuple[Request, int, int, int]],
+    ) -> None:
+        """Record the logits rows this request needs from its chunk [first, first + count)."""
+        start = request.num_computed_tokens
+        if request.wants_prompt_logprobs:
+            # Row for position p predicts token p + 1; entries already held are skipped.
+            begin = max(start, len(request.prompt_logprobs) - 1)
+            end = min(start + count, request.num_prompt_tokens - 1)
+            if end > begin:
+                prompt_rows.append((request, len(rows), begin, end - begin))
+                rows.extend(range(first + begin - start, first + end - start))
+        if start + count == request.num_tokens:
+            sample_rows.append((request, len(rows)))
+            rows.append(first + count - 1)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,0 +1,137 @@
+"""Helpers for runtime tests: a transformers reference and a few fixed prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from runtime import Logprob
+
+PROMPTS = [
+    "Permission is hereby granted, free of charge, to any person obtaining a copy",
+    "This program is free software; you can redistribute it",
+    "THE SOFTWARE IS PROVIDED AS IS, WITHOUT WARRANTY OF ANY KIND",
+    "Licensed under the Apache License",
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    # Two shared cores: one thread keeps tests fast and results independent of load.
+    torch.set_num_threads(1)
+
+
+def logprobs_of(entries: list[dict[int, Logprob] | None], tokens: list[int]) -> torch.Tensor:
+    """The log-probability each entry gives its token, as a tensor."""
+    values = []
+    for entry, token in zip(entries, tokens, strict=True):
+        assert entry is not None
+        values.append(entry[token].logprob)
+    return torch.tensor(values)
+
+
+def hf_model(model_dir: Path) -> Any:
+    """The transformers reference for a checkpoint directory, in float32, eval mode."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def prompt_ids(model_dir: Path, count: int = len(PROMPTS)) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer.encode(text) for text in PROMPTS[:count]]
+
+
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logprobs(model: Any, tokens: list[int]) -> torch.Tensor:
+    """log-softmax of the reference's logits at every position, [len(tokens), vocab]."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+
+
+KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+KV_INT8 = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def group_scheme(bits: int, group: int, symmetric: bool) -> dict[str, object]:
+    weights = {"num_bits": bits, "type": "int", "strategy": "group", "group_size": group}
+    return {"g": {"targets": ["Linear"], "weights": {**weights, "symmetric": symmetric}}}
+
+
+def recipe(mode: str) -> tuple[list[Any], bool]:
+    """The llm-compressor modifiers for a mode, and whether it needs calibration data."""
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+
+    ignore = ["lm_head"]
+    if mode == "w4a16_gptq_sym":
+        return [GPTQModifier(ignore=ignore, config_groups=group_scheme(4, 32, True))], True
+    if mode == "w4a16_asym":
+        return [
+            QuantizationModifier(ignore=ignore, config_groups=group_scheme(4, 64, False))
+        ], False
+    if mode == "w8a16":
+        return [QuantizationModifier(targets="Linear", ignore=ignore, scheme="W8A16")], False
+    if mode == "w8a8_int8":
+        return [GPTQModifier(targets="Linear", ignore=ignore, scheme="W8A8")], True
+    if mode == "w8a8_int8_kv_int8":
+        modifier = QuantizationModifier(
+            targets="Linear", ignore=ignore, scheme="W8A8", kv_cache_scheme=KV_INT8
+        )
+        return [modifier], True
+    if mode == "fp8_dynamic":
+        return [QuantizationModifier(targets="Linear", ignore=ignore, scheme="FP8_DYNAMIC")], False
+    if mode == "fp8_static_kv_fp8":
+        modifier = QuantizationModifier(
+            targets="Linear", ignore=ignore, scheme="FP8", kv_cache_scheme=KV_FP8
+        )
+        return [modifier], True
+    raise AssertionError(mode)
+
+
+@pytest.fixture(scope="session")
+def quantized(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Build (once per mode) a compressed-tensors checkpoint of tiny_llama with llm-compressor."""
+    pytest.importorskip("llmcompressor")
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text())
+    samples = [ids[i * 64 : (i + 1) * 64] for i in range(16)]
+    data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * 64] * 16})
+    built: dict[str, Path] = {}
+
+    def build(mode: str) -> Path:
+        if mode not in built:
+            modifiers, calibrate = recipe(mode)
+            model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+            extra = {
+                "dataset": data,
+                "num_calibration_samples": 16,
+                "max_seq_length": 64,
+                "shuffle_calibration_samples": False,
+            }
+            torch.manual_seed(0)
+            oneshot(model=model, recipe=modifiers, **(extra if calibrate else {}))
+            out = tmp_path_factory.mktemp(mode)
+            model.save_pretrained(out, save_compressed=True)
+            tokenizer.save_pretrained(out)
+            built[mode] = out
+        return built[mode]
+
+    return build

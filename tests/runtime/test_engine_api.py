@@ -1,0 +1,142 @@
+"""The engine's public API: generate, artifacts, abort, stats, and async streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime import AsyncEngine, Engine, SamplingParams
+from runtime.artifact import MODEL_DIR, Manifest, assemble
+from runtime.errors import ArtifactError, UsageError
+from tests.runtime.conftest import PROMPTS, prompt_ids
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def test_generate_takes_text_and_per_prompt_params(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 5)]
+    outputs = engine.generate(PROMPTS[:2], params)
+    assert [len(o.token_ids) for o in outputs] == [3, 5]
+    assert outputs[0].prompt_token_ids == engine.tokenizer.encode(PROMPTS[0])
+    for out in outputs:
+        assert out.text == engine.tokenizer.decode(out.token_ids)
+    with pytest.raises(UsageError, match="2 prompts but 3 sampling params"):
+        engine.generate(PROMPTS[:2], [*params, params[0]])
+
+
+def test_from_artifact_loads_the_model_directory(tiny_llama: Path, tmp_path: Path) -> None:
+    with assemble(tmp_path, Manifest(name="tiny")) as staging:
+        shutil.copytree(tiny_llama, staging.dir / MODEL_DIR)
+    assert staging.path is not None
+    from_artifact = Engine.from_artifact(staging.path, verify=True).generate(PROMPTS[:1], GREEDY)[0]
+    direct = Engine.from_pretrained(tiny_llama).generate(PROMPTS[:1], GREEDY)[0]
+    assert from_artifact.token_ids == direct.token_ids
+    with pytest.raises(ArtifactError, match="not a kiln artifact"):
+        Engine.from_artifact(tiny_llama)
+    (staging.path / MODEL_DIR / "config.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="does not verify"):
+        Engine.from_artifact(staging.path, verify=True)
+
+
+def test_unknown_engine_option_is_named(tiny_llama: Path) -> None:
+    with pytest.raises(UsageError, match=r"unknown engine option\(s\) blok_size"):
+        Engine.from_pretrained(tiny_llama, blok_size=8)
+
+
+def test_abort_frees_blocks_at_once(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama, block_size=4)
+    rid = engine.add_request(prompt_ids(tiny_llama, 1)[0], GREEDY)
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    assert engine.abort(rid)
+    assert engine.stats().kv_cache_usage == 0
+    assert not engine.has_unfinished_requests()
+    assert not engine.abort(rid)
+
+
+def test_stats_count_requests_and_tokens(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama, max_num_seqs=2)
+    prompts = prompt_ids(tiny_llama, 3)
+    for prompt in prompts:
+        engine.add_request(prompt, GREEDY)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_requests_running, stats.num_requests_waiting) == (2, 1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert stats.generation_tokens_total == 3 * GREEDY.max_tokens
+    assert stats.prompt_tokens_total == sum(len(p) for p in prompts)
+    assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
+    assert stats.generation_throughput > 0 and stats.num_steps > 0
+
+
+def test_step_returns_deltas_that_add_up(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    expected = engine.generate(PROMPTS[:2], GREEDY)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    text = {rid: "" for rid in ids}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            text[delta.request_id] += delta.text
+            tokens[delta.request_id] += delta.token_ids
+    assert [tokens[r] for r in ids] == [o.token_ids for o in expected]
+    assert [text[r] for r in ids] == [o.text for o in expected]
+
+
+def test_async_streams_match_generate_and_abort_frees_blocks(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    expected = engine.generate(PROMPTS[:3], GREEDY)
+    server = AsyncEngine(engine)
+
+    async def collect(prompt: str, rid: str) -> tuple[str, list[int], str | None]:
+        text, tokens, reason = "", list[int](), None
+        async for delta in server.generate(prompt, GREEDY, request_id=rid):
+            text += delta.text
+            tokens += delta.token_ids
+            reason = delta.finish_reason
+        return text, tokens, reason
+
+    async def abandon(prompt: str) -> int:
+        seen = 0
+        async for delta in server.generate(prompt, SamplingParams(max_tokens=400, ignore_eos=True)):
+            seen += len(delta.token_ids)
+            if seen >= 3:
+                break  # leaving the stream aborts the request
+        return seen
+
+    async def main() -> tuple[list[tuple[str, list[int], str | None]], int]:
+        streams = [collect(p, f"s{i}") for i, p in enumerate(PROMPTS[:3])]
+        *finished, abandoned = await asyncio.gather(*streams, abandon(PROMPTS[3]))
+        return finished, abandoned  # type: ignore[return-value]
+
+    try:
+        finished, abandoned = asyncio.run(main())
+        assert abandoned >= 3
+        for (text, tokens, reason), out in zip(finished, expected, strict=True):
+            assert (text, tokens, reason) == (out.text, out.token_ids, "length")
+        deadline = time.monotonic() + 5
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished_requests()
+        assert engine.stats().kv_cache_usage == 0
+    finally:
+        server.shutdown()
+
+
+def test_async_rejects_bad_requests_before_queueing(tiny_llama: Path) -> None:
+    server = AsyncEngine(Engine.from_pretrained(tiny_llama))
+
+    async def main() -> None:
+        async for _ in server.generate([]):
+            pass
+
+    with pytest.raises(UsageError, match="prompt is empty"):
+        asyncio.run(main())
+    server.shutdown()

@@ -1,0 +1,110 @@
+"""The runtime's forward pass matches transformers on Llama, Mistral and Qwen2 checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime import Engine, SamplingParams
+from runtime.errors import ArtifactError, UsageError
+from tests.runtime.conftest import hf_greedy, hf_logprobs, hf_model, logprobs_of, prompt_ids
+
+ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def prompt_logprob_matrix(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    """Engine log-probabilities of each prompt token (after the first), as a tensor."""
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    return logprobs_of(out.prompt_logprobs[1:], prompt[1:])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompt_logprobs_match_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(arch)
+    engine = Engine.from_pretrained(model_dir, block_size=4)
+    prompt = prompt_ids(model_dir, 1)[0]
+    reference = hf_logprobs(hf_model(model_dir), prompt)
+    expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(prompt_logprob_matrix(engine, prompt), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_continuations_match_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(arch)
+    engine = Engine.from_pretrained(model_dir, block_size=8)
+    hf = hf_model(model_dir)
+    prompts = prompt_ids(model_dir)
+    outputs = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+        assert out.finish_reason == "length"
+
+
+def test_top_logprobs_match_transformers(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    prompt = prompt_ids(tiny_llama, 1)[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+    out = engine.generate([prompt], params)[0]
+    reference = hf_logprobs(hf_model(tiny_llama), prompt + out.token_ids)
+    assert out.logprobs is not None and len(out.logprobs) == 6
+    for step, (entry, token) in enumerate(zip(out.logprobs, out.token_ids, strict=True)):
+        row = reference[len(prompt) - 1 + step]
+        values, ids = row.topk(5)
+        assert entry[token].rank == 1
+        assert entry[token].decoded_token == engine.tokenizer.decode([token])
+        for rank, (value, token_id) in enumerate(
+            zip(values.tolist(), ids.tolist(), strict=True), start=1
+        ):
+            assert entry[token_id].rank == rank
+            assert entry[token_id].logprob == pytest.approx(value, abs=1e-4)
+
+
+def edited_copy(source: Path, target: Path, **changes: object) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_llama3_rope_scaling_and_tied_embeddings_match(tiny_llama: Path, tmp_path: Path) -> None:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    model_dir = edited_copy(
+        tiny_llama, tmp_path / "llama3", rope_parameters=rope, tie_word_embeddings=True
+    )
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    engine = Engine.from_pretrained(model_dir)
+    prompt = [
+        t for p in prompt_ids(model_dir) for t in p
+    ]  # long enough for the scaled low frequencies to matter
+    reference = hf_logprobs(hf_model(model_dir), prompt)
+    expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(prompt_logprob_matrix(engine, prompt), expected, atol=1e-4, rtol=0)
+
+
+def test_unsupported_architecture_is_named(tiny_llama: Path, tmp_path: Path) -> None:
+    model_dir = edited_copy(tiny_llama, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ArtifactError, match="GPT2LMHeadModel is not supported"):
+        Engine.from_pretrained(model_dir)
+
+
+def test_prompt_too_long_is_a_usage_error(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama, max_model_len=16)
+    with pytest.raises(UsageError, match="shorten the prompt"):
+        engine.add_request(list(range(20)))

@@ -25,8 +25,9 @@ Support matrix (`SUPPORT`), per path:
   groupwise), INT8 SmoothQuant and INT8 KV run on sm80+; FP8 and W4A8 AWQ need sm89+
   ("INT4 AWQ and GPTQ with FP8 activations require SM >= 89"); FP8 rowwise has sm89/sm90
   kernels only (trtllm-build refuses `fp8_rowwise_gemm_plugin` on sm100); NVFP4 is
-  Blackwell only. For Blackwell the 1.x support matrix lists "FP8, FP4, INT8, INT4"; we
-  take that to include weight-only and SmoothQuant. That row is not verified on hardware.
+  Blackwell only. On Blackwell (SM 100-119) the builder itself (tensorrt_llm/builder.py
+  `build`) raises for INT8/INT4 weight-only, SmoothQuant, per-channel/per-token scaling and
+  INT8 KV, so the engine row there holds only NO_QUANT, FP8 and NVFP4 with an FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ SUPPORT: dict[str, ArchSupport] = {
     "sm90": ArchSupport("Hopper", _ADA_ENGINE, frozenset({"INT8", "FP8"}),
                         _ADA_PYTORCH | {"FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES"},
                         frozenset({"FP8"})),
-    "sm100": ArchSupport("Blackwell", _AMPERE_ENGINE | {"FP8", "NVFP4"},
-                         frozenset({"INT8", "FP8"}),
+    "sm100": ArchSupport("Blackwell", frozenset({"NO_QUANT", "FP8", "NVFP4"}),
+                         frozenset({"FP8"}),
                          frozenset({"NO_QUANT", "FP8", "FP8_BLOCK_SCALES", "NVFP4"}),
                          frozenset({"FP8", "NVFP4"})),
     "sm120": ArchSupport("Blackwell (sm120)", frozenset({"NO_QUANT", "FP8", "NVFP4"}),

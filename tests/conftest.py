@@ -34,3 +34,13 @@ def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gptq_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo recipe (SmolLM2-135M-Instruct, GPTQ W4A16 g64) compiled once per session."""
+    from compiler.compile import compile_recipe
+
+    repo = Path(__file__).parents[1]
+    out = tmp_path_factory.mktemp("smollm2-artifacts")
+    return compile_recipe(repo / "recipes" / "demo.yaml", output=out).artifact

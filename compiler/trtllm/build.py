@@ -42,7 +42,7 @@ from typing import Any
 
 from compiler.modelinfo import ModelInfo
 from compiler.planner import DeploySpec, Plan, tp_valid
-from compiler.targets import SMOOTHQUANT, WEIGHT_ONLY, TargetProfile, check_target, quant_algo
+from compiler.targets import TargetProfile, check_target, quant_algo
 from quant.spec import QuantSpec
 from runtime.errors import PreflightError
 
@@ -286,23 +286,9 @@ def check_build_args(args: Args, target: TargetProfile) -> list[BuildProblem]:
 
 
 def _quant_problems(spec: QuantSpec, target: TargetProfile, who: str) -> list[BuildProblem]:
-    """The support matrix's engine-path verdict, plus builder.py's own SM 100 refusals."""
-    problems = [BuildProblem(f"{who}{p.key}", p.problem, p.allowed)
-                for p in check_target(spec, target.name, path="engine")]  # fmt: skip
-    if problems or not (10, 0) <= target.compute_capability < (12, 0):
-        return problems
-    algo, kv_algo = quant_algo(spec)
-    refused = []
-    if algo in WEIGHT_ONLY or algo in SMOOTHQUANT or algo == "FP8_PER_CHANNEL_PER_TOKEN":
-        refused.append(f"{who}quantization.method")
-    if kv_algo == "INT8":
-        refused.append(f"{who}quantization.kv_cache")
-    return [BuildProblem(key, f"TensorRT-LLM's builder refuses INT8/INT4 weight-only, "
-                         f"SmoothQuant, per-channel/per-token scaling and INT8 KV on "
-                         f"{target.name} ({target.sm}); {algo}"
-                         + (f" + {kv_algo} KV" if kv_algo else "") + " is one of them",
-                         "method fp8 with kv_cache fp8 or none, or the PyTorch path")
-            for key in refused]  # fmt: skip
+    """The support matrix's engine-path verdict (it holds builder.py's SM 100 refusals too)."""
+    return [BuildProblem(f"{who}{p.key}", p.problem, p.allowed)
+            for p in check_target(spec, target.name, path="engine")]  # fmt: skip
 
 
 def _tp_problems(info: ModelInfo, tp: int, who: str) -> list[BuildProblem]:

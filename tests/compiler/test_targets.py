@@ -163,13 +163,15 @@ def test_nvfp4_on_hopper_points_to_blackwell():
     assert "no FP4 tensor cores" in problem.problem and "target b200" in problem.allowed
 
 
-def test_awq_on_b200_fails_on_the_pytorch_path_only():
-    assert check_target(AWQ, "b200", path="engine") == []
+def test_awq_on_b200_fails_on_both_paths():
+    # The PyTorch backend has no INT4 weight-only kernels on sm100, and trtllm-build refuses
+    # weight-only schemes on SM 100-119 (tensorrt_llm/builder.py).
     (problem,) = check_target(AWQ, "b200", path="pytorch")
     assert "PyTorch" in problem.problem and "sm100" in problem.problem
     assert "FP8 (method: fp8)" in problem.allowed and "NVFP4" in problem.allowed
-    (both,) = check_target(AWQ, "b200")
-    assert "the engine path runs it" in both.problem
+    (engine,) = check_target(AWQ, "b200", path="engine")
+    assert "engine path" in engine.problem
+    assert len(check_target(AWQ, "b200")) == 1
 
 
 def test_smoothquant_needs_the_engine_path():

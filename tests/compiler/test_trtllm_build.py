@@ -171,8 +171,8 @@ def test_a_scheme_the_engine_path_does_not_run_is_refused_with_alternatives(tmp_
 def test_int4_weight_only_on_blackwell_is_refused_as_trtllm_builder_does(tmp_path):
     with pytest.raises(BuildPlanError) as e:
         _plan(AWQ, get_profile("b200"), DeploySpec(max_seq_len=4096), tmp_path)
-    assert "refuses INT8/INT4 weight-only" in _problems(e)
-    assert "W4A16_AWQ is one of them — fix: method fp8" in _problems(e)
+    assert "W4A16_AWQ does not run on b200 on the engine path" in _problems(e)
+    assert "FP8 (method: fp8)" in _problems(e)
 
 
 def test_tp_that_cannot_split_the_mlp_is_refused(tmp_path):

@@ -189,5 +189,16 @@ def inspect(artifact_dir: Path, verify: bool, as_json: bool, debug: bool) -> Non
         )
 
 
+def _register_gate_commands() -> None:
+    """`kiln gate`, `promote`, `rollback` and `registry` live with the gate package."""
+    from gates.cli import COMMANDS
+
+    for command in COMMANDS:
+        main.add_command(command)
+
+
+_register_gate_commands()
+
+
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from compiler.planner import DeploySpec
+from gates.config import GatesSection
 from quant.spec import DEFAULT_ACTIVATIONS, CalibrationSpec, QuantSpec
 from runtime.errors import RecipeError
 
@@ -91,6 +92,7 @@ class RecipeModel(_Strict):
     targets: list[str] = Field(default_factory=list)
     deploy: DeploySection = DeploySection()
     output: str = "artifacts"
+    gates: GatesSection | None = None  # what `kiln gate` measures and its thresholds
 
 
 # Per method: (default weight bits, allowed weight bits, default group size, default symmetric).

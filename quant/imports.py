@@ -32,13 +32,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from quant.schemes import SCHEMES, Problem
 from quant.spec import QuantSpec
 from runtime.errors import SourceError
+
+if TYPE_CHECKING:
+    import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column of each 4-bit field in an AWQ GEMM word
 SIDECAR_CONFIGS = ("quantize_config.json", "quant_config.json")  # AutoGPTQ, early AutoAWQ
@@ -217,6 +218,8 @@ def check_recipe(spec: QuantSpec, pre: PreQuantized) -> list[Problem]:
 
 def _unpack_fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 (rows, words) → (rows, words·32/bits) unsigned fields, lowest bits first."""
+    import torch
+
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     fields = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # mask undoes sign fill
     return fields.reshape(packed.shape[0], -1)
@@ -224,6 +227,8 @@ def _unpack_fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """Unpack an AWQ GEMM tensor (rows, cols/8) into natural column order (rows, cols)."""
+    import torch
+
     fields = _unpack_fields(packed, 4)
     natural = torch.empty_like(fields)
     for i, column in enumerate(AWQ_ORDER):
@@ -242,6 +247,8 @@ class _Codes:
 
 
 def _read_linear(name: str, get: Any, pre: PreQuantized) -> _Codes:
+    import torch
+
     qweight, qzeros, scales = get(f"{name}.qweight"), get(f"{name}.qzeros"), get(f"{name}.scales")
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise SourceError(f"{name}: qweight/qzeros are {qweight.dtype}, not int32 words")
@@ -286,6 +293,7 @@ def _read_linear(name: str, get: Any, pre: PreQuantized) -> _Codes:
 
 def _compressed(name: str, codes: _Codes, pre: PreQuantized) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized tensors of one linear."""
+    import torch
     from compressed_tensors.compressors.pack_quantized import pack_to_int32
 
     offset = 1 << (pre.bits - 1)

@@ -40,8 +40,9 @@ def estimate_calibration_bytes(
     - awq: cached inputs of each smoothed group (qkv, gate/up, down) for all samples, plus
       the layer's fp32 output kept as the loss target;
     - runtime: the Python process with torch and the libraries imported;
-    - total: the sum. Expect the real peak within about ±30%. Measured once: SmolLM2-135M,
-      GPTQ W4A16 g64 on 64 × 256 tokens, peak RSS 1277 MiB against an estimate of 1166 MiB.
+    - total: the sum. Expect the real peak within about ±30%. Measured on SmolLM2-135M fp32,
+      GPTQ W4A16 g64: 64 × 256 tokens peaked at 1277 MiB RSS (estimate 1166 MiB), 32 × 128
+      at 1429 MiB (estimate 1105 MiB).
     """
     tokens = calib.num_samples * calib.max_seq_len
     hidden, inter = info.hidden_size, info.intermediate_size

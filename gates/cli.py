@@ -1,0 +1,236 @@
+"""`kiln gate`, `kiln promote`, `kiln rollback`, `kiln registry ...`: the gate's commands.
+
+The compiler's CLI mounts these with `main.add_command(...)`. Exit codes follow kiln's:
+0 pass, 1 verdict failure (a failing gate, or a promotion refused by a failing gate),
+2 usage error, 3 runtime failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import traceback
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from runtime.errors import KilnError, VerdictFailure
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REGISTRY = click.option(
+    "--registry",
+    "registry_spec",
+    envvar="KILN_REGISTRY",
+    help="Registry file or sqlite:/// URL (default: $KILN_REGISTRY, "
+    "else ~/.local/share/kiln/registry.db).",
+)
+
+
+def _echo_err(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _handle_errors(fn: F) -> F:
+    """KilnError → its message and exit code; anything unexpected → exit 3."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KilnError as exc:
+            _echo_err(f"error: {exc.message}")
+            sys.exit(exc.exit_code)
+        except Exception as exc:  # an unexpected failure is a runtime failure
+            if kwargs.get("debug"):
+                traceback.print_exc()
+            _echo_err(f"internal error: {type(exc).__name__}: {exc}\nrerun with --debug")
+            sys.exit(3)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _open_registry(spec: str | None) -> Any:
+    from gates.registry import Registry
+
+    return Registry(spec)
+
+
+@click.command("gate")
+@click.argument("candidate")
+@click.option(
+    "--baseline",
+    required=True,
+    help="An artifact dir, a float model source (HF dir), or an http(s) endpoint URL.",
+)
+@click.option("--gate-file", type=click.Path(path_type=Path), help="YAML `gates:` settings.")
+@click.option("--traffic", type=click.Path(path_type=Path), help="Recorded traffic (.jsonl).")
+@click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
+@click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
+@_REGISTRY
+@click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
+@click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
+@click.option("--debug", is_flag=True, hidden=True)
+@_handle_errors
+def gate(
+    candidate: str,
+    baseline: str,
+    gate_file: Path | None,
+    traffic: Path | None,
+    out: Path | None,
+    limit: int | None,
+    registry_spec: str | None,
+    no_record: bool,
+    as_json: bool,
+    debug: bool,
+) -> None:
+    """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
+    from gates.config import load_gate_file, load_gates
+    from gates.gate import run_gate
+    from gates.report import to_markdown
+    from gates.sides import resolve_side
+    from runtime.artifact import load_manifest
+
+    cand = resolve_side(candidate, "candidate")
+    base_dir = Path.cwd()
+    if gate_file is not None:
+        gates = load_gate_file(gate_file)
+        base_dir = gate_file.resolve().parent
+    elif cand.kind == "artifact" and cand.path is not None:
+        section = load_manifest(cand.path).recipe.get("gates")
+        gates = load_gates(section, f"{cand.path}/manifest.json recipe")
+    else:
+        gates = load_gates(None, "defaults")
+    if limit is not None:
+        gates = gates.model_copy(update={"limit": limit})
+    if out is None:
+        label = cand.name if cand.kind == "http" else f"{cand.name}-{cand.digest[:12]}"
+        out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
+    registry = None if no_record else _open_registry(registry_spec)
+    outcome = run_gate(
+        candidate,
+        baseline,
+        gates,
+        out,
+        base_dir=base_dir,
+        traffic=traffic,
+        registry=registry,
+        progress=_echo_err,
+    )
+    verdict = outcome.verdict
+    if as_json:
+        click.echo(json.dumps(verdict.to_dict(), sort_keys=True))
+    else:
+        click.echo(to_markdown(verdict))
+        click.echo(f"reports: {outcome.reports['html']} (and gate.json, gate.md beside it)")
+        if outcome.run_id is not None and registry is not None:
+            click.echo(f"recorded as gate run {outcome.run_id} in {registry.path}")
+    if not verdict.passed:
+        failed = ", ".join(c.name for c in verdict.failed_checks)
+        raise VerdictFailure(
+            f"{candidate}: gate failed against {baseline} ({failed}); see {outcome.reports['html']}"
+        )
+
+
+@click.command("promote")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--channel", required=True, help="Release channel, e.g. prod or staging.")
+@click.option("--reason", default="", help="Why (kept in the promotion history).")
+@_REGISTRY
+@click.option("--debug", is_flag=True, hidden=True)
+@_handle_errors
+def promote(
+    artifact: Path, channel: str, reason: str, registry_spec: str | None, debug: bool
+) -> None:
+    """Point CHANNEL at ARTIFACT; needs a passing gate run against the channel's baseline."""
+    with _open_registry(registry_spec) as registry:
+        event = registry.promote(artifact, channel, reason)
+    previous = (event["previous_digest"] or "nothing")[:12]
+    click.echo(f"{channel}: {event['digest'][:12]} (was {previous})")
+
+
+@click.command("rollback")
+@click.argument("channel")
+@click.option("--reason", default="", help="Why (kept in the promotion history).")
+@_REGISTRY
+@click.option("--debug", is_flag=True, hidden=True)
+@_handle_errors
+def rollback(channel: str, reason: str, registry_spec: str | None, debug: bool) -> None:
+    """Move CHANNEL back to the artifact it served before its current one."""
+    with _open_registry(registry_spec) as registry:
+        event = registry.rollback(channel, reason)
+    click.echo(
+        f"{channel}: {event['digest'][:12]} (rolled back from {event['previous_digest'][:12]})"
+    )
+
+
+@click.group("registry")
+def registry() -> None:
+    """Inspect and configure the artifact registry."""
+
+
+@registry.command("ls")
+@_REGISTRY
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--debug", is_flag=True, hidden=True)
+@_handle_errors
+def registry_ls(registry_spec: str | None, as_json: bool, debug: bool) -> None:
+    """Channels with what they serve, and the latest gate runs."""
+    from dataclasses import asdict
+
+    with _open_registry(registry_spec) as reg:
+        channels, runs = reg.ls(), reg.gate_runs()[:20]
+    if as_json:
+        click.echo(json.dumps({"channels": [asdict(c) for c in channels], "gate_runs": runs}))
+        return
+    click.echo("channels:" if channels else "channels: none")
+    for c in channels:
+        serving = f"{c.current_name} {c.current_digest[:12]}" if c.current_digest else "nothing"
+        rule = c.baseline_rule + (f" {c.baseline_digest[:12]}" if c.baseline_digest else "")
+        click.echo(f"  {c.name:<16} {serving:<40} baseline rule: {rule}")
+    click.echo("gate runs:" if runs else "gate runs: none")
+    for r in runs:
+        status = "pass" if r["passed"] else "FAIL"
+        click.echo(
+            f"  #{r['id']:<4} {status}  {r['candidate_digest'][:12]} vs "
+            f"{r['baseline'][:40]:<40} {r['created_at']}"
+        )
+
+
+@registry.command("history")
+@click.argument("channel")
+@_REGISTRY
+@click.option("--debug", is_flag=True, hidden=True)
+@_handle_errors
+def registry_history(channel: str, registry_spec: str | None, debug: bool) -> None:
+    """The promotion and rollback events of CHANNEL, oldest first."""
+    with _open_registry(registry_spec) as reg:
+        events = reg.history(channel)
+    for e in events:
+        click.echo(
+            f"{e['created_at']}  {e['action']:<8} {(e['digest'] or '')[:12]}  "
+            f"(was {(e['previous_digest'] or 'nothing')[:12]})  {e['actor']}  {e['reason']}"
+        )
+
+
+@registry.command("channel")
+@click.argument("name")
+@click.option("--rule", type=click.Choice(["current", "fixed"]), default="current")
+@click.option("--baseline", "baseline_digest", help="Baseline digest for --rule fixed.")
+@_REGISTRY
+@click.option("--debug", is_flag=True, hidden=True)
+@_handle_errors
+def registry_channel(
+    name: str, rule: str, baseline_digest: str | None, registry_spec: str | None, debug: bool
+) -> None:
+    """Create or configure channel NAME: which baseline its candidates must be gated against."""
+    with _open_registry(registry_spec) as reg:
+        reg.configure_channel(name, rule, baseline_digest)
+    click.echo(f"{name}: baseline rule {rule}" + (f" {baseline_digest}" if baseline_digest else ""))
+
+
+COMMANDS = (gate, promote, rollback, registry)

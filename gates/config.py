@@ -1,0 +1,169 @@
+"""The recipe's `gates:` section (also a standalone `--gate-file`), validated at the edge.
+
+    gates:
+      tasks: [kiln_ppl, kiln_mc, kiln_qa]   # offline tasks in recipes/tasks (or lm-eval names)
+      limit: null                            # items per task (null: all)
+      decision_rule: recovery_or_noninferior # or recovery, noninferior (see gates/rules.py)
+      thresholds: {recovery: 0.99, margin: 0.02, flip_rate: 0.05, shadow_exact_match: 0.9}
+      divergence: {num_texts: 16, max_seq_len: 128, top_k: 20}
+      shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
+
+Thresholds left out (or null) take the defaults for the candidate's weight width
+(`gates.rules.default_policy`); `off` turns a check off (reported, not gated).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gates.rules import GatePolicy, default_policy
+from gates.shadow import ReplaySettings
+from runtime.errors import UsageError
+
+DEFAULT_TASKS = ["kiln_ppl", "kiln_mc", "kiln_qa"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# A threshold: a number, "off" (reported, not gated), or null/omitted (the scheme's default).
+# "off" rather than null, so a dumped-and-reloaded section (the resolved recipe in a
+# manifest) means the same as the file it came from.
+Off = Literal["off"]
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
+NonNegative = Annotated[float, Field(ge=0.0)]
+Positive = Annotated[float, Field(gt=0.0)]
+
+
+class ThresholdsSection(_Strict):
+    """Overrides of the policy's thresholds; null or a key left out keeps the default."""
+
+    recovery: float | None = Field(None, gt=0.0, le=2.0)
+    margin: float | None = Field(None, ge=0.0, le=1.0)
+    confidence: float | None = Field(None, ge=0.5, lt=1.0)
+    flip_rate: Share | Off | None = None
+    perplexity_ratio: Annotated[float, Field(ge=1.0)] | Off | None = None
+    kl_mean: NonNegative | Off | None = None
+    kl_p99: NonNegative | Off | None = None
+    top1_agreement: Share | Off | None = None
+    shadow_exact_match: Share | Off | None = None
+    shadow_format_error_increase: Share | Off | None = None
+    shadow_error_rate: Share | Off | None = None
+    shadow_length_ratio_deviation: NonNegative | Off | None = None
+    shadow_ttft_p50_ratio: Positive | Off | None = None
+    shadow_tpot_p50_ratio: Positive | Off | None = None
+
+
+# thresholds key -> GatePolicy field
+_POLICY_FIELDS = {
+    "recovery": "recovery_min",
+    "margin": "margin",
+    "confidence": "confidence",
+    "flip_rate": "flip_rate_max",
+    "perplexity_ratio": "perplexity_ratio_max",
+    "kl_mean": "kl_mean_max",
+    "kl_p99": "kl_p99_max",
+    "top1_agreement": "top1_agreement_min",
+    "shadow_exact_match": "shadow_exact_match_min",
+    "shadow_format_error_increase": "shadow_format_error_increase_max",
+    "shadow_error_rate": "shadow_error_rate_max",
+    "shadow_length_ratio_deviation": "shadow_length_ratio_deviation_max",
+    "shadow_ttft_p50_ratio": "shadow_ttft_p50_ratio_max",
+    "shadow_tpot_p50_ratio": "shadow_tpot_p50_ratio_max",
+}
+
+
+class DivergenceSection(_Strict):
+    """Next-token KL on held-out text (top-k logprobs from both sides)."""
+
+    enabled: bool = True
+    texts: str | None = None  # .jsonl with a "text" field, or plain text; default kiln_ppl
+    num_texts: int = Field(16, ge=1, le=1024)
+    max_seq_len: int = Field(128, ge=8, le=8192)
+    top_k: int = Field(20, ge=1, le=1000)
+
+
+class ShadowSection(_Strict):
+    """Shadow replay of recorded traffic; relative paths are relative to the gate file."""
+
+    traffic: str | None = None
+    max_requests: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(0.0, ge=0.0)
+    concurrency: int = Field(1, ge=1, le=256)
+    worst: int = Field(5, ge=0, le=100)
+    timeout_s: float = Field(300.0, gt=0.0)
+
+    def settings(self) -> ReplaySettings:
+        return ReplaySettings(
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            max_requests=self.max_requests,
+            concurrency=self.concurrency,
+            worst=self.worst,
+        )
+
+
+class GatesSection(_Strict):
+    """What the gate measures and the thresholds it applies."""
+
+    tasks: list[str] = Field(default_factory=lambda: list(DEFAULT_TASKS))
+    tasks_dir: str | None = None
+    limit: int | None = Field(None, ge=1)
+    num_fewshot: int = Field(0, ge=0, le=32)
+    decision_rule: Literal["recovery", "noninferior", "recovery_or_noninferior"] = (
+        "recovery_or_noninferior"
+    )
+    thresholds: ThresholdsSection = ThresholdsSection()
+    divergence: DivergenceSection = DivergenceSection()
+    shadow: ShadowSection = ShadowSection()
+
+    def policy(self, weight_bits: int | None) -> GatePolicy:
+        """The scheme's default policy with this section's overrides applied."""
+        policy = default_policy(weight_bits or 8)
+        policy.rule = self.decision_rule
+        for key, field_name in _POLICY_FIELDS.items():
+            value = getattr(self.thresholds, key)
+            if value is not None:
+                setattr(policy, field_name, None if value == "off" else value)
+        return policy
+
+
+_UNION_TAG = re.compile(r"^(constrained-|literal\[|float$|int$|str$|bool$|none$)")
+
+
+def load_gates(data: dict[str, Any] | None, where: str) -> GatesSection:
+    """Validate a `gates:` mapping; UsageError lists each problem as `where: key: message`."""
+    try:
+        return GatesSection.model_validate(data or {})
+    except ValidationError as exc:
+        # A union reports once per member (`flip_rate.constrained-float`, `flip_rate.literal[..]`):
+        # drop those member tags and say every alternative on one line.
+        grouped: dict[str, list[str]] = {}
+        for error in exc.errors():
+            parts = [str(p) for p in error["loc"] if not _UNION_TAG.search(str(p))]
+            messages = grouped.setdefault(".".join(parts), [])
+            if error["msg"] not in messages:
+                messages.append(error["msg"])
+        problems = [f"{where}: gates.{key}: {'; or '.join(msgs)}" for key, msgs in grouped.items()]
+        raise UsageError("\n".join(problems)) from None
+
+
+def load_gate_file(path: str | Path) -> GatesSection:
+    """Read a gate file: a YAML mapping that is a `gates:` section, or holds one."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: gate file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping of gate settings")
+    return load_gates(data.get("gates", data), str(path))

@@ -1,0 +1,249 @@
+"""Run a gate: evaluate candidate and baseline, compare, decide, report, record.
+
+Order of work, chosen to keep at most one model side loaded at a time where possible:
+1. lm-eval tasks on the candidate (through the runtime: the gate evaluates what ships),
+   plus its top-k next-token log-probabilities on held-out text;
+2. the same on the baseline (runtime for an artifact, transformers for a float source);
+3. shadow replay of recorded traffic through both sides (runtime engines or endpoints);
+4. the verdict, its reports (gate.json, gate.md, gate.html) and the registry record.
+
+An http(s) endpoint side has no log-probabilities to score tasks with, so a gate with an
+endpoint on either side compares shadow traffic only and says so in its notes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from gates.config import GatesSection
+from gates.divergence import DivergenceSummary, kl_topk, summarize
+from gates.registry import Registry
+from gates.report import write_reports
+from gates.rules import GatePolicy
+from gates.shadow import ShadowReport, Side, replay
+from gates.sides import EngineSide, HttpSide, SideSpec, resolve_side
+from gates.tasks import BUILTIN_TASKS_DIR, TaskResult
+from gates.verdict import (
+    GateVerdict,
+    PerplexityComparison,
+    TaskComparison,
+    build_verdict,
+    compare_task,
+)
+from runtime.errors import UsageError
+from runtime.traffic import read_traffic
+
+Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class GateOutcome:
+    """A finished gate: its verdict, where its reports are, its registry run id."""
+
+    verdict: GateVerdict
+    reports: dict[str, Path]
+    run_id: int | None = None
+    candidate: SideSpec | None = None
+    baseline: SideSpec | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def tool_versions() -> dict[str, str]:
+    """Versions of everything that shaped the numbers."""
+    out = {"python": platform.python_version()}
+    for dist in ("kiln", "lm-eval", "torch", "transformers", "tokenizers", "compressed-tensors"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _resolve(path: str | None, base_dir: Path) -> Path | None:
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base_dir / p
+
+
+def divergence_texts(gates: GatesSection, base_dir: Path) -> list[str]:
+    """Held-out texts for next-token KL: a .jsonl "text" field, or a plain text file."""
+    path = _resolve(gates.divergence.texts, base_dir) or BUILTIN_TASKS_DIR / "kiln_ppl.jsonl"
+    if not path.is_file():
+        raise UsageError(f"gates.divergence.texts: {path} not found")
+    if path.suffix == ".jsonl":
+        texts = [str(json.loads(line)["text"]) for line in path.read_text().splitlines() if line]
+    else:
+        texts = [p for p in path.read_text().split("\n\n") if p.strip()]
+    return texts[: gates.divergence.num_texts]
+
+
+@dataclass(slots=True)
+class _SideEval:
+    results: dict[str, TaskResult]
+    topk: list[list[dict[int, float]]] | None
+    token_ids: list[list[int]] | None
+    engine: Any = None
+
+
+def _evaluate_side(
+    side: SideSpec, gates: GatesSection, texts: list[str], max_length: int | None, base_dir: Path
+) -> tuple[_SideEval, int]:
+    """lm-eval tasks and top-k logprobs of one model side; returns its max_length too."""
+    from gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs
+    from gates.tasks import run_tasks
+
+    task_dirs = [BUILTIN_TASKS_DIR]
+    extra = _resolve(gates.tasks_dir, base_dir)
+    if extra is not None:
+        task_dirs.append(extra)
+    engine = None
+    if side.kind == "artifact":
+        lm: Any = KilnLM(artifact=str(side.path), max_length=max_length)
+        engine = lm.engine
+        topk_fn = lm.topk_logprobs
+    else:
+        lm = hf_source_lm(str(side.path), max_length=max_length or 2048)
+
+        def topk_fn(ids: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+            return hf_topk_logprobs(lm, ids, k)
+
+    results = run_tasks(lm, gates.tasks, task_dirs, gates.limit, gates.num_fewshot or None)
+    topk = ids = None
+    if gates.divergence.enabled and texts:
+        ids = [lm.tok_encode(t)[: gates.divergence.max_seq_len] for t in texts]
+        ids = [i for i in ids if len(i) > 1]
+        topk = topk_fn(ids, gates.divergence.top_k)
+    return _SideEval(results, topk, ids, engine), int(lm.max_length)
+
+
+def compare_results(
+    base: dict[str, TaskResult], cand: dict[str, TaskResult], policy: GatePolicy
+) -> tuple[list[TaskComparison], list[PerplexityComparison]]:
+    """Per task: a paired comparison of per-item scores, or a perplexity ratio."""
+    tasks, ppl = [], []
+    for name, c in cand.items():
+        b = base[name]
+        if c.is_perplexity:
+            ppl.append(PerplexityComparison(name, c.metric, b.value, c.value))
+            continue
+        binary = all(v in (0.0, 1.0) for v in (*b.per_item.values(), *c.per_item.values()))
+        tasks.append(
+            compare_task(name, c.metric, b.per_item, c.per_item, policy, c.higher_is_better, binary)
+        )
+    return tasks, ppl
+
+
+def _shadow_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
+    if side.kind == "http":
+        assert side.url is not None
+        return HttpSide(side.url, timeout_s=timeout_s)
+    if engine is not None:
+        return EngineSide(engine, side.name)
+    return EngineSide.load(side)
+
+
+def run_gate(
+    candidate: str,
+    baseline: str,
+    gates: GatesSection,
+    out_dir: str | Path,
+    *,
+    base_dir: Path | None = None,
+    traffic: str | Path | None = None,
+    registry: Registry | None = None,
+    progress: Progress | None = None,
+) -> GateOutcome:
+    """Gate `candidate` against `baseline`; writes reports and records the run."""
+    say = progress or (lambda _msg: None)
+    began = time.perf_counter()
+    base_dir = base_dir or Path.cwd()
+    cand = resolve_side(candidate, "candidate")
+    base = resolve_side(baseline, "baseline")
+    if cand.kind == "source":
+        raise UsageError(
+            f"candidate {candidate!r} is a model source; the gate evaluates what ships: pass "
+            "the artifact `kiln compile` produced (or the URL of the endpoint serving it)"
+        )
+    policy = gates.policy(cand.weight_bits)
+    traffic_path = Path(traffic) if traffic else _resolve(gates.shadow.traffic, base_dir)
+    records = read_traffic(traffic_path) if traffic_path else []
+    notes: list[str] = []
+    model_sides = cand.kind != "http" and base.kind != "http"
+    if not model_sides:
+        notes.append("lm-eval tasks and KL divergence skipped: an endpoint side has no logprobs")
+        if not records:
+            raise UsageError(
+                "an http(s) endpoint side is compared by shadow traffic only; pass --traffic "
+                "FILE (recorded requests) or gates.shadow.traffic"
+            )
+    if model_sides and not (gates.tasks or gates.divergence.enabled or records):
+        raise UsageError(
+            "the gate has nothing to measure: gates.tasks is empty, gates.divergence is off "
+            "and no traffic was given; set one of them"
+        )
+    tasks: list[TaskComparison] = []
+    ppl: list[PerplexityComparison] = []
+    divergence: DivergenceSummary | None = None
+    cand_engine = base_engine = None
+    if model_sides and (gates.tasks or gates.divergence.enabled):
+        texts = divergence_texts(gates, base_dir) if gates.divergence.enabled else []
+        say(f"candidate: {', '.join(gates.tasks) or 'no tasks'} through the runtime")
+        c_eval, max_length = _evaluate_side(cand, gates, texts, None, base_dir)
+        cand_engine = c_eval.engine
+        say(f"baseline: {', '.join(gates.tasks) or 'no tasks'} ({base.kind})")
+        b_eval, _ = _evaluate_side(base, gates, texts, max_length, base_dir)
+        base_engine = b_eval.engine
+        tasks, ppl = compare_results(b_eval.results, c_eval.results, policy)
+        if c_eval.topk is not None and b_eval.topk is not None:
+            if c_eval.token_ids == b_eval.token_ids:
+                kl, agree = zip(
+                    *(kl_topk(b, c) for b, c in zip(b_eval.topk, c_eval.topk, strict=True)),
+                    strict=True,
+                )
+                import numpy as np
+
+                divergence = summarize(
+                    np.concatenate(kl), np.concatenate(agree), f"topk-{gates.divergence.top_k}"
+                )
+            else:
+                notes.append("KL divergence skipped: the two sides tokenise the text differently")
+        gc.collect()
+    shadow: ShadowReport | None = None
+    if records:
+        say(f"shadow: replaying {len(records)} recorded requests through both sides")
+        timeout = gates.shadow.timeout_s
+        shadow = replay(
+            records,
+            _shadow_side(base, base_engine, timeout),
+            _shadow_side(cand, cand_engine, timeout),
+            gates.shadow.settings(),
+            progress=say,
+        )
+    verdict = build_verdict(
+        cand.to_dict(),
+        base.to_dict(),
+        policy,
+        tasks,
+        ppl,
+        divergence,
+        shadow,
+        tools=tool_versions(),
+        notes=notes,
+        seconds=round(time.perf_counter() - began, 3),
+    )
+    reports = write_reports(verdict, out_dir)
+    run_id = None
+    if registry is not None:
+        run_id = registry.record_gate_run(
+            verdict.to_dict(), cand.path if cand.kind == "artifact" else None
+        )
+    return GateOutcome(verdict, reports, run_id, cand, base, notes)

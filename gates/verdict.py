@@ -1,0 +1,279 @@
+"""The gate verdict: per-task comparisons, divergence, shadow results, checks → gate.json.
+
+`compare_task` turns per-item scores of both sides into a `TaskComparison` (means,
+standard errors, recovery, paired difference, flips, and the decision rule's outcome);
+`build_verdict` collects every comparison, applies the policy's thresholds as `Check`s and
+says whether the candidate passes: it passes only when every check passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gates.divergence import DivergenceSummary
+from gates.rules import (
+    Check,
+    Decision,
+    GatePolicy,
+    count_flips,
+    decide,
+    recovery_of,
+    score_stats,
+    threshold_check,
+)
+from gates.shadow import ShadowReport, shadow_checks
+
+GATE_JSON = "gate.json"
+VERDICT_VERSION = 1
+
+
+@dataclass(slots=True)
+class TaskComparison:
+    """One task's metric on both sides, with sampling error, flips and the decision."""
+
+    task: str
+    metric: str
+    higher_is_better: bool
+    baseline: float
+    candidate: float
+    baseline_stderr: float
+    candidate_stderr: float
+    num_items: int
+    recovery: float
+    decision: Decision
+    right_to_wrong: int | None = None
+    wrong_to_right: int | None = None
+    flip_rate: float | None = None
+
+
+def compare_task(
+    task: str,
+    metric: str,
+    baseline: dict[Any, float],
+    candidate: dict[Any, float],
+    policy: GatePolicy,
+    higher_is_better: bool = True,
+    binary: bool = True,
+) -> TaskComparison:
+    """Compare per-item scores keyed by item id; paired on the items both sides scored."""
+    shared = sorted(set(baseline) & set(candidate), key=str)
+    paired = bool(shared) and len(shared) == len(baseline) == len(candidate)
+    base = [baseline[k] for k in shared] if paired else list(baseline.values())
+    cand = [candidate[k] for k in shared] if paired else list(candidate.values())
+    decision = decide(
+        base,
+        cand,
+        rule=policy.rule,
+        recovery_threshold=policy.recovery_min,
+        margin=policy.margin,
+        confidence=policy.confidence,
+        paired=paired,
+        higher_is_better=higher_is_better,
+    )
+    b, c = score_stats(base), score_stats(cand)
+    out = TaskComparison(
+        task=task,
+        metric=metric,
+        higher_is_better=higher_is_better,
+        baseline=b.mean,
+        candidate=c.mean,
+        baseline_stderr=b.stderr,
+        candidate_stderr=c.stderr,
+        num_items=len(shared) if paired else min(b.n, c.n),
+        recovery=decision.recovery,
+        decision=decision,
+    )
+    if binary and paired:
+        flips = count_flips(base, cand)
+        out.right_to_wrong, out.wrong_to_right = flips.right_to_wrong, flips.wrong_to_right
+        out.flip_rate = flips.rate
+    return out
+
+
+@dataclass(slots=True)
+class PerplexityComparison:
+    """Held-out perplexity of both sides (lower is better); ratio = candidate / baseline."""
+
+    task: str
+    metric: str
+    baseline: float
+    candidate: float
+
+    @property
+    def ratio(self) -> float:
+        return 1.0 / recovery_of(self.baseline, self.candidate, higher_is_better=False)
+
+
+@dataclass(slots=True)
+class GateVerdict:
+    """Everything the gate measured and decided; `to_dict` is gate.json."""
+
+    passed: bool
+    candidate: dict[str, Any]
+    baseline: dict[str, Any]
+    policy: GatePolicy
+    tasks: list[TaskComparison] = field(default_factory=list)
+    perplexity: list[PerplexityComparison] = field(default_factory=list)
+    divergence: DivergenceSummary | None = None
+    shadow: ShadowReport | None = None
+    checks: list[Check] = field(default_factory=list)
+    tools: dict[str, str] = field(default_factory=dict)
+    created_at: str = ""
+    seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {
+            "version": VERDICT_VERSION,
+            "passed": self.passed,
+            "candidate": self.candidate,
+            "baseline": self.baseline,
+            "policy": asdict(self.policy),
+            "tasks": [asdict(t) for t in self.tasks],
+            "perplexity": [{**asdict(p), "ratio": p.ratio} for p in self.perplexity],
+            "divergence": self.divergence.to_dict() if self.divergence else None,
+            "shadow": self.shadow.to_dict() if self.shadow else None,
+            "checks": [asdict(c) for c in self.checks],
+            "tools": self.tools,
+            "created_at": self.created_at,
+            "seconds": self.seconds,
+            "notes": self.notes,
+        }
+        return _finite(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GateVerdict:
+        """Rebuild a verdict from gate.json (for reports of stored runs)."""
+        tasks = []
+        for t in data.get("tasks", []):
+            t = {k: (math.nan if v is None and k in _FLOAT_FIELDS else v) for k, v in t.items()}
+            t["decision"] = Decision(**_nan(t["decision"]))
+            tasks.append(TaskComparison(**t))
+        return cls(
+            passed=bool(data["passed"]),
+            candidate=data["candidate"],
+            baseline=data["baseline"],
+            policy=GatePolicy(**data["policy"]),
+            tasks=tasks,
+            perplexity=[
+                PerplexityComparison(p["task"], p["metric"], p["baseline"], p["candidate"])
+                for p in data.get("perplexity", [])
+            ],
+            divergence=(
+                DivergenceSummary.from_dict(data["divergence"]) if data.get("divergence") else None
+            ),
+            shadow=ShadowReport.from_dict(data["shadow"]) if data.get("shadow") else None,
+            checks=[Check(**c) for c in data.get("checks", [])],
+            tools=data.get("tools", {}),
+            created_at=data.get("created_at", ""),
+            seconds=data.get("seconds"),
+            notes=data.get("notes", []),
+        )
+
+    def write(self, out_dir: str | Path) -> Path:
+        """Write gate.json into out_dir; returns its path."""
+        path = Path(out_dir) / GATE_JSON
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+
+_FLOAT_FIELDS = {"baseline", "candidate", "baseline_stderr", "candidate_stderr", "recovery"}
+
+
+def _nan(data: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: math.nan if v is None and k not in ("explanation", "rule") else v
+        for k, v in data.items()
+    }
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def task_checks(task: TaskComparison, policy: GatePolicy) -> list[Check]:
+    """A task's decision rule and its flip-rate threshold as checks."""
+    checks = [
+        Check(
+            f"{task.task}: {task.metric} ({task.decision.rule})",
+            task.recovery,
+            policy.recovery_min,
+            "rule",
+            task.decision.passed,
+            task.decision.explanation,
+        )
+    ]
+    if task.flip_rate is not None:
+        checks.append(
+            threshold_check(f"{task.task}: flip rate", task.flip_rate, "<=", policy.flip_rate_max)
+        )
+    return checks
+
+
+def build_verdict(
+    candidate: dict[str, Any],
+    baseline: dict[str, Any],
+    policy: GatePolicy,
+    tasks: list[TaskComparison] | None = None,
+    perplexity: list[PerplexityComparison] | None = None,
+    divergence: DivergenceSummary | None = None,
+    shadow: ShadowReport | None = None,
+    tools: dict[str, str] | None = None,
+    notes: list[str] | None = None,
+    seconds: float | None = None,
+) -> GateVerdict:
+    """Apply the policy to every comparison; the verdict passes iff every check passes."""
+    tasks, perplexity = list(tasks or []), list(perplexity or [])
+    checks: list[Check] = []
+    for task in tasks:
+        checks.extend(task_checks(task, policy))
+    for ppl in perplexity:
+        checks.append(
+            threshold_check(
+                f"{ppl.task}: {ppl.metric} ratio", ppl.ratio, "<=", policy.perplexity_ratio_max
+            )
+        )
+    if divergence is not None:
+        checks += [
+            threshold_check("KL divergence mean", divergence.kl_mean, "<=", policy.kl_mean_max),
+            threshold_check("KL divergence p99", divergence.kl_p99, "<=", policy.kl_p99_max),
+            threshold_check(
+                "top-1 agreement", divergence.top1_agreement, ">=", policy.top1_agreement_min
+            ),
+        ]
+    if shadow is not None:
+        checks += shadow_checks(shadow, policy)
+    if not checks:
+        raise ValueError("a gate with nothing measured cannot pass: give tasks or traffic")
+    return GateVerdict(
+        passed=all(c.passed for c in checks),
+        candidate=candidate,
+        baseline=baseline,
+        policy=policy,
+        tasks=tasks,
+        perplexity=perplexity,
+        divergence=divergence,
+        shadow=shadow,
+        checks=checks,
+        tools=dict(tools or {}),
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        seconds=seconds,
+        notes=list(notes or []),
+    )

@@ -1,0 +1,153 @@
+"""The gate's commands and their exit codes: 0 pass, 1 verdict failure, 2 usage, 3 runtime."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from gates.cli import gate, promote, registry, rollback
+from gates.registry import Registry
+from runtime.artifact import load_manifest
+from tests.gates.conftest import (
+    OpenAIStub,
+    answers_with,
+    baseline_responder,
+    build_artifact,
+    write_traffic,
+)
+
+
+def run(command: object, args: list[str]) -> tuple[int, str, str]:
+    result = CliRunner().invoke(command, args)  # type: ignore[arg-type]
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_a_passing_shadow_gate_exits_0_and_writes_reports(
+    tmp_path: Path, openai_stub: Callable[..., OpenAIStub]
+) -> None:
+    base, cand = openai_stub(baseline_responder), openai_stub(baseline_responder)
+    traffic = write_traffic(tmp_path / "t.jsonl")
+    db = tmp_path / "r.db"
+    code, out, err = run(
+        gate,
+        [
+            cand.url,
+            "--baseline",
+            base.url,
+            "--traffic",
+            str(traffic),
+            "--out",
+            str(tmp_path / "out"),
+            "--registry",
+            str(db),
+        ],
+    )
+    assert code == 0, err
+    assert "## kiln gate: PASS" in out and "recorded as gate run 1" in out
+    data = json.loads((tmp_path / "out" / "gate.json").read_text())
+    assert data["passed"] and data["shadow"]["num_requests"] == 6
+    assert data["notes"] == [
+        "lm-eval tasks and KL divergence skipped: an endpoint side has no logprobs"
+    ]
+    assert (tmp_path / "out" / "gate.html").is_file()
+    with Registry(db) as reg:
+        assert reg.gate_runs()[0]["baseline"] == base.url
+
+
+def test_a_failing_gate_exits_1_naming_the_failed_checks(
+    tmp_path: Path, openai_stub: Callable[..., OpenAIStub]
+) -> None:
+    base = openai_stub(baseline_responder)
+    cand = openai_stub(answers_with({"Count: one two": "3 4 5", "Once upon a time": "no"}))
+    code, out, err = run(
+        gate,
+        [
+            cand.url,
+            "--baseline",
+            base.url,
+            "--traffic",
+            str(write_traffic(tmp_path / "t.jsonl")),
+            "--out",
+            str(tmp_path / "out"),
+            "--no-record",
+            "--json",
+        ],
+    )
+    assert code == 1
+    assert json.loads(out)["passed"] is False
+    assert "gate failed" in err and "shadow: exact match" in err and "gate.html" in err
+
+
+def test_usage_mistakes_exit_2(tmp_path: Path, openai_stub: Callable[..., OpenAIStub]) -> None:
+    base = openai_stub(baseline_responder)
+    code, _, err = run(gate, [base.url, "--baseline", str(tmp_path / "nowhere"), "--no-record"])
+    assert code == 2 and "not a kiln artifact" in err and "nowhere" in err
+    code, _, err = run(gate, [base.url, "--baseline", base.url, "--no-record"])
+    assert code == 2 and "--traffic" in err
+    bad = tmp_path / "gate.yaml"
+    bad.write_text("gates:\n  thresholds:\n    recovry: 0.9\n")
+    code, _, err = run(
+        gate, [base.url, "--baseline", base.url, "--gate-file", str(bad), "--no-record"]
+    )
+    assert code == 2 and "gates.thresholds.recovry" in err and str(bad) in err
+    code, _, _ = run(gate, [base.url])  # click: missing --baseline
+    assert code == 2
+
+
+def test_a_damaged_candidate_artifact_exits_3(
+    tmp_path: Path, openai_stub: Callable[..., OpenAIStub]
+) -> None:
+    art = build_artifact(tmp_path / "arts")
+    (art / "manifest.json").write_text("{not json")
+    base = openai_stub(baseline_responder)
+    code, _, err = run(gate, [str(art), "--baseline", base.url, "--no-record"])
+    assert code == 3 and "manifest.json" in err
+
+
+def test_promote_and_rollback_commands(tmp_path: Path) -> None:
+    db = str(tmp_path / "r.db")
+    arts = [build_artifact(tmp_path / "arts", f"v{i}".encode(), name=f"m{i}") for i in range(2)]
+    code, _, err = run(promote, [str(arts[0]), "--channel", "prod", "--registry", db])
+    assert code == 2 and f"kiln gate {arts[0]} --baseline" in err
+    with Registry(db) as reg:
+        reg.configure_channel("prod", "fixed", "f" * 64)
+        for art in arts:
+            digest = load_manifest(art).digest
+            reg.record_gate_run(
+                {
+                    "passed": art == arts[0],
+                    "candidate": {"digest": digest},
+                    "baseline": {"digest": "f" * 64, "kind": "source"},
+                },
+                art,
+            )
+    code, out, err = run(
+        promote, [str(arts[0]), "--channel", "prod", "--reason", "v0", "--registry", db]
+    )
+    assert code == 0, err
+    code, _, err = run(promote, [str(arts[1]), "--channel", "prod", "--registry", db])
+    assert code == 1 and "failed" in err
+    code, out, _ = run(registry, ["ls", "--registry", db])
+    assert "prod" in out and "m0" in out and "FAIL" in out
+    code, _, err = run(rollback, ["prod", "--registry", db])
+    assert code == 2 and "nothing to roll back to" in err
+    code, out, _ = run(registry, ["history", "prod", "--registry", db])
+    assert code == 0 and "promote" in out and "v0" in out
+
+
+def test_a_gate_with_nothing_to_measure_exits_2(tmp_path: Path) -> None:
+    art = build_artifact(tmp_path / "arts")
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    empty = tmp_path / "gate.yaml"
+    empty.write_text("tasks: []\ndivergence: {enabled: false}\n")
+    code, _, err = run(
+        gate, [str(art), "--baseline", str(source), "--gate-file", str(empty), "--no-record"]
+    )
+    assert code == 2 and "nothing to measure" in err
+    code, _, err = run(gate, [str(source), "--baseline", str(art), "--no-record"])
+    assert code == 2 and "evaluates what ships" in err

@@ -1,0 +1,65 @@
+"""The `gates:` section and the offline task files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gates.config import load_gate_file, load_gates
+from gates.tasks import BUILTIN_TASKS_DIR, PLACEHOLDER, local_task_names, prepare_task_dir
+from runtime.errors import UsageError
+
+
+def test_defaults_follow_the_scheme_and_overrides_apply() -> None:
+    gates = load_gates({"thresholds": {"flip_rate": 0.1, "shadow_exact_match": "off"}}, "r.yaml")
+    four, eight = gates.policy(4), gates.policy(8)
+    assert four.recovery_min == 0.97 and eight.recovery_min == 0.99
+    assert four.flip_rate_max == eight.flip_rate_max == 0.1
+    assert eight.shadow_exact_match_min is None  # "off": reported, not gated
+    assert eight.rule == "recovery_or_noninferior"
+    assert load_gates({"thresholds": {"recovery": None}}, "r").policy(8).recovery_min == 0.99
+    # a dumped section (as the resolved recipe in a manifest holds it) means the same
+    again = load_gates(gates.model_dump(mode="json"), "manifest").policy(8)
+    assert again == eight
+
+
+def test_unknown_keys_and_bad_values_are_named(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as err:
+        load_gates({"decision_rule": "vibes", "shadow": {"trafic": "x"}}, "r.yaml")
+    message = err.value.message
+    assert "r.yaml: gates.decision_rule" in message and "recovery_or_noninferior" in message
+    assert "r.yaml: gates.shadow.trafic: Extra inputs are not permitted" in message
+    plain = tmp_path / "g.yaml"
+    plain.write_text("limit: 5\nthresholds: {recovery: 0.95}\n")  # a bare section works too
+    assert load_gate_file(plain).policy(8).recovery_min == 0.95
+    with pytest.raises(UsageError, match="not found"):
+        load_gate_file(tmp_path / "missing.yaml")
+
+
+def test_task_files_resolve_their_data_directory(tmp_path: Path) -> None:
+    out = prepare_task_dir([BUILTIN_TASKS_DIR], tmp_path / "tasks")
+    assert local_task_names(out) == {"kiln_ppl", "kiln_mc", "kiln_qa"}
+    for path in out.glob("*.yaml"):
+        text = path.read_text()
+        assert PLACEHOLDER not in text and str(BUILTIN_TASKS_DIR) in text
+
+
+def test_task_data_is_well_formed_and_small() -> None:
+    total = 0
+    for name, key in (("kiln_mc", "choices"), ("kiln_qa", "answers"), ("kiln_ppl", "text")):
+        path = BUILTIN_TASKS_DIR / f"{name}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len({r["id"] for r in rows}) == len(rows) and all(r[key] for r in rows)
+        total += path.stat().st_size
+    mc = [json.loads(line) for line in (BUILTIN_TASKS_DIR / "kiln_mc.jsonl").open()]
+    assert all(len(r["choices"]) == 4 and 0 <= r["answer"] < 4 for r in mc)
+    assert total < 300_000
+
+
+def test_unknown_tasks_are_a_usage_error() -> None:
+    from gates.tasks import run_tasks
+
+    with pytest.raises(UsageError, match=r"unknown task.*kiln_nope"):
+        run_tasks(object(), ["kiln_mc", "kiln_nope"])

@@ -1,0 +1,137 @@
+"""The verdict: task comparisons, divergence, checks, and gate.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gates.divergence import kl_dense, kl_topk, summarize
+from gates.rules import GatePolicy
+from gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+
+CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
+BASELINE = {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64}
+
+
+def scores(correct: list[int]) -> dict[int, float]:
+    return {i: float(c) for i, c in enumerate(correct)}
+
+
+def test_a_candidate_that_keeps_its_answers_passes(tmp_path: Path) -> None:
+    base = scores([1] * 70 + [0] * 30)
+    cand = scores([1] * 70 + [0] * 29 + [1])  # one wrong -> right flip
+    policy = GatePolicy()
+    task = compare_task("kiln_mc", "acc", base, cand, policy)
+    assert task.recovery == pytest.approx(71 / 70)
+    assert (task.right_to_wrong, task.wrong_to_right, task.flip_rate) == (0, 1, 0.01)
+    verdict = build_verdict(
+        CANDIDATE,
+        BASELINE,
+        policy,
+        tasks=[task],
+        perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 20.4)],
+        tools={"lm-eval": "0.4.13"},
+    )
+    assert verdict.passed, [c for c in verdict.failed_checks]
+    path = verdict.write(tmp_path)
+    data = json.loads(path.read_text())
+    assert data["passed"] is True
+    assert data["candidate"]["digest"] == "c" * 64 and data["baseline"]["digest"] == "b" * 64
+    assert data["tools"] == {"lm-eval": "0.4.13"}
+    assert data["policy"]["recovery_min"] == 0.99
+    assert data["perplexity"][0]["ratio"] == pytest.approx(1.02)
+    (mc,) = data["tasks"]
+    assert mc["decision"]["rule"] == "recovery_or_noninferior"
+    assert mc["decision"]["lower_bound"] < mc["decision"]["diff"]
+    names = [c["name"] for c in data["checks"]]
+    assert names == [
+        "kiln_mc: acc (recovery_or_noninferior)",
+        "kiln_mc: flip rate",
+        "kiln_ppl: word_perplexity ratio",
+    ]
+
+
+def test_a_candidate_that_drops_accuracy_fails_and_says_why() -> None:
+    base = scores([1] * 70 + [0] * 30)
+    cand = scores([0] * 10 + [1] * 60 + [0] * 30)
+    verdict = build_verdict(
+        CANDIDATE,
+        BASELINE,
+        GatePolicy(),
+        tasks=[compare_task("qa", "em", base, cand, GatePolicy())],
+    )
+    assert not verdict.passed
+    failed = {c.name: c for c in verdict.failed_checks}
+    assert set(failed) == {"qa: em (recovery_or_noninferior)", "qa: flip rate"}
+    assert failed["qa: flip rate"].value == pytest.approx(0.10)
+    assert "recovery 0.8571 < 0.99" in failed["qa: em (recovery_or_noninferior)"].detail
+
+
+def test_equal_accuracy_with_many_flips_still_fails_on_flip_rate() -> None:
+    base = scores([1, 0] * 50)
+    cand = scores([0, 1] * 50)
+    verdict = build_verdict(
+        CANDIDATE,
+        BASELINE,
+        GatePolicy(),
+        tasks=[compare_task("mc", "acc", base, cand, GatePolicy())],
+    )
+    assert [c.name for c in verdict.failed_checks] == ["mc: flip rate"]
+
+
+def test_sides_that_scored_different_items_are_compared_unpaired() -> None:
+    task = compare_task("mc", "acc", scores([1, 0, 1, 1]), {10: 1.0, 11: 1.0}, GatePolicy())
+    assert not task.decision.paired and task.flip_rate is None
+
+
+def test_a_perplexity_increase_beyond_the_limit_fails() -> None:
+    ppl = PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 25.0)
+    verdict = build_verdict(CANDIDATE, BASELINE, GatePolicy(), perplexity=[ppl])
+    assert not verdict.passed and verdict.checks[0].value == pytest.approx(1.25)
+
+
+def test_nothing_measured_cannot_pass() -> None:
+    with pytest.raises(ValueError, match="nothing measured"):
+        build_verdict(CANDIDATE, BASELINE, GatePolicy())
+
+
+def test_gate_json_round_trips_and_has_no_nan(tmp_path: Path) -> None:
+    task = compare_task("mc", "acc", scores([0, 0]), scores([0, 0]), GatePolicy())
+    verdict = build_verdict(CANDIDATE, BASELINE, GatePolicy(), tasks=[task])
+    text = verdict.write(tmp_path).read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    again = GateVerdict.from_dict(json.loads(text))
+    assert again.to_dict() == verdict.to_dict()
+
+
+def test_dense_kl_matches_the_definition() -> None:
+    p = np.log(np.array([[0.5, 0.25, 0.25], [0.9, 0.05, 0.05]]))
+    q = np.log(np.array([[0.25, 0.5, 0.25], [0.9, 0.05, 0.05]]))
+    kl, agree = kl_dense(p, q)
+    assert kl[0] == pytest.approx(0.5 * math.log(2) + 0.25 * math.log(0.5))
+    assert kl[1] == pytest.approx(0.0, abs=1e-12)
+    assert agree.tolist() == [False, True]
+
+
+def test_topk_kl_is_a_lower_bound_of_the_dense_kl() -> None:
+    rng = np.random.default_rng(0)
+    logits_p = rng.normal(size=(50, 200)) * 3
+    logits_q = logits_p + rng.normal(size=(50, 200)) * 0.5
+    dense, _ = kl_dense(logits_p, logits_q)
+    log_p = logits_p - np.log(np.exp(logits_p).sum(-1, keepdims=True))
+    log_q = logits_q - np.log(np.exp(logits_q).sum(-1, keepdims=True))
+
+    def top(log: np.ndarray, k: int) -> list[dict[int, float]]:
+        return [{int(t): float(row[t]) for t in np.argsort(-row)[:k]} for row in log]
+
+    approx, agree = kl_topk(top(log_p, 20), top(log_q, 20))
+    assert np.all(approx <= dense + 1e-9)
+    assert approx.mean() > 0.5 * dense.mean()  # the top 20 of 200 carry most of the mass
+    assert agree.mean() == pytest.approx((log_p.argmax(-1) == log_q.argmax(-1)).mean())
+    summary = summarize(approx, agree, "topk-20")
+    assert summary.num_tokens == 50 and sum(b["count"] for b in summary.histogram) == 50
+    assert summary.kl_p99 <= summary.kl_max

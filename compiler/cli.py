@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,38 +18,11 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from runtime.errors import KilnError
+from runtime.exits import handle_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
-
-
-def _handle_errors(fn: F) -> F:
-    """Turn KilnError into its exit code and message; anything else into exit 3."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except KilnError as exc:
-            err.print(f"[bold red]error:[/] {exc.message}", markup=True, soft_wrap=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            err.print("interrupted; nothing was published")
-            sys.exit(130)
-        except Exception as exc:  # an unexpected failure is a runtime failure, exit 3
-            if kwargs.get("debug"):
-                traceback.print_exc()
-            err.print(
-                f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n"
-                "rerun with --debug for the traceback",
-                markup=True,
-                soft_wrap=True,
-            )
-            sys.exit(3)
-
-    return wrapper  # type: ignore[return-value]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,7 +35,7 @@ def main() -> None:
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def validate(recipe: Path, as_json: bool, debug: bool) -> None:
     """Check RECIPE completely (schema, model, scheme, data, targets, memory) without running it."""
     from compiler.preflight import validate_recipe
@@ -91,7 +62,7 @@ def validate(recipe: Path, as_json: bool, debug: bool) -> None:
 @click.option("--target", "only", multiple=True, help="Plan only these targets (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def plan(recipe: Path, only: tuple[str, ...], as_json: bool, debug: bool) -> None:
     """Plan GPU memory, KV capacity, tensor parallelism and cost for RECIPE's targets."""
     from compiler.planner import format_plan
@@ -130,7 +101,7 @@ def plan(recipe: Path, only: tuple[str, ...], as_json: bool, debug: bool) -> Non
 @click.option("--force", is_flag=True, help="Recompute every stage even when cached.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks of unexpected failures.")
-@_handle_errors
+@handle_errors
 def compile_cmd(recipe: Path, output: Path | None, force: bool, as_json: bool, debug: bool) -> None:
     """Compile RECIPE into a content-addressed artifact."""
     from compiler.compile import compile_recipe
@@ -163,7 +134,7 @@ def compile_cmd(recipe: Path, output: Path | None, force: bool, as_json: bool, d
 @click.option("--verify", is_flag=True, help="Re-hash every file against the manifest.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def inspect(artifact_dir: Path, verify: bool, as_json: bool, debug: bool) -> None:
     """Show an artifact's manifest, sizes and scheme; --verify re-checks every digest."""
     from compiler.inspect import describe

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-import traceback
 from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from runtime.errors import KilnError, VerdictFailure
+from runtime.errors import VerdictFailure
+from runtime.exits import handle_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,25 +31,6 @@ _REGISTRY = click.option(
 
 def _echo_err(message: str) -> None:
     click.echo(message, err=True)
-
-
-def _handle_errors(fn: F) -> F:
-    """KilnError → its message and exit code; anything unexpected → exit 3."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except KilnError as exc:
-            _echo_err(f"error: {exc.message}")
-            sys.exit(exc.exit_code)
-        except Exception as exc:  # an unexpected failure is a runtime failure
-            if kwargs.get("debug"):
-                traceback.print_exc()
-            _echo_err(f"internal error: {type(exc).__name__}: {exc}\nrerun with --debug")
-            sys.exit(3)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _open_registry(spec: str | None) -> Any:
@@ -75,7 +54,7 @@ def _open_registry(spec: str | None) -> Any:
 @click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
 @click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def gate(
     candidate: str,
     baseline: str,
@@ -142,7 +121,7 @@ def gate(
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def promote(
     artifact: Path, channel: str, reason: str, registry_spec: str | None, debug: bool
 ) -> None:
@@ -158,7 +137,7 @@ def promote(
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def rollback(channel: str, reason: str, registry_spec: str | None, debug: bool) -> None:
     """Move CHANNEL back to the artifact it served before its current one."""
     with _open_registry(registry_spec) as registry:
@@ -177,7 +156,7 @@ def registry() -> None:
 @_REGISTRY
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def registry_ls(registry_spec: str | None, as_json: bool, debug: bool) -> None:
     """Channels with what they serve, and the latest gate runs."""
     from dataclasses import asdict
@@ -205,7 +184,7 @@ def registry_ls(registry_spec: str | None, as_json: bool, debug: bool) -> None:
 @click.argument("channel")
 @_REGISTRY
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def registry_history(channel: str, registry_spec: str | None, debug: bool) -> None:
     """The promotion and rollback events of CHANNEL, oldest first."""
     with _open_registry(registry_spec) as reg:
@@ -223,7 +202,7 @@ def registry_history(channel: str, registry_spec: str | None, debug: bool) -> No
 @click.option("--baseline", "baseline_digest", help="Baseline digest for --rule fixed.")
 @_REGISTRY
 @click.option("--debug", is_flag=True, hidden=True)
-@_handle_errors
+@handle_errors
 def registry_channel(
     name: str, rule: str, baseline_digest: str | None, registry_spec: str | None, debug: bool
 ) -> None:

@@ -265,8 +265,8 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
         read = lambda n: QLinear(raw[f"{n}.weight"])  # noqa: E731
     src = Source(config, info, str(quant_algo), kv_algo, symmetric, fmt)
     for name in names:
-        if name == "lm_head" and name not in ignore and f"{name}.weight" not in raw:
-            continue  # tied to the embedding
+        if name == "lm_head" and f"{name}.weight" not in raw:
+            continue  # tied to the embedding (SmolLM2, Qwen2-0.5B): filled in below
         quantised = not is_ignored(name, ignore) and f"{name}.weight_scale" in raw
         src.linears[name] = read(name) if quantised else QLinear(raw[f"{name}.weight"])
     if "lm_head" not in src.linears:

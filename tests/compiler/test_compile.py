@@ -200,3 +200,16 @@ def test_a_recipe_that_contradicts_an_imported_checkpoint_is_refused(
     code, _, stderr = kiln("validate", str(recipe))
     assert code == 2
     assert f"{recipe}:5: quantization.method:" in stderr
+
+
+def test_tied_embeddings_export_to_tensorrt_llm(tmp_path: Path) -> None:
+    from tests.tiny_models import make_tiny_model
+
+    # SmolLM2 ties lm_head to the embedding and keeps lm_head unquantised (`ignore`).
+    tied = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    recipe = recipe_file(tmp_path, tied, extra="targets: [l40s]\n")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
+    assert manifest.targets["l40s"]["engine"] == "planned"
+    assert "trtllm/tp1/rank0.safetensors" in manifest.files

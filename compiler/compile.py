@@ -155,6 +155,7 @@ def _run_stages(
     report_key = input_key(
         "report",
         quant_key,
+        calib_inputs,
         {
             **dataclasses.asdict(report_spec),
             "base_dir": None,
@@ -171,7 +172,9 @@ def _run_stages(
             return {"summary": {"skipped": reason}}
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        texts = calibration.load_texts(report_spec, tokenizer)
+        # Held-out means held out: never report on a text the model was calibrated on.
+        seen = calibration.load_texts(calib, tokenizer) if needs_data else []
+        texts = calibration.load_texts(report_spec, tokenizer, exclude=seen)
         report = quantization_report(
             model_dir, quantized.path / "model", texts, max_seq_len=report_spec.max_seq_len
         )

@@ -19,7 +19,7 @@ import hashlib
 import importlib.util
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,10 @@ def _jsonl_texts(path: Path, field: str) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
+def _paragraphs(text: str) -> list[str]:
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
 def split_passages(text: str, min_chars: int) -> list[str]:
     """Paragraphs (split at blank lines), merged in order until each has >= min_chars."""
     passages: list[str] = []
@@ -203,12 +207,21 @@ def traffic_texts(record: TrafficRecord, tokenizer: Any = None) -> list[str]:
     return ["\n".join(f"{m['role']}: {m['content']}" for m in messages)]
 
 
-def load_texts(spec: CalibrationSpec, tokenizer: Any = None) -> list[str]:
-    """`num_samples` texts sampled with `seed` (all of them, shuffled, when fewer exist)."""
+def load_texts(
+    spec: CalibrationSpec, tokenizer: Any = None, exclude: Collection[str] = ()
+) -> list[str]:
+    """`num_samples` texts sampled with `seed` (all of them, shuffled, when fewer exist).
+
+    `exclude`: texts never to pick — the calibration texts, when held-out text for the
+    error report comes from the same dataset.
+    """
     problems = check(spec)
     if problems:
         raise CalibrationDataError("\n".join(str(p) for p in problems))
-    documents = _documents(spec, tokenizer)
+    # Passages are built from whole paragraphs, and their length depends on max_seq_len, so
+    # overlap is judged paragraph by paragraph rather than by equal passages.
+    seen = {p for text in exclude for p in _paragraphs(text)}
+    documents = [d for d in _documents(spec, tokenizer) if not seen & set(_paragraphs(d))]
     rng = random.Random(spec.seed)
     return rng.sample(documents, min(spec.num_samples, len(documents)))
 

@@ -123,3 +123,20 @@ def test_tokenize_cuts_to_max_seq_len(tiny_llama: Path) -> None:
     samples = tokenize(["word " * 500, "short", ""], tokenizer, 32)
     assert [len(s) <= 32 for s in samples] == [True, True]
     assert len(samples[0]) == 32
+
+
+def test_held_out_texts_share_no_paragraph_with_the_calibration_texts() -> None:
+    from quant.calibration import load_texts
+    from quant.spec import CalibrationSpec
+
+    calib = CalibrationSpec(dataset="builtin:licenses", num_samples=32, max_seq_len=128)
+    report = CalibrationSpec(dataset="builtin:licenses", num_samples=16, max_seq_len=256)
+    seen = load_texts(calib)
+    held_out = load_texts(report, exclude=seen)
+    assert len(held_out) == 16
+    calibrated = {p.strip() for t in seen for p in t.split("\n\n") if p.strip()}
+    for text in held_out:
+        assert not calibrated & {p.strip() for p in text.split("\n\n") if p.strip()}
+    # Without the exclusion, the same corpus and seed reuse calibration paragraphs.
+    reused = load_texts(report)
+    assert any(calibrated & {p.strip() for p in t.split("\n\n")} for t in reused)

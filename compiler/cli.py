@@ -99,34 +99,87 @@ def plan(recipe: Path, only: tuple[str, ...], as_json: bool, debug: bool) -> Non
     help="Output root (default: the recipe's `output`).",
 )
 @click.option("--force", is_flag=True, help="Recompute every stage even when cached.")
+@click.option(
+    "--promote",
+    metavar="CHANNEL",
+    help="Promote the artifact to CHANNEL in the registry when its gate passes.",
+)
+@click.option("--no-gate", is_flag=True, help="Skip the recipe's `gates:` (nothing is promoted).")
+@click.option(
+    "--registry",
+    "registry_spec",
+    envvar="KILN_REGISTRY",
+    help="Registry file or sqlite:/// URL for gate runs and promotion (default: $KILN_REGISTRY, "
+    "else ~/.local/share/kiln/registry.db).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks of unexpected failures.")
 @handle_errors
-def compile_cmd(recipe: Path, output: Path | None, force: bool, as_json: bool, debug: bool) -> None:
-    """Compile RECIPE into a content-addressed artifact."""
+def compile_cmd(
+    recipe: Path,
+    output: Path | None,
+    force: bool,
+    promote: str | None,
+    no_gate: bool,
+    registry_spec: str | None,
+    as_json: bool,
+    debug: bool,
+) -> None:
+    """Compile RECIPE into a content-addressed artifact, then gate it if the recipe says so."""
     from compiler.compile import compile_recipe
+    from compiler.gating import check_gate_options, gate_compiled
+    from compiler.recipe import load_recipe
+    from runtime.errors import VerdictFailure
 
+    parsed = load_recipe(recipe)
+    check_gate_options(parsed, promote, not no_gate)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("starting", total=None)
-        result = compile_recipe(
-            recipe,
-            output=output,
-            force=force,
-            progress=lambda text: bar.update(task, description=text),
-        )
+
+        def progress(text: str) -> None:
+            bar.update(task, description=text)
+
+        result = compile_recipe(recipe, output=output, force=force, progress=progress)
+        step = None
+        if not no_gate and parsed.config.gates is not None:
+            from gates.registry import Registry
+
+            with Registry(registry_spec) as registry:
+                step = gate_compiled(
+                    result, parsed, registry=registry, promote=promote, force=force,
+                    progress=progress,
+                )  # fmt: skip
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
-        return
-    table = Table(title=f"kiln compile {recipe}", title_justify="left")
-    for column in ("stage", "status", "seconds"):
-        table.add_column(column)
-    for stage in result.stages:
-        table.add_row(stage.name, stage.status, f"{stage.seconds:.1f}")
-    err.print(table)
-    if result.up_to_date:
-        err.print("up to date: nothing changed since the last compile")
-    out.print(f"artifact: {result.artifact}")
+        click.echo(json.dumps({**result.to_dict(), "gate": step.to_dict() if step else None}))
+    else:
+        table = Table(title=f"kiln compile {recipe}", title_justify="left")
+        for column in ("stage", "status", "seconds"):
+            table.add_column(column)
+        for stage in result.stages:
+            table.add_row(stage.name, stage.status, f"{stage.seconds:.1f}")
+        if step is not None:
+            status = ("passed" if step.passed else "FAILED") + (" (cached)" if step.cached else "")
+            table.add_row("gate", status, f"{step.verdict.get('seconds') or 0:.1f}")
+        err.print(table)
+        if result.up_to_date:
+            err.print("up to date: nothing changed since the last compile")
+        if step is not None:
+            from gates.report import MARKDOWN
+
+            err.print((step.reports_dir / MARKDOWN).read_text(), markup=False)
+            err.print(f"gate reports: {step.reports_dir}")
+        out.print(f"artifact: {result.artifact}")
+        if step is not None and step.promotion is not None:
+            previous = (step.promotion["previous_digest"] or "nothing")[:12]
+            out.print(f"promoted: {promote} -> {result.digest[:12]} (was {previous})")
+    if step is not None and not step.passed:
+        failed = ", ".join(step.failed_checks)
+        kept = f"; {promote} was not promoted" if promote else ""
+        raise VerdictFailure(
+            f"{result.artifact}: gate failed against {step.baseline.name} ({failed}){kept}; "
+            f"see {step.reports_dir}"
+        )
 
 
 @main.command()

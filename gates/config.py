@@ -1,12 +1,18 @@
 """The recipe's `gates:` section (also a standalone `--gate-file`), validated at the edge.
 
     gates:
+      baseline: source                       # what `kiln compile` gates against (see below)
       tasks: [kiln_ppl, kiln_mc, kiln_qa]   # offline tasks in recipes/tasks (or lm-eval names)
       limit: null                            # items per task (null: all)
       decision_rule: recovery_or_noninferior # or recovery, noninferior (see gates/rules.py)
       thresholds: {recovery: 0.99, margin: 0.02, flip_rate: 0.05, shadow_exact_match: 0.9}
       divergence: {num_texts: 16, max_seq_len: 128, top_k: 20}
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
+
+`baseline` is what `kiln compile` gates against (`kiln gate` takes --baseline instead):
+`source` (the recipe's unquantised model, the default), an artifact or HF directory (relative
+to the file that sets it), or an http(s) endpoint URL. `kiln compile --promote CHANNEL`
+gates against what the channel requires instead (registry.py), whatever this says.
 
 Thresholds left out (or null) take the defaults for the candidate's weight width
 (`gates.rules.default_policy`); `off` turns a check off (reported, not gated).
@@ -113,6 +119,7 @@ class ShadowSection(_Strict):
 class GatesSection(_Strict):
     """What the gate measures and the thresholds it applies."""
 
+    baseline: str = "source"
     tasks: list[str] = Field(default_factory=lambda: list(DEFAULT_TASKS))
     tasks_dir: str | None = None
     limit: int | None = Field(None, ge=1)

@@ -1,0 +1,165 @@
+"""`kiln compile` runs the recipe's gate and, with --promote, promotes only on a pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gates.registry import Registry
+from runtime import artifact
+from tests.compiler.test_compile import kiln, published
+
+RECIPE = """\
+name: tiny-{method}
+model:
+  source: {model}
+quantization:
+  method: {method}
+calibration:
+  dataset: builtin:licenses
+  num_samples: 8
+  max_seq_len: 64
+report:
+  num_samples: 2
+  max_seq_len: 32
+output: out
+"""
+# Small enough for a tiny model in seconds; no shadow traffic.
+GATES = """\
+gates:
+  tasks: [kiln_mc]
+  limit: 8
+  divergence: {{num_texts: 2, max_seq_len: 32, top_k: 10}}
+  thresholds: {thresholds}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def gated_recipe(tmp: Path, model: Path, method: str, thresholds: str = "{}") -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / "recipe.yaml"
+    path.write_text(RECIPE.format(model=model, method=method) + GATES.format(thresholds=thresholds))
+    return path
+
+
+def test_a_passing_gate_promotes_and_is_recorded_outside_the_digest(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    recipe = gated_recipe(tmp_path, tiny_llama, "fp8")
+    db = str(tmp_path / "registry.db")
+    code, stdout, stderr = kiln("compile", str(recipe), "--promote", "staging", "--registry", db,
+                                "--json")  # fmt: skip
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    gate = result["gate"]
+    assert gate["passed"] and not gate["cached"] and gate["baseline"]["kind"] == "source"
+    path = Path(result["artifact"])
+    manifest = artifact.load_manifest(path)
+    assert manifest.gate is not None and manifest.gate["passed"] is True
+    assert artifact.verify(path) == []  # the verdict lives in the manifest, not in the files
+    reports = Path(gate["reports"])
+    assert {"gate.json", "gate.md", "gate.html"} <= {p.name for p in reports.iterdir()}
+    verdict = json.loads((reports / "gate.json").read_text())
+    assert verdict["candidate"]["digest"] == manifest.digest
+    with Registry(db) as registry:
+        state = registry.channel("staging")
+        assert state is not None and state.current_digest == manifest.digest
+        assert len(registry.gate_runs(manifest.digest)) == 1
+    # An unchanged re-run reuses the verdict and leaves the channel as it is.
+    code, stdout, stderr = kiln("compile", str(recipe), "--promote", "staging", "--registry", db,
+                                "--json")  # fmt: skip
+    assert code == 0, stderr
+    again = json.loads(stdout)["gate"]
+    assert again["cached"] and again["promotion"] is None
+    with Registry(db) as registry:
+        assert len(registry.gate_runs(manifest.digest)) == 1
+
+
+def test_a_failing_gate_exits_1_and_promotes_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+    # 4-bit GPTQ on a random tiny model moves next-token distributions far more than this.
+    recipe = gated_recipe(tmp_path, tiny_llama, "gptq", "{kl_mean: 0.00001}")
+    db = str(tmp_path / "registry.db")
+    code, _, stderr = kiln("compile", str(recipe), "--promote", "prod", "--registry", db)
+    assert code == 1
+    assert "gate failed" in stderr and "KL divergence mean" in stderr
+    assert "prod was not promoted" in stderr
+    # The artifact itself is complete and verifiable; its reports sit beside it.
+    (path,) = [p for p in published(tmp_path / "out") if (p / artifact.MANIFEST).is_file()]
+    assert artifact.verify(path) == []
+    gate = artifact.load_manifest(path).gate
+    assert gate is not None and gate["passed"] is False
+    with Registry(db) as registry:
+        state = registry.channel("prod")
+        assert state is None or state.current_digest is None
+
+
+def test_promote_gates_against_what_the_channel_serves(tiny_llama: Path, tmp_path: Path) -> None:
+    db = str(tmp_path / "registry.db")
+    first = gated_recipe(tmp_path / "a", tiny_llama, "fp8")
+    code, stdout, stderr = kiln("compile", str(first), "--promote", "prod", "--registry", db,
+                                "--json")  # fmt: skip
+    assert code == 0, stderr
+    serving = json.loads(stdout)["digest"]
+    second = gated_recipe(tmp_path / "b", tiny_llama, "fp8_dynamic")
+    code, stdout, stderr = kiln("compile", str(second), "--promote", "prod", "--registry", db,
+                                "--json")  # fmt: skip
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["gate"]["baseline"]["kind"] == "artifact"
+    assert result["gate"]["baseline"]["digest"] == serving
+    assert result["gate"]["promotion"]["previous_digest"] == serving
+
+
+def test_promote_without_a_gate_is_refused_before_any_work(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(model=tiny_llama, method="fp8"))
+    code, _, stderr = kiln("compile", str(recipe), "--promote", "prod",
+                           "--registry", str(tmp_path / "r.db"))  # fmt: skip
+    assert code == 2 and "no `gates:` section" in stderr
+    gated = gated_recipe(tmp_path / "g", tiny_llama, "fp8")
+    code, _, stderr = kiln("compile", str(gated), "--promote", "prod", "--no-gate")
+    assert code == 2 and "--no-gate" in stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "g" / "out").exists()
+
+
+def test_one_layer_with_corrupted_scales_fails_the_default_gate(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from gates.config import load_gates
+    from gates.gate import run_gate
+    from tests.gates.conftest import build_artifact
+
+    # A random tiny model's next-token distributions are nearly flat, so perplexity and task
+    # accuracy barely move; KL and top-1 agreement do (FP8: ~0.0007 and ~0.84 here).
+    strict = "{kl_mean: 0.003, top1_agreement: 0.5}"
+    recipe = gated_recipe(tmp_path / "fp8", tiny_llama, "fp8", strict)
+    code, stdout, stderr = kiln("compile", str(recipe), "--registry", str(tmp_path / "r.db"),
+                                "--json")  # fmt: skip
+    assert code == 0 and json.loads(stdout)["gate"]["passed"], stderr
+    model = tmp_path / "corrupt-model"
+    shutil.copytree(Path(json.loads(stdout)["artifact"]) / artifact.MODEL_DIR, model)
+    weights = load_file(model / "model.safetensors")
+    (name,) = [k for k in weights if k.endswith("layers.0.mlp.down_proj.weight_scale")]
+    weights[name] = weights[name] * 16
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    corrupt = build_artifact(tmp_path / "arts", name="corrupt", model_dir=model)
+    gates = load_gates(
+        {"tasks": ["kiln_mc"], "limit": 8, "thresholds": {"kl_mean": 0.003, "top1_agreement": 0.5}},
+        "test",
+    )
+    verdict = run_gate(str(corrupt), str(tiny_llama), gates, tmp_path / "out").verdict
+    assert not verdict.passed
+    failed = {c.name for c in verdict.failed_checks}
+    assert {"KL divergence mean", "top-1 agreement"} <= failed, failed

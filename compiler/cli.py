@@ -167,7 +167,7 @@ def compile_cmd(
         if step is not None:
             from gates.report import MARKDOWN
 
-            err.print((step.reports_dir / MARKDOWN).read_text(), markup=False)
+            click.echo((step.reports_dir / MARKDOWN).read_text(), err=True)  # unwrapped
             err.print(f"gate reports: {step.reports_dir}")
         out.print(f"artifact: {result.artifact}")
         if step is not None and step.promotion is not None:

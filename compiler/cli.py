@@ -224,5 +224,16 @@ def _register_gate_commands() -> None:
 _register_gate_commands()
 
 
+def _register_serve_command() -> None:
+    """`kiln serve`, the OpenAI-compatible server."""
+    from compiler.serve_cli import COMMANDS
+
+    for command in COMMANDS:
+        main.add_command(command)
+
+
+_register_serve_command()
+
+
 if __name__ == "__main__":
     main()

@@ -48,6 +48,11 @@ def _open_registry(spec: str | None) -> Any:
 )
 @click.option("--gate-file", type=click.Path(path_type=Path), help="YAML `gates:` settings.")
 @click.option("--traffic", type=click.Path(path_type=Path), help="Recorded traffic (.jsonl).")
+@click.option(
+    "--shadow-log",
+    type=click.Path(path_type=Path),
+    help="Judge a live-shadow log of `kiln serve --shadow` (no tasks, no replay).",
+)
 @click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
 @click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
 @_REGISTRY
@@ -60,6 +65,7 @@ def gate(
     baseline: str,
     gate_file: Path | None,
     traffic: Path | None,
+    shadow_log: Path | None,
     out: Path | None,
     limit: int | None,
     registry_spec: str | None,
@@ -90,16 +96,19 @@ def gate(
         label = cand.name if cand.kind == "http" else f"{cand.name}-{cand.digest[:12]}"
         out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
     registry = None if no_record else _open_registry(registry_spec)
-    outcome = run_gate(
-        candidate,
-        baseline,
-        gates,
-        out,
-        base_dir=base_dir,
-        traffic=traffic,
-        registry=registry,
-        progress=_echo_err,
-    )
+    if shadow_log is not None:
+        outcome = _judge_shadow_log(candidate, baseline, shadow_log, gates, out, registry)
+    else:
+        outcome = run_gate(
+            candidate,
+            baseline,
+            gates,
+            out,
+            base_dir=base_dir,
+            traffic=traffic,
+            registry=registry,
+            progress=_echo_err,
+        )
     verdict = outcome.verdict
     if as_json:
         click.echo(json.dumps(verdict.to_dict(), sort_keys=True))
@@ -113,6 +122,64 @@ def gate(
         raise VerdictFailure(
             f"{candidate}: gate failed against {baseline} ({failed}); see {outcome.reports['html']}"
         )
+
+
+def _judge_shadow_log(
+    candidate: str, baseline: str, path: Path, gates: Any, out: Path, registry: Any
+) -> Any:
+    """A verdict on the pairs a live shadow logged, by the replay gate's comparison."""
+    import time
+
+    from gates.gate import GateOutcome, tool_versions
+    from gates.report import write_reports
+    from gates.shadow import ReplaySettings, SideResponse, compare_pair, summarize_pairs
+    from gates.sides import resolve_side
+    from gates.verdict import build_verdict
+    from runtime.errors import UsageError
+    from runtime.server.shadow_log import read_shadow_log
+    from runtime.traffic import COMPLETIONS, TrafficRecord
+
+    began = time.perf_counter()
+    cand, base = resolve_side(candidate, "candidate"), resolve_side(baseline, "baseline")
+    entries = read_shadow_log(path)
+    pairs, base_answers, cand_answers = [], [], []
+    for e in entries:
+        for side, logged, role in ((cand, e.candidate, "candidate"), (base, e.primary, "primary")):
+            if side.kind == "artifact" and logged.digest and logged.digest != side.digest:
+                raise UsageError(
+                    f"{path}: request {e.id} was mirrored with {role} {logged.model} "
+                    f"{logged.digest[:12]}, not {side.spec} ({side.digest[:12]})"
+                )
+        record = TrafficRecord(e.id, e.time, COMPLETIONS, {**e.settings, "prompt": e.prompt})
+        answers = [
+            SideResponse(r.text, r.token_ids, r.ttft_s, r.tpot_s, r.error, r.finish_reason)
+            for r in (e.primary, e.candidate)
+        ]
+        pairs.append(compare_pair(record, *answers))
+        base_answers.append(answers[0])
+        cand_answers.append(answers[1])
+    settings = ReplaySettings(temperature=None, max_tokens=None)
+    report = summarize_pairs(pairs, base_answers, cand_answers, settings)
+    notes = [
+        f"live shadow log {path}: {len(entries)} mirrored requests with their own sampling "
+        "settings; the primary's latency was measured under live load"
+    ]
+    verdict = build_verdict(
+        cand.to_dict(),
+        base.to_dict(),
+        gates.policy(cand.weight_bits),
+        shadow=report,
+        tools=tool_versions(),
+        notes=notes,
+        seconds=round(time.perf_counter() - began, 3),
+    )
+    reports = write_reports(verdict, out)
+    run_id = None
+    if registry is not None:
+        run_id = registry.record_gate_run(
+            verdict.to_dict(), cand.path if cand.kind == "artifact" else None
+        )
+    return GateOutcome(verdict, reports, run_id, cand, base, notes)
 
 
 @click.command("promote")

@@ -7,7 +7,11 @@ A line is either a full record
      "response": {...}}                                   # response is optional
 
 or a bare OpenAI request body (`{"prompt": ...}` or `{"messages": [...]}`), whose endpoint
-is inferred and whose id is `line-N`. Calibration (quant), shadow replay (gates) and the
+is inferred and whose id is `line-N`. A server that does not store prompts (the default of
+`kiln serve --record`) writes a redacted request instead: no `prompt` / `messages`, but
+`"redacted": {"sha256": ..., "prompt_tokens": N}`; such lines are refused by readers that
+need the text (replay, calibration) unless they pass `allow_redacted=True`.
+Calibration (quant), shadow replay (gates) and the
 server (runtime) all read and write through this module; it uses the standard library only.
 """
 
@@ -24,6 +28,7 @@ from runtime.errors import UsageError
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
+REDACTED = "redacted"  # request key of a record whose prompt was not stored
 
 
 class TrafficError(UsageError):
@@ -46,6 +51,8 @@ class TrafficRecord:
             raise ValueError(f"endpoint {self.endpoint!r} is not one of {', '.join(ENDPOINTS)}")
         key = "messages" if self.endpoint == CHAT_COMPLETIONS else "prompt"
         if key not in self.request:
+            if self.redacted:
+                return
             raise ValueError(f"a {self.endpoint} request needs `{key}`")
         if self.endpoint == CHAT_COMPLETIONS and not _valid_messages(self.request["messages"]):
             raise ValueError("`messages` must be a non-empty list of {role, content} objects")
@@ -56,8 +63,16 @@ class TrafficRecord:
     def is_chat(self) -> bool:
         return self.endpoint == CHAT_COMPLETIONS
 
+    @property
+    def redacted(self) -> bool:
+        """True when the prompt was not stored (only its hash and token count)."""
+        key = "messages" if self.endpoint == CHAT_COMPLETIONS else "prompt"
+        return key not in self.request and isinstance(self.request.get(REDACTED), dict)
+
     def prompts(self) -> list[str]:
         """The completion prompt(s) of a /v1/completions request (a list may batch several)."""
+        if self.redacted:
+            return []
         prompt = self.request.get("prompt", "")
         return [prompt] if isinstance(prompt, str) else list(prompt)
 
@@ -122,8 +137,12 @@ def _valid_prompt(prompt: Any) -> bool:
     )
 
 
-def read_traffic(path: str | Path) -> list[TrafficRecord]:
-    """Every record of a traffic file; a bad line raises TrafficError naming `file:line`."""
+def read_traffic(path: str | Path, allow_redacted: bool = False) -> list[TrafficRecord]:
+    """Every record of a traffic file; a bad line raises TrafficError naming `file:line`.
+
+    A redacted line (prompt not stored) is an error unless `allow_redacted`: replay and
+    calibration need the text.
+    """
     path = Path(path)
     if not path.is_file():
         raise TrafficError(f"{path}: traffic file not found")
@@ -140,15 +159,26 @@ def read_traffic(path: str | Path) -> list[TrafficRecord]:
             if not isinstance(data, dict):
                 raise TrafficError(f"{where}: expected a JSON object, got {type(data).__name__}")
             try:
-                records.append(TrafficRecord.from_dict(data, default_id=f"line-{number}"))
+                record = TrafficRecord.from_dict(data, default_id=f"line-{number}")
             except ValueError as exc:
                 raise TrafficError(f"{where}: {exc}") from None
+            if record.redacted and not allow_redacted:
+                raise TrafficError(
+                    f"{where}: the prompt was not recorded (only its hash); replay and "
+                    "calibration need it: record with `kiln serve --record-prompts`"
+                )
+            records.append(record)
     return records
 
 
 def append_record(path: str | Path, record: TrafficRecord) -> None:
     """Append one record as one line; O_APPEND keeps concurrent writers' lines whole."""
-    data = (json.dumps(record.to_dict(), ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    append_line(path, record.to_dict())
+
+
+def append_line(path: str | Path, obj: dict[str, Any]) -> None:
+    """Append one JSON object as one line with a single O_APPEND write."""
+    data = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         while data:

@@ -1,0 +1,313 @@
+"""`kiln serve ARTIFACT | registry://CHANNEL`: the OpenAI-compatible server (runtime/server).
+
+This layer resolves what to serve (an artifact, a Hugging Face directory, or the artifact a
+registry channel points at), picks the backend, and refuses at start a TensorRT-LLM engine
+built for another GPU or TensorRT version (compiler.trtllm.build owns the engine stamp;
+runtime imports nothing of ours, so the check lives here).
+
+`--backend auto` takes TensorRT-LLM when `tensorrt_llm` imports and the artifact holds an
+engine built for this GPU and TensorRT, and the native engine otherwise (saying why).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from runtime.errors import UsageError
+from runtime.exits import handle_errors
+
+REGISTRY_SCHEME = "registry://"
+_SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}  # fmt: skip
+
+
+@dataclass(slots=True)
+class ServedModel:
+    """What a model spec resolved to."""
+
+    spec: str
+    path: Path
+    name: str
+    digest: str
+    is_artifact: bool
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model" if self.is_artifact else self.path
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1.5GB' or a plain number."""
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"--kv-cache-memory {text!r}: not a size; write e.g. 2GiB or 512MiB")
+    number, unit = match.groups()
+    unit = (unit or "").upper().removesuffix("B")
+    return int(float(number) * _UNITS[unit])
+
+
+def resolve_model(spec: str, registry_spec: str | None, role: str = "ARTIFACT") -> ServedModel:
+    """An artifact directory, a Hugging Face model directory, or registry://CHANNEL."""
+    from runtime.artifact import MANIFEST, load_manifest
+
+    original = spec
+    if spec.startswith(REGISTRY_SCHEME):
+        from gates.registry import Registry
+
+        channel = spec[len(REGISTRY_SCHEME) :]
+        with Registry(registry_spec) as registry:
+            state = registry.channel(channel)
+            where = registry.path
+        if state is None or not state.current_path:
+            raise UsageError(
+                f"{role} {spec}: channel {channel!r} serves nothing in {where}; promote an "
+                f"artifact first (kiln promote ARTIFACT --channel {channel})"
+            )
+        spec = state.current_path
+    path = Path(spec).expanduser()
+    if (path / MANIFEST).is_file():
+        manifest = load_manifest(path)
+        return ServedModel(original, path.resolve(), manifest.name, manifest.digest, True)
+    if (path / "config.json").is_file():
+        return ServedModel(original, path.resolve(), path.resolve().name, "", False)
+    raise UsageError(
+        f"{role} {original}: not a kiln artifact (no {MANIFEST}), not a Hugging Face model "
+        "directory (no config.json) and not registry://CHANNEL"
+    )
+
+
+def engine_problems(engine_dir: Path, env: Any) -> list[str]:
+    """Why a built TensorRT-LLM engine cannot run here (empty: it can)."""
+    from compiler.trtllm.build import check_engine_compatible, read_engine_stamp
+
+    if not env.gpus:
+        stamp = read_engine_stamp(engine_dir) or {}
+        return [
+            f"engine {engine_dir} built for {stamp.get('sm', '?')} with TensorRT "
+            f"{stamp.get('tensorrt_version', '?')}; this machine has no NVIDIA GPU — "
+            "serve with --backend native"
+        ]
+    problems: list[str] = []
+    for gpu in env.gpus:
+        found = check_engine_compatible(engine_dir, gpu.compute_capability, env.tensorrt)
+        if not found:
+            return []
+        problems = found
+    return problems
+
+
+def choose_backend(kind: str, model: ServedModel, env: Any = None) -> tuple[str, Path | None, str]:
+    """(`native` or `trtllm`, the engine directory for trtllm, why). Raises UsageError when
+    `--backend trtllm` cannot run here, with built-for vs found and the rebuild command."""
+    from compiler.trtllm.build import ENGINE_STAMP, detect_environment
+    from runtime.server.trtllm import trtllm_available
+
+    if kind == "native":
+        return "native", None, "--backend native"
+    pattern = f"engines/*/engine/{ENGINE_STAMP}"
+    engines = sorted(model.path.glob(pattern)) if model.is_artifact else []
+    if not engines:
+        why = f"{model.spec} holds no built TensorRT-LLM engine (engines/<target>/engine/)"
+        if kind == "trtllm":
+            raise UsageError(f"--backend trtllm: {why}; build one with the artifact's "
+                             "engines/<target>/build.sh on a machine with that GPU")  # fmt: skip
+        return "native", None, why
+    env = env or detect_environment()
+    problems: list[str] = []
+    for stamp in engines:
+        found = engine_problems(stamp.parent, env)
+        if not found:
+            if not trtllm_available():
+                problems.append(f"{stamp.parent} fits this GPU but tensorrt_llm does not import")
+                continue
+            return "trtllm", stamp.parent, f"engine {stamp.parent} fits this GPU"
+        problems += found
+    if kind == "trtllm":
+        raise UsageError("--backend trtllm: refusing the engine(s):\n  " + "\n  ".join(problems))
+    return "native", None, "; ".join(problems)
+
+
+def _engine_options(**given: Any) -> dict[str, Any]:
+    return {k: v for k, v in given.items() if v is not None}
+
+
+@click.command("serve")
+@click.argument("artifact")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option(
+    "--backend", type=click.Choice(["auto", "native", "trtllm"]), default="auto", show_default=True
+)
+@click.option("--served-model-name", help="Model id clients send (default: the artifact name).")
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    help="Require `Authorization: Bearer KEY` (repeatable; default $KILN_API_KEY).",
+)
+@click.option(
+    "--max-waiting",
+    default=64,
+    show_default=True,
+    type=int,
+    help="Requests queued beyond the running batch before answering 429.",
+)
+@click.option("--max-num-seqs", type=int, help="Sequences in the running batch.")
+@click.option("--kv-cache-memory", help="KV-cache budget, e.g. 2GiB.")
+@click.option("--max-model-len", type=int, help="Context limit (default: the model's).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--num-threads", type=int, help="torch CPU threads.")
+@click.option(
+    "--record",
+    "record_path",
+    type=click.Path(path_type=Path),
+    help="Append each request as a traffic line (runtime/traffic.py format).",
+)
+@click.option("--record-sample-rate", default=1.0, show_default=True, type=float)
+@click.option("--record-prompts", is_flag=True, help="Store prompt text (default: hash + count).")
+@click.option("--record-responses", is_flag=True, help="Store responses too.")
+@click.option("--shadow", "shadow_spec", help="Candidate artifact to mirror requests to.")
+@click.option("--shadow-fraction", default=0.1, show_default=True, type=float)
+@click.option(
+    "--shadow-log",
+    type=click.Path(path_type=Path),
+    help="Where mirrored comparisons go (judge with kiln gate --shadow-log).",
+)
+@click.option(
+    "--shadow-queue",
+    default=16,
+    show_default=True,
+    type=int,
+    help="Mirrored requests waiting for the candidate before new ones are dropped.",
+)
+@click.option(
+    "--drain-timeout",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds SIGTERM waits for in-flight requests.",
+)
+@click.option(
+    "--registry",
+    "registry_spec",
+    envvar="KILN_REGISTRY",
+    help="Registry for registry://CHANNEL (default: $KILN_REGISTRY).",
+)
+@click.option("--log-level", default="info", show_default=True)
+@click.option("--debug", is_flag=True, hidden=True)
+@handle_errors
+def serve(
+    artifact: str,
+    host: str,
+    port: int,
+    backend: str,
+    served_model_name: str | None,
+    api_keys: tuple[str, ...],
+    max_waiting: int,
+    max_num_seqs: int | None,
+    kv_cache_memory: str | None,
+    max_model_len: int | None,
+    device: str,
+    dtype: str,
+    num_threads: int | None,
+    record_path: Path | None,
+    record_sample_rate: float,
+    record_prompts: bool,
+    record_responses: bool,
+    shadow_spec: str | None,
+    shadow_fraction: float,
+    shadow_log: Path | None,
+    shadow_queue: int,
+    drain_timeout: float,
+    registry_spec: str | None,
+    log_level: str,
+    debug: bool,
+) -> None:
+    """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
+    from runtime import Engine
+    from runtime.server import NativeBackend, ServerConfig, create_app
+    from runtime.server import serve as run
+    from runtime.server.record import RecordSettings, TrafficRecorder
+    from runtime.server.shadow import ShadowMirror
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if shadow_spec and shadow_log is None:
+        raise UsageError("--shadow needs --shadow-log FILE (where the comparisons go)")
+    recorder = None
+    if record_path is not None:
+        recorder = TrafficRecorder(
+            RecordSettings(record_path, record_sample_rate, record_prompts, record_responses)
+        )
+    model = resolve_model(artifact, registry_spec)
+    options = _engine_options(
+        max_num_seqs=max_num_seqs,
+        kv_cache_memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
+        max_model_len=max_model_len,
+        num_threads=num_threads,
+        device=device,
+        dtype=dtype,
+    )
+    kind, engine_dir, why = choose_backend(backend, model)
+    click.echo(f"backend: {kind} ({why})", err=True)
+    served: Any
+    if kind == "trtllm":
+        from runtime.server.trtllm import TrtllmBackend
+
+        assert engine_dir is not None
+        limit = max_model_len or _config_len(model.model_dir)
+        served = TrtllmBackend(engine_dir, model.model_dir, limit)
+        max_running = max_num_seqs or 64
+    else:
+        engine = (
+            Engine.from_artifact(model.path, **options)
+            if model.is_artifact
+            else Engine.from_pretrained(model.path, **options)
+        )
+        served = NativeBackend(engine)
+        max_running = engine.config.max_num_seqs
+    mirror = None
+    if shadow_spec:
+        assert shadow_log is not None
+        candidate = resolve_model(shadow_spec, registry_spec, "--shadow")
+        cand_engine = (
+            Engine.from_artifact(candidate.path, **options)
+            if candidate.is_artifact
+            else Engine.from_pretrained(candidate.path, **options)
+        )
+        mirror = ShadowMirror(
+            cand_engine,
+            shadow_log,
+            shadow_fraction,
+            candidate.name,
+            candidate.digest,
+            max_queue=shadow_queue,
+        )
+    config = ServerConfig(
+        model_name=served_model_name or model.name,
+        max_running=max_running,
+        max_waiting=max_waiting,
+        api_keys=ServerConfig.keys_from(api_keys),
+        model_root=str(model.path),
+        store_prompts=record_prompts,
+    )
+    app = create_app(served, config, recorder, mirror, drain_timeout, digest=model.digest)
+    click.echo(f"serving {config.model_name} on http://{host}:{port}/v1", err=True)
+    run(app, host, port, drain_timeout, log_level)
+
+
+def _config_len(model_dir: Path) -> int:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
+
+
+COMMANDS = [serve]

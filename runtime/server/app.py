@@ -1,0 +1,164 @@
+"""The FastAPI app: OpenAI routes, /v1/models, /health, /metrics, errors in OpenAI's shape.
+
+Lifecycle: the backend starts with the app and a one-token warm-up request runs through
+it; /health answers 503 until that finished, then 200, and 503 again while draining.
+Requests arriving before warm-up get 503 with Retry-After. On shutdown the server stops
+taking requests, waits for the in-flight ones (uvicorn's graceful shutdown, see runner.py),
+then stops the engine thread and the shadow mirror.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.errors import KilnError, UsageError
+from runtime.sampling import SamplingParams
+from runtime.server import routes
+from runtime.server.auth import require_api_key
+from runtime.server.backend import Backend
+from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from runtime.server.protocol import error_body, now
+from runtime.server.record import TrafficRecorder
+from runtime.server.shadow import ShadowMirror
+from runtime.server.state import APIError, ServerConfig, ServerState
+
+log = logging.getLogger("kiln.serve")
+DRAIN_POLL_S = 0.05
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None,
+           headers: Mapping[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    return JSONResponse(error_body(message, kind, status, param), status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line per problem; the first offending field as `param`."""
+    lines, param = [], None
+    for error in exc.errors():
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if error.get("type") == "json_invalid":
+            return f"malformed JSON body: {error.get('msg')}", None
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        lines.append(f"{where}: {error.get('msg')}")
+    return "invalid request: " + "; ".join(lines), param
+
+
+async def _warm_up(state: ServerState) -> None:
+    """One greedy token through the whole path, so the first client is not the one who
+    pays for lazy initialisation."""
+    backend = state.backend
+    try:
+        ids = backend.encode("Hello")[:8] or [0]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        async for _ in backend.generate(ids, params, "kiln-warmup"):
+            pass
+        state.ready = True
+        log.info("warm-up done; serving %s", state.config.model_name)
+    except Exception as exc:  # reported by /health; the server stays up to say why
+        state.warmup_error = f"{type(exc).__name__}: {exc}"
+        log.error("warm-up failed: %s", state.warmup_error)
+
+
+def create_app(
+    backend: Backend,
+    config: ServerConfig,
+    recorder: TrafficRecorder | None = None,
+    shadow: ShadowMirror | None = None,
+    drain_timeout_s: float = 30.0,
+    digest: str = "",
+) -> FastAPI:
+    """An OpenAI-compatible app serving `backend`."""
+    metrics = ServerMetrics(backend.stats, config.model_name)
+    state = ServerState(backend, config, metrics, recorder, shadow)
+    state.extra["digest"] = digest
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        backend.start()
+        if shadow is not None:
+            shadow.start()
+        warm = None
+        if config.warmup:
+            warm = asyncio.ensure_future(_warm_up(state))
+        else:
+            state.ready = True
+        try:
+            yield
+        finally:
+            state.draining = True
+            if warm is not None and not warm.done():
+                warm.cancel()
+            waited = 0.0
+            while state.in_flight > 0 and waited < drain_timeout_s:
+                await asyncio.sleep(DRAIN_POLL_S)
+                waited += DRAIN_POLL_S
+            await asyncio.to_thread(backend.shutdown)
+            if shadow is not None:
+                await asyncio.to_thread(shadow.shutdown)
+
+    app = FastAPI(title="kiln serve", version="1", lifespan=lifespan,
+                  summary="OpenAI-compatible serving of kiln artifacts")  # fmt: skip
+    app.state.kiln = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.kind, exc.param, exc.headers)
+
+    @app.exception_handler(KilnError)
+    async def kiln_error(request: Request, exc: KilnError) -> JSONResponse:
+        if isinstance(exc, UsageError):
+            return _error(400, exc.message, "invalid_request_error")
+        return _error(500, exc.message, "server_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 once warm-up has finished; 503 before, after a failed warm-up, and while
+        draining."""
+        if state.ready and not state.draining:
+            return Response(status_code=200)
+        reason = state.warmup_error or ("draining" if state.draining else "warming up")
+        return _error(503, f"not ready: {reason}", "service_unavailable")
+
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "kiln",
+            "root": config.model_root or config.model_name,
+            "max_model_len": backend.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    routes.register(app)
+    return app

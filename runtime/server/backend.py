@@ -1,0 +1,122 @@
+"""What the HTTP layer serves from: a backend turns token ids and SamplingParams into a
+stream of RequestOutput deltas.
+
+`NativeBackend` is kiln's own engine (runtime.Engine behind an AsyncEngine thread);
+`TrtllmBackend` (trtllm.py) adapts TensorRT-LLM's LLM API to the same surface, so routes,
+metrics, recording and shadowing do not care which one runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
+
+from runtime.errors import UsageError
+from runtime.outputs import EngineStats, RequestOutput
+from runtime.sampling import SamplingParams
+
+
+class Backend(Protocol):
+    """The serving surface the HTTP layer needs."""
+
+    name: str  # "native" or "trtllm"
+    tokenizer: Any
+    max_model_len: int
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> None:
+        """Raise UsageError now for a request the engine would refuse."""
+        ...
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered by the model's chat template."""
+        ...
+
+
+class NativeBackend:
+    """kiln's runtime engine, stepped on its own thread by AsyncEngine."""
+
+    name = "native"
+
+    def __init__(self, engine: Any) -> None:
+        from runtime.async_engine import AsyncEngine
+
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.max_model_len)
+
+    def start(self) -> None:
+        self.async_engine.start()
+
+    def shutdown(self) -> None:
+        self.async_engine.shutdown()
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> None:
+        # make_request checks everything add() would (length, vocab, KV capacity) and has no
+        # side effect on the engine.
+        self.engine.make_request(prompt_ids, params, request_id=request_id)
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        return self.async_engine.generate(prompt_ids, params, request_id=request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.async_engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _lock(self) -> AbstractContextManager[Any]:
+        # The engine thread decodes with the same Rust tokenizer; the detokenizer's lock
+        # keeps our encodes from meeting its decodes ("Already borrowed").
+        detokenizer = getattr(self.engine, "detokenizer", None)
+        lock = getattr(detokenizer, "_lock", None)
+        return lock if isinstance(lock, type(threading.Lock())) else nullcontext()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self._lock():
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        with self._lock():
+            return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return chat_token_ids(self.tokenizer, messages, self._lock())
+
+
+def chat_token_ids(
+    tokenizer: Any, messages: list[dict[str, str]], lock: AbstractContextManager[Any]
+) -> list[int]:
+    """Render a chat with the tokenizer's template and tokenise it without adding special
+    tokens again (the template writes them). UsageError when there is no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(
+            "this model's tokenizer has no chat template; use /v1/completions or serve a "
+            "model whose tokenizer_config.json sets chat_template"
+        )
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja raises TemplateError for chats the template refuses
+        raise UsageError(f"the chat template refused these messages: {exc}") from None
+    with lock:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,184 @@
+"""The OpenAI request bodies the server accepts, as pydantic models (they become the OpenAPI
+spec), and their translation into SamplingParams.
+
+Only what the runtime can honour is accepted: an unsupported option with a non-default value
+(penalties, logit_bias, tools) is a 400 naming it, never silently ignored. Unknown extra
+fields are ignored, as OpenAI-compatible servers do, so clients that send e.g. `user` work.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.errors import UsageError
+from runtime.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Options shared by completions and chat."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    # vLLM's extension: 0 or -1 turns top-k off.
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # torch's range
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> Any:
+        if self.presence_penalty or self.frequency_penalty:
+            raise UsageError(
+                "presence_penalty and frequency_penalty are not supported by this server; "
+                "leave them at 0"
+            )
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise UsageError("`stop` strings must be non-empty")
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = (
+    str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text, or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise UsageError("`prompt` is empty; send a string, strings, or token ids")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        raise UsageError("`prompt` mixes strings and token ids; send one kind")
+
+    def sampling_params(self) -> tuple[SamplingParams, bool]:
+        """The engine's params, and whether the single generated token is to be dropped
+        (echo with max_tokens 0: the caller wants the prompt's log-probabilities only)."""
+        if self.suffix:
+            raise UsageError("`suffix` is not supported by this server")
+        if self.logit_bias:
+            raise UsageError("`logit_bias` is not supported by this server")
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if max_tokens == 0 and not self.echo:
+            raise UsageError("max_tokens=0 is allowed only with echo=true (prompt scoring)")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        params = self._params(max(max_tokens, 1), self.logprobs, prompt_logprobs)
+        return params, max_tokens == 0
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template expects them (developer reads as system)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        """The engine's params; `room` is the context left after the prompt (the default
+        max_tokens, as OpenAI's is "up to the context")."""
+        if self.tools:
+            raise UsageError("`tools` (function calling) is not supported by this server")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise UsageError(
+                f"response_format {kind!r} needs constrained decoding, which this server does "
+                "not do; ask for JSON in the prompt or leave response_format out"
+            )
+        limit = self.max_completion_tokens or self.max_tokens or max(room, 1)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if self.top_logprobs and not self.logprobs:
+            raise UsageError("`top_logprobs` needs `logprobs: true`")
+        return self._params(limit, logprobs, None)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,311 @@
+"""`/v1/completions` and `/v1/chat/completions`: validate, admit, generate, answer (JSON or
+SSE), then record and mirror the finished request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.server import formatting as fmt
+from runtime.server.auth import require_api_key
+from runtime.server.formatting import ChoiceResult
+from runtime.server.generation import (
+    ChoiceSpec,
+    body_dict,
+    choice_specs,
+    collect_choice,
+    stream_choice,
+    unless_disconnected,
+)
+from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from runtime.server.record import prompt_digest
+from runtime.server.shadow import ShadowJob
+from runtime.server.shadow_log import ShadowEntry, SideResult
+from runtime.server.state import APIError, ServerState
+from runtime.traffic import CHAT_COMPLETIONS, COMPLETIONS
+
+ChunkFn = Callable[[ChoiceResult, bool], dict[str, Any] | None]
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.kiln
+    return state
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.config.model_name:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                       f"`{state.config.model_name}` (see /v1/models)", "model_not_found",
+                       "model")  # fmt: skip
+
+
+def register(app: FastAPI) -> None:
+    """Add the two generation routes to `app`."""
+    auth = [Depends(require_api_key)]
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        state = _state(request)
+        _check_model(state, body.model)
+        params, drop = body.sampling_params()
+        prompts = body.prompts()
+        backend = state.backend
+        ids = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
+        rid = new_id("cmpl")
+        for prompt_ids in ids:
+            backend.validate(prompt_ids, params, rid)
+        echo = [p if isinstance(p, str) else backend.decode(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        top_n = body.logprobs or 0
+
+        def choice(result: ChoiceResult, delta: bool) -> dict[str, Any]:
+            first = not delta or result.first_chunk
+            text = result.delta if delta else result.text
+            tokens = result.delta_tokens if delta else result.token_ids
+            entries: list[Any] = result.delta_logprobs if delta else result.logprobs
+            if drop:
+                text, tokens, entries = "", [], []
+            toks: list[int] = []
+            lps: list[Any] = []
+            if body.echo and first:
+                prompt_no = result.index // body.n
+                text = echo[prompt_no] + text
+                toks += result.prompt_ids
+                lps += result.prompt_logprobs or [None] * len(result.prompt_ids)
+            logprobs = None
+            if body.logprobs is not None:
+                head = backend.decode(toks[:1]) if lps and lps[0] is None else None
+                logprobs = fmt.completion_logprobs(toks + tokens, lps + entries, top_n, head)
+            finish = ("length" if drop else result.finish_reason) if result.done else None
+            return {"index": result.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": finish}  # fmt: skip
+
+        def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
+            return {"object": "text_completion", "choices": [choice(result, delta)]}
+
+        return await _respond(
+            request, state, body, COMPLETIONS, rid, ids, params, chunk,
+            lambda results: [choice(r, False) for r in results],
+            texts, drop,
+        )  # fmt: skip
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state = _state(request)
+        _check_model(state, body.model)
+        backend = state.backend
+        messages = body.template_messages()
+        ids = backend.chat_ids(messages)
+        params = body.sampling_params(backend.max_model_len - len(ids))
+        rid = new_id("chatcmpl")
+        backend.validate(ids, params, rid)
+        top_n = body.top_logprobs or 0
+
+        def logprobs(tokens: list[int], entries: list[Any]) -> dict[str, Any] | None:
+            return fmt.chat_logprobs(tokens, entries, top_n) if body.logprobs else None
+
+        def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
+            content: dict[str, Any] = {"content": result.delta}
+            if result.first_chunk:
+                content["role"] = "assistant"
+            finish = result.finish_reason if result.done else None
+            if not result.delta and not result.first_chunk and finish is None:
+                return None
+            choice = {"index": result.index, "delta": content, "finish_reason": finish,
+                      "logprobs": logprobs(result.delta_tokens, result.delta_logprobs)}  # fmt: skip
+            return {"object": "chat.completion.chunk", "choices": [choice]}
+
+        def choices(results: list[ChoiceResult]) -> list[dict[str, Any]]:
+            return [
+                {
+                    "index": r.index,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": logprobs(r.token_ids, r.logprobs),
+                    "finish_reason": r.finish_reason,
+                }
+                for r in results
+            ]
+
+        prompt_text = "\n".join(m["content"] for m in messages)
+        return await _respond(
+            request, state, body, CHAT_COMPLETIONS, rid, [ids], params, chunk,
+            choices, [prompt_text], False, messages=messages,
+        )  # fmt: skip
+
+
+async def _respond(
+    request: Request,
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    endpoint: str,
+    rid: str,
+    prompts: list[list[int]],
+    params: Any,
+    chunk: ChunkFn,
+    choices: Callable[[list[ChoiceResult]], list[dict[str, Any]]],
+    prompt_texts: list[str | None],
+    drop: bool,
+    messages: list[dict[str, str]] | None = None,
+) -> Response:
+    specs = choice_specs(rid, prompts, params, body.n)
+    state.admit(len(specs))
+    sent = time.perf_counter()
+    head = {"id": rid, "created": now(), "model": state.config.model_name}
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    def final(results: list[ChoiceResult]) -> dict[str, Any]:
+        completion = 0 if drop else sum(len(r.token_ids) for r in results)
+        kind = "chat.completion" if endpoint == CHAT_COMPLETIONS else "text_completion"
+        return {**head, "object": kind, "choices": choices(results),
+                "usage": fmt.usage(prompt_tokens, completion)}  # fmt: skip
+
+    def after(results: list[ChoiceResult]) -> None:
+        response = final(results)
+        _record(state, rid, endpoint, body, prompt_tokens, response, results, prompts)
+        if not drop:
+            _mirror(state, rid, endpoint, body, prompts, prompt_texts, params, results, messages)
+
+    if not body.stream:
+        try:
+            gathered = await unless_disconnected(
+                request, asyncio.gather(*(collect_choice(state, s, sent) for s in specs))
+            )
+        finally:
+            state.release(len(specs))
+        if gathered is None:  # the client left; its requests were aborted
+            return Response(status_code=499)
+        results = sorted(gathered, key=lambda r: r.index)
+        after(results)
+        return JSONResponse(final(results))
+
+    return StreamingResponse(
+        _sse(state, specs, sent, head, chunk, body.include_usage, final, after),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+async def _sse(
+    state: ServerState,
+    specs: list[ChoiceSpec],
+    sent: float,
+    head: dict[str, Any],
+    chunk: ChunkFn,
+    include_usage: bool,
+    final: Callable[[list[ChoiceResult]], dict[str, Any]],
+    after: Callable[[list[ChoiceResult]], None],
+) -> AsyncIterator[str]:
+    """Interleave every choice's deltas as SSE frames; `data: [DONE]` last."""
+    results = [ChoiceResult(s.index, s.prompt_ids, sent=sent) for s in specs]
+    frames: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+    async def pump(spec: ChoiceSpec, result: ChoiceResult) -> None:
+        try:
+            async for r in stream_choice(state, spec, result):
+                frame = chunk(r, True)
+                r.first_chunk = False
+                if frame is not None:
+                    await frames.put({**head, **frame})
+        except Exception as exc:
+            await frames.put(exc)
+        finally:
+            await frames.put(None)
+
+    tasks = [asyncio.ensure_future(pump(s, r)) for s, r in zip(specs, results, strict=True)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await frames.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                yield fmt.sse({"error": {"message": str(item), "type": "server_error",
+                                         "param": None, "code": 500}})  # fmt: skip
+                return
+            else:
+                yield fmt.sse(item)
+        if include_usage:
+            usage = final(results)["usage"]
+            yield fmt.sse({**head, "object": "chunk", "choices": [], "usage": usage})
+        yield fmt.sse("[DONE]")
+        after(results)
+    finally:
+        # No await in here: a client that left cancels this generator, and under Starlette's
+        # cancel scope any await would be cancelled again before the release ran.
+        state.release(len(specs))
+        for task in tasks:
+            task.cancel()  # each choice's stream aborts its engine request as it unwinds
+
+
+def _record(
+    state: ServerState,
+    rid: str,
+    endpoint: str,
+    body: Any,
+    prompt_tokens: int,
+    response: dict[str, Any],
+    results: list[ChoiceResult],
+    prompts: list[list[int]],
+) -> None:
+    recorder = state.recorder
+    if recorder is None or not recorder.sample():
+        return
+    data = body_dict(body)
+    decoded = None
+    if endpoint == COMPLETIONS and not isinstance(data.get("prompt"), str):
+        first = data.get("prompt") or [None]
+        if not isinstance(first[0], str):  # token ids: traffic readers want text
+            decoded = [state.backend.decode(p) for p in prompts]
+    first_tokens = [r.ttft_s for r in results if r.ttft_s is not None]
+    extra = {
+        "usage": response["usage"],
+        "latency_s": round(time.perf_counter() - min(r.sent for r in results), 6),
+        "ttft_s": round(min(first_tokens), 6) if first_tokens else None,
+        "finish_reasons": [c.get("finish_reason") for c in response["choices"]],
+    }
+    recorder.write(rid, endpoint, data, prompt_tokens, response, extra, decoded)
+
+
+def _mirror(
+    state: ServerState,
+    rid: str,
+    endpoint: str,
+    body: Any,
+    prompts: list[list[int]],
+    prompt_texts: list[str | None],
+    params: Any,
+    results: list[ChoiceResult],
+    messages: list[dict[str, str]] | None,
+) -> None:
+    shadow = state.shadow
+    if shadow is None or len(results) != 1 or not shadow.sample():
+        return
+    [result] = results
+    data = body_dict(body)
+    content = data.pop("messages" if messages is not None else "prompt", None)
+    for key in ("stream", "stream_options", "echo", "logprobs", "top_logprobs"):
+        data.pop(key, None)
+    text = prompt_texts[0]
+    if not state.config.store_prompts or text is None:
+        text = f"<redacted sha256:{prompt_digest(content)}>"
+    primary = SideResult(state.config.model_name, state.extra.get("digest", ""), result.text,
+                         list(result.token_ids), result.ttft_s, result.tpot_s,
+                         result.finish_reason)  # fmt: skip
+    entry = ShadowEntry(rid, time.time(), endpoint, text, data, primary)
+    prompt = prompt_texts[0] if prompt_texts[0] is not None else prompts[0]
+    job = ShadowJob(entry, None if messages is not None else prompt, messages,
+                    _greedy_equal(params))  # fmt: skip
+    shadow.offer(job)
+
+
+def _greedy_equal(params: Any) -> Any:
+    # The candidate decodes with exactly the primary's settings (seed included); logprobs
+    # are not compared, so they are not asked for.
+    import dataclasses
+
+    return dataclasses.replace(params, logprobs=None, prompt_logprobs=None)

@@ -1,0 +1,147 @@
+"""Live shadow: mirror a fraction of served requests to a candidate engine and log both answers.
+
+The candidate is a separate Engine stepped by its own thread, fed through a bounded queue:
+`offer` never blocks and drops the request when the queue is full, so a slow candidate
+costs the primary nothing but the enqueue. A request is mirrored after the primary has
+answered it (both answers are then at hand for one log line); the candidate gets the same
+request (a chat rendered by its own chat template), with the same sampling settings and seed.
+The candidate's latencies are its own, measured alone on its thread; the primary's are the
+server's, measured under the live load.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import UsageError
+from runtime.sampling import SamplingParams
+from runtime.server.shadow_log import ShadowEntry, SideResult, append_entry
+
+log = logging.getLogger("kiln.serve.shadow")
+
+
+@dataclass(slots=True)
+class ShadowJob:
+    """A primary's finished request, waiting for the candidate's answer."""
+
+    entry: ShadowEntry
+    prompt: str | list[int] | None  # completion prompt (text or ids); None for a chat
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+
+
+class ShadowMirror:
+    """Owns the candidate engine, its thread and its bounded queue."""
+
+    def __init__(
+        self,
+        engine: Any,
+        log_path: str | Path,
+        fraction: float,
+        model: str,
+        digest: str = "",
+        max_queue: int = 16,
+        seed: int | None = None,
+        on_done: Callable[[ShadowEntry], None] | None = None,
+    ) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise UsageError(f"--shadow-fraction {fraction}: must be in (0, 1]")
+        self.engine = engine
+        self.log_path = Path(log_path)
+        self.fraction = fraction
+        self.model = model
+        self.digest = digest
+        self._queue: queue.Queue[ShadowJob | None] = queue.Queue(maxsize=max_queue)
+        self._random = random.Random(seed)
+        self._on_done = on_done
+        self.offered = self.dropped = self.completed = 0
+        self._thread = threading.Thread(target=self._loop, name="kiln-shadow", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def sample(self) -> bool:
+        """Whether to mirror the next request."""
+        return self.fraction >= 1.0 or self._random.random() < self.fraction
+
+    def offer(self, job: ShadowJob) -> bool:
+        """Queue a job for the candidate; False (dropped) when the queue is full."""
+        self.offered += 1
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.dropped += 1
+            return False
+        return True
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop after the job in progress; jobs still queued are dropped."""
+        while True:
+            try:
+                if self._queue.get_nowait() is not None:
+                    self.dropped += 1
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                job.entry.candidate = self._run(job)
+            except Exception as exc:  # a failing candidate is logged, never raised
+                job.entry.candidate = SideResult(self.model, self.digest, error=repr(exc))
+            try:
+                append_entry(self.log_path, job.entry)
+            except OSError as exc:
+                log.warning("shadow log %s: %s", self.log_path, exc)
+            self.completed += 1
+            if self._on_done is not None:
+                self._on_done(job.entry)
+
+    def _run(self, job: ShadowJob) -> SideResult:
+        engine = self.engine
+        sent = time.perf_counter()
+        prompt = job.prompt
+        if job.messages is not None:
+            # Rendered here, on the only thread that touches the candidate's tokenizer.
+            text = engine.tokenizer.apply_chat_template(
+                job.messages, tokenize=False, add_generation_prompt=True
+            )
+            prompt = list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert prompt is not None
+        try:
+            rid = engine.add_request(prompt, job.params)
+        except UsageError as exc:
+            return SideResult(self.model, self.digest, error=f"bad request: {exc.message}")
+        texts: list[str] = []
+        tokens: list[int] = []
+        first: float | None = None
+        finish = None
+        while finish is None:
+            outputs = engine.step()
+            if not outputs and not engine.has_unfinished_requests():
+                return SideResult(self.model, self.digest, "".join(texts), tokens,
+                                  error="candidate engine dropped the request")  # fmt: skip
+            for out in outputs:
+                if out.request_id != rid:
+                    continue
+                if out.token_ids and first is None:
+                    first = time.perf_counter()
+                texts.append(out.text)
+                tokens += out.token_ids
+                if out.finished:
+                    finish = out.finish_reason
+        end = time.perf_counter()
+        ttft = first - sent if first is not None else None
+        tpot = (end - first) / (len(tokens) - 1) if first is not None and len(tokens) > 1 else None
+        return SideResult(self.model, self.digest, "".join(texts), tokens, ttft, tpot, finish)

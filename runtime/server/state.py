@@ -1,0 +1,110 @@
+"""The server's shared state: backend, settings, admission control, metrics, recorder, shadow."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import UsageError
+from runtime.server.backend import Backend
+from runtime.server.metrics import ServerMetrics
+from runtime.server.record import TrafficRecorder
+from runtime.server.shadow import ShadowMirror
+
+API_KEY_ENV = "KILN_API_KEY"
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: status, message, type, offending parameter."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.headers = headers or {}
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """What the HTTP layer needs beyond the backend.
+
+    Admission: at most `max_running + max_waiting` choices are in flight; more get 429
+    with Retry-After. `max_running` is the engine's batch size (max_num_seqs).
+    """
+
+    model_name: str
+    max_running: int = 64
+    max_waiting: int = 64
+    api_keys: tuple[str, ...] = ()
+    retry_after_s: int = 1
+    warmup: bool = True
+    model_root: str = ""  # shown in /v1/models (the artifact path)
+    store_prompts: bool = False  # shadow log keeps prompt text (same switch as --record-prompts)
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise UsageError(f"--max-waiting {self.max_waiting}: must be >= 0")
+        if self.max_running < 1:
+            raise UsageError(f"max_running {self.max_running}: must be >= 1")
+
+    @classmethod
+    def keys_from(cls, given: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+        """API keys from --api-key options, else $KILN_API_KEY (comma-separated)."""
+        if given:
+            return tuple(given)
+        env = os.environ.get(API_KEY_ENV, "")
+        return tuple(k.strip() for k in env.split(",") if k.strip())
+
+
+@dataclass
+class ServerState:
+    backend: Backend
+    config: ServerConfig
+    metrics: ServerMetrics
+    recorder: TrafficRecorder | None = None
+    shadow: ShadowMirror | None = None
+    ready: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    warmup_error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def capacity(self) -> int:
+        return self.config.max_running + self.config.max_waiting
+
+    def admit(self, choices: int) -> None:
+        """Reserve room for `choices` sequences, or raise 429 (503 while not serving)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable",
+                           headers={"Retry-After": str(self.config.retry_after_s)})  # fmt: skip
+        if not self.ready:
+            raise APIError(503, "the server is warming up; retry shortly", "service_unavailable",
+                           headers={"Retry-After": str(self.config.retry_after_s)})  # fmt: skip
+        if choices > self.capacity:
+            raise APIError(400, f"the request asks for {choices} sequences; this server takes "
+                           f"at most {self.capacity} at once (lower n or send fewer prompts)",
+                           param="n")  # fmt: skip
+        if self.in_flight + choices > self.capacity:
+            raise APIError(
+                429,
+                f"server overloaded: {self.in_flight} sequences in flight, the limit is "
+                f"{self.capacity} (max_num_seqs {self.config.max_running} + max_waiting "
+                f"{self.config.max_waiting}); retry after {self.config.retry_after_s}s",
+                "rate_limit_exceeded",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+        self.in_flight += choices
+
+    def release(self, choices: int) -> None:
+        self.in_flight -= choices

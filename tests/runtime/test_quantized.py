@@ -21,7 +21,14 @@ import torch
 
 from runtime import Engine, SamplingParams
 from runtime.errors import ArtifactError
-from runtime.kernels import Fp8Linear, Int4Linear, Int8Linear, Int8WeightLinear, make_linear
+from runtime.kernels import (
+    Fp8Linear,
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    Int8WeightLinear,
+    make_linear,
+)
 from runtime.linear import LinearWeights, WeightScheme, dequantize
 from runtime.loader import unpack
 from tests.runtime.conftest import PROMPTS, hf_greedy, hf_logprobs, hf_model, logprobs_of
@@ -145,3 +152,25 @@ def test_unknown_quantisation_method_is_named(tiny_llama: Path, tmp_path: Path) 
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ArtifactError, match="quant_method 'gptq' is not supported"):
         Engine.from_pretrained(model_dir)
+
+
+def test_group_wise_w8a16_runs_per_group_with_a_narrow_last_group() -> None:
+    """in_features 96 at group 64: compressed-tensors stores 2 groups, the last 32 wide."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (48, 96), dtype=torch.int8, generator=generator)
+    scale = torch.rand(48, 2, generator=generator) * 0.01 + 0.001
+    w = LinearWeights(WeightScheme("int", 8, "group", 64), codes, scale)
+    reference = dequantize(w, torch.float32)
+    expected_weight = codes.float() * torch.cat(
+        [scale[:, :1].expand(48, 64), scale[:, 1:].expand(48, 32)], dim=1
+    )
+    assert torch.equal(reference, expected_weight)
+    layer = make_linear([w], torch.float32, torch.device("cpu"))
+    assert isinstance(layer, Int8GroupLinear)
+    for rows in (1, Int8GroupLinear.LOOP_MAX_ROWS + 1):  # per-group kernel, dequantised GEMM
+        x = torch.randn(rows, 96, generator=generator)
+        expected = x @ reference.t()
+        # The per-group path takes bf16 activations and scales (relative error ~ 2^-8).
+        torch.testing.assert_close(
+            layer(x), expected, rtol=0, atol=2e-2 * float(expected.abs().max())
+        )

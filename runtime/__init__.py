@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from runtime.outputs import RequestOutput as RequestOutput
     from runtime.sampling import Logprob as Logprob
     from runtime.sampling import SamplingParams as SamplingParams
+    from runtime.speculative import SpeculativeConfig as SpeculativeConfig
 
 _EXPORTS = {
     "AsyncEngine": "runtime.async_engine",
@@ -27,6 +28,7 @@ _EXPORTS = {
     "Logprob": "runtime.sampling",
     "RequestOutput": "runtime.outputs",
     "SamplingParams": "runtime.sampling",
+    "SpeculativeConfig": "runtime.speculative",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,9 @@
 batching: requests join and leave at every step) and returns each advanced request's new
 tokens and text as a delta, `abort` frees a request's blocks at once, and `generate` drives
 all of it for a list of prompts. `AsyncEngine` (async_engine.py) puts the step loop on a
-background thread for servers.
+background thread for servers. With a SpeculativeConfig, each step also verifies the draft
+tokens proposed after the previous one and may emit several tokens per request
+(speculative.py).
 """
 
 from __future__ import annotations
@@ -18,11 +20,10 @@ from typing import Any
 
 import torch
 
-from runtime.attention import PagedKVCache
-from runtime.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, engine_config
+from runtime.config import EngineConfig, engine_config
 from runtime.detokenizer import Detokenizer, find_stop
 from runtime.errors import ArtifactError, UsageError
-from runtime.kv_cache import KVCacheManager
+from runtime.kv_cache import KVCacheManager, build_kv_cache
 from runtime.loader import KVCacheSpec, load_model, read_config
 from runtime.model import CausalLM
 from runtime.model_runner import ModelRunner, StepLogits
@@ -30,6 +31,7 @@ from runtime.outputs import EngineStats, RequestOutput, delta_output, final_outp
 from runtime.sampling import Logprob, SamplingParams, make_generator, sample, token_logprobs
 from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.sequence import Request, RequestStatus
+from runtime.speculative import SpeculativeConfig, build_speculator, from_manifest
 
 Prompt = str | list[int]
 
@@ -44,7 +46,11 @@ class Engine:
         config: EngineConfig | None = None,
         kv_spec: KVCacheSpec | None = None,
         eos_token_ids: Sequence[int] = (),
+        speculative: SpeculativeConfig | None = None,
+        draft_model: CausalLM | None = None,
     ) -> None:
+        """`speculative` turns on speculative decoding; `draft_model` is an already loaded
+        draft (else the draft is loaded from `speculative.draft`)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -52,37 +58,19 @@ class Engine:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.max_model_len = self._max_model_len(model, config)
-        kv_spec = kv_spec or KVCacheSpec()
-        c = model.config
-        kv_dtype = model.dtype
-        if config.kv_cache_dtype != "auto":
-            if kv_spec.quant:
-                raise UsageError(
-                    f"kv_cache_dtype={config.kv_cache_dtype!r}: this checkpoint stores its KV "
-                    f"cache as {kv_spec.quant} with calibrated scales; leave kv_cache_dtype auto"
-                )
-            kv_dtype = getattr(torch, config.kv_cache_dtype)
-        itemsize = 1 if kv_spec.quant else kv_dtype.itemsize
-        per_block = PagedKVCache.bytes_per_block(
-            c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, itemsize
-        )
-        self.num_blocks = self._num_blocks(config, per_block)
-        cache = PagedKVCache(
-            c.num_layers,
-            self.num_blocks,
-            config.block_size,
-            c.num_kv_heads,
-            c.head_dim,
-            kv_dtype,
-            model.device,
-            kv_spec.quant,
-            kv_spec.k_scales,
-            kv_spec.v_scales,
-        )
+        cache = build_kv_cache(model, config, kv_spec or KVCacheSpec(), self.max_model_len)
+        self.num_blocks = cache.k[0].shape[1]
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(model, cache)
-        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(c.eos_token_ids)
+        self.speculator = None
+        if speculative is not None:
+            # One spare block per sequence: the draft runs k - 1 positions past the target.
+            draft_blocks = self.num_blocks + config.max_num_seqs
+            self.speculator = build_speculator(
+                speculative, model, config, draft_blocks, self.max_model_len, draft_model
+            )
+        self.eos_token_ids = frozenset(eos_token_ids) | frozenset(model.config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._prompt_tokens = 0
@@ -92,7 +80,12 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, device: str = "cpu", tokenizer: Any = None, **config: Any
+        cls,
+        model_dir: str | Path,
+        device: str = "cpu",
+        tokenizer: Any = None,
+        speculative: SpeculativeConfig | None = None,
+        **config: Any,
     ) -> Engine:
         """Load a Hugging Face model directory (dense or compressed-tensors)."""
         from transformers import AutoTokenizer
@@ -107,24 +100,30 @@ class Engine:
         eos = set(_generation_eos(model_dir))
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
-        return cls(model, tokenizer, options, kv_spec, sorted(eos))
+        return cls(model, tokenizer, options, kv_spec, sorted(eos), speculative)
 
     @classmethod
     def from_artifact(
-        cls, path: str | Path, device: str = "cpu", verify: bool = False, **config: Any
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        verify: bool = False,
+        speculative: SpeculativeConfig | bool | None = None,
+        **config: Any,
     ) -> Engine:
         """Load the model of a kiln artifact (`<artifact>/model/`); `verify` re-hashes every
-        file against the manifest first."""
+        file against the manifest first. A manifest `speculative` entry (a nested draft
+        artifact and its K) turns speculative decoding on unless `speculative=False`."""
         from runtime.artifact import MODEL_DIR, load_manifest
         from runtime.artifact import verify as verify_artifact
 
-        load_manifest(path)
+        speculative = from_manifest(load_manifest(path), Path(path), speculative)
         if verify and (problems := verify_artifact(path)):
             raise ArtifactError(f"{path}: artifact does not verify: " + "; ".join(problems))
         model_dir = Path(path) / MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise ArtifactError(f"{path}: artifact has no {MODEL_DIR}/config.json")
-        return cls.from_pretrained(model_dir, device=device, **config)
+        return cls.from_pretrained(model_dir, device=device, speculative=speculative, **config)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -201,8 +200,14 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return False
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.requests.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -218,6 +223,10 @@ class Engine:
         with torch.inference_mode():
             logits = self.runner.run(scheduled)
             outputs = self._update(scheduled, logits)
+            if self.speculator is not None:
+                for request in scheduled.preempted:
+                    self.speculator.release(request)
+                self.speculator.propose(self.scheduler.running)
         self._steps += 1
         self._busy += time.perf_counter() - began
         return outputs
@@ -232,38 +241,67 @@ class Engine:
             top_n = [request.params.prompt_logprobs or 0] * count
             request.prompt_logprobs.extend(self._named(token_logprobs(logprobs, targets, top_n)))
         for request, count in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
-            request.num_computed_tokens += count
+            # Draft positions count as computed only once accepted (`_verify`).
+            request.num_computed_tokens += count - len(request.spec_token_ids)
             self.kv.cache_full_blocks(request)
-        if not step.sample_rows:
-            return []
-        requests = [request for request, _ in step.sample_rows]
-        rows = logits[torch.tensor([row for _, row in step.sample_rows], device=logits.device)]
-        tokens = sample(rows, [r.params for r in requests], [r.generator for r in requests])
+        outputs = []
+        plain = [(r, row) for r, row in step.sample_rows if not r.spec_token_ids]
+        if plain:
+            requests = [request for request, _ in plain]
+            rows = logits[torch.tensor([row for _, row in plain], device=logits.device)]
+            tokens = sample(rows, [r.params for r in requests], [r.generator for r in requests])
+            entries = self._logprob_entries(requests, rows, tokens)
+            for request, token, entry in zip(requests, tokens.tolist(), entries, strict=True):
+                self._emit(request, token, entry)
+                outputs.append(delta_output(request))
+        for request, row in step.sample_rows:
+            if request.spec_token_ids:
+                width = len(request.spec_token_ids) + 1
+                outputs.append(self._verify(request, logits[row : row + width]))
+        return outputs
+
+    def _verify(self, request: Request, rows: torch.Tensor) -> RequestOutput:
+        """Emit the tokens a verifying pass accepts; roll back the rejected KV positions."""
+        assert self.speculator is not None
+        tokens = self.speculator.accept(request, rows, self.kv)
+        chosen = torch.tensor(tokens, device=rows.device)
+        entries = self._logprob_entries([request] * len(tokens), rows[: len(tokens)], chosen)
+        for token, entry in zip(tokens, entries, strict=True):
+            if self._emit(request, token, entry):
+                break  # a stop inside the accepted run drops the tokens after it
+        if not request.finished:
+            self.kv.cache_full_blocks(request)
+        return delta_output(request)
+
+    def _emit(self, request: Request, token: int, entry: dict[int, Logprob] | None) -> bool:
+        """Append one token and apply the stop rules; True when that finished the request."""
+        if not request.output_token_ids:
+            self._prompt_tokens += request.num_prompt_tokens
+        request.append_token(token)
+        self._generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        if entry is not None:
+            request.logprobs.append(entry)
+        status = self._check_stop(request, token)
+        if status is not None:
+            self._finish(request, status)
+        return status is not None
+
+    def _logprob_entries(
+        self, requests: list[Request], rows: torch.Tensor, tokens: torch.Tensor
+    ) -> list[dict[int, Logprob] | None]:
+        """The chosen token's log-probability record for each request that asked for one."""
+        out: list[dict[int, Logprob] | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        entries = {}
         if wanted:
-            chosen = torch.tensor(wanted, device=logits.device)
+            chosen = torch.tensor(wanted, device=rows.device)
             logprobs = torch.log_softmax(rows[chosen], dim=-1)
             top_n = [requests[i].params.logprobs or 0 for i in wanted]
             named = self._named(token_logprobs(logprobs, tokens[chosen], top_n))
-            entries = dict(zip(wanted, named, strict=True))
-        outputs = []
-        now = time.monotonic()
-        for i, (request, token) in enumerate(zip(requests, tokens.tolist(), strict=True)):
-            if not request.output_token_ids:
-                self._prompt_tokens += request.num_prompt_tokens
-            request.append_token(token)
-            self._generation_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if i in entries:
-                request.logprobs.append(entries[i])
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.scheduler.finish(request, status)
-                self.requests.pop(request.request_id, None)
-            outputs.append(delta_output(request))
-        return outputs
+            for i, entry in zip(wanted, named, strict=True):
+                out[i] = entry
+        return out
 
     def _named(self, entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
         """Fill in each Logprob's token text (what an OpenAI-style response shows)."""
@@ -329,6 +367,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._steps,
             busy_seconds=self._busy,
+            **(self.speculator.metrics() if self.speculator is not None else {}),
         )
 
     # -- sizing ---------------------------------------------------------------------------
@@ -348,20 +387,6 @@ class Engine:
                 "implement); lower it"
             )
         return config.max_model_len
-
-    def _num_blocks(self, config: EngineConfig, per_block: int) -> int:
-        if config.num_blocks is not None:
-            return config.num_blocks
-        if config.kv_cache_memory_bytes is not None:
-            blocks = config.kv_cache_memory_bytes // per_block
-            if blocks < 1:
-                raise UsageError(
-                    f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block; "
-                    f"one block takes {per_block} bytes"
-                )
-            return blocks
-        wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))
 
 
 def _model_len_limit(config: dict[str, Any]) -> int:

@@ -8,7 +8,8 @@ new request hits is unlinked from the middle in O(1). A free block keeps its has
 handed out again, so eviction is least-recently-freed first. A request frees its blocks in
 reverse order, so its last (least shared) blocks are evicted before its prefix.
 
-This module only does the bookkeeping; the tensors live with the model (`attention.py`).
+This module does the bookkeeping; the tensors live with the model (`attention.py`), sized
+and allocated for an engine by `build_kv_cache`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from runtime.attention import PagedKVCache
+from runtime.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from runtime.errors import UsageError
+from runtime.loader import KVCacheSpec
+from runtime.model import CausalLM
 from runtime.sequence import Request
 
 
@@ -210,6 +218,15 @@ class KVCacheManager:
             request.block_table.extend(b.block_id for b in self.pool.allocate(new_blocks))
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those `num_tokens` tokens need (speculative
+        decoding's rollback of rejected draft positions), last block first."""
+        keep = self.blocks_needed(num_tokens)
+        extra = request.block_table[keep:]
+        if extra:
+            self.pool.free(self.pool.blocks[i] for i in reversed(extra))
+            del request.block_table[keep:]
+
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's newly full, computed blocks to the prefix cache."""
         if not self.enable_caching:
@@ -230,3 +247,57 @@ class KVCacheManager:
         self.pool.free(blocks[i] for i in reversed(request.block_table))
         request.block_table = []
         self._num_cached_blocks.pop(request.request_id, None)
+
+
+def build_kv_cache(
+    model: CausalLM,
+    config: EngineConfig,
+    kv_spec: KVCacheSpec,
+    max_model_len: int,
+    num_blocks: int | None = None,
+) -> PagedKVCache:
+    """Allocate the model's paged K/V tensors: `num_blocks` blocks when given, else as many
+    as the config asks for (`num_blocks`, `kv_cache_memory_bytes`, or enough for
+    `max_num_seqs` sequences at `max_model_len`, capped at DEFAULT_KV_CACHE_BYTES)."""
+    c = model.config
+    kv_dtype = model.dtype
+    if config.kv_cache_dtype != "auto":
+        if kv_spec.quant:
+            raise UsageError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r}: this checkpoint stores its KV "
+                f"cache as {kv_spec.quant} with calibrated scales; leave kv_cache_dtype auto"
+            )
+        kv_dtype = getattr(torch, config.kv_cache_dtype)
+    itemsize = 1 if kv_spec.quant else kv_dtype.itemsize
+    per_block = PagedKVCache.bytes_per_block(
+        c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, itemsize
+    )
+    if num_blocks is None:
+        num_blocks = _num_blocks(config, per_block, max_model_len)
+    return PagedKVCache(
+        c.num_layers,
+        num_blocks,
+        config.block_size,
+        c.num_kv_heads,
+        c.head_dim,
+        kv_dtype,
+        model.device,
+        kv_spec.quant,
+        kv_spec.k_scales,
+        kv_spec.v_scales,
+    )
+
+
+def _num_blocks(config: EngineConfig, per_block: int, max_model_len: int) -> int:
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_cache_memory_bytes is not None:
+        blocks = config.kv_cache_memory_bytes // per_block
+        if blocks < 1:
+            raise UsageError(
+                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block; "
+                f"one block takes {per_block} bytes"
+            )
+        return blocks
+    wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return max(1, min(wanted, DEFAULT_KV_CACHE_BYTES // per_block))

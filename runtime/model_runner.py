@@ -3,7 +3,8 @@
 The step's tokens are laid out decodes first (requests advancing by one token), then prefill
 chunks. For each request the runner records which logits rows it needs: the last row when
 the request reaches the end of its tokens (it samples), and the rows whose next token is a
-prompt token while it still owes prompt log-probabilities.
+prompt token while it still owes prompt log-probabilities. A request verifying k draft
+tokens runs as a chunk of 1 + k tokens at the end of its context and needs all 1 + k rows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class StepLogits:
     logits: torch.Tensor
     # (request, first logits row, first position, count) for prompt log-probability rows.
     prompt_rows: list[tuple[Request, int, int, int]]
-    # (request, row) for requests that sample a token this step.
+    # (request, row) for requests that sample a token this step; a request verifying k
+    # draft tokens (speculative decoding) owns rows [row, row + k], one per position.
     sample_rows: list[tuple[Request, int]]
 
 
@@ -62,6 +64,7 @@ class ModelRunner:
             else:
                 prefills.append((request, len(token_ids), count))
                 token_ids.extend(request.all_token_ids[start : start + count])
+                token_ids.extend(request.spec_token_ids)  # draft tokens to verify, if any
                 positions.extend(range(start, start + count))
                 table = request.block_table
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + count))
@@ -118,9 +121,10 @@ class ModelRunner:
             if end > begin:
                 prompt_rows.append((request, len(rows), begin, end - begin))
                 rows.extend(range(first + begin - start, first + end - start))
-        if start + count == request.num_tokens:
+        drafts = len(request.spec_token_ids)
+        if start + count == request.num_tokens + drafts:
             sample_rows.append((request, len(rows)))
-            rows.append(first + count - 1)
+            rows.extend(range(first + count - 1 - drafts, first + count))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

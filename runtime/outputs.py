@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.sampling import Logprob
 from runtime.sequence import FINISH_REASONS, Request
@@ -43,6 +43,18 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     busy_seconds: float
+    # Speculative decoding (vLLM's spec_decode counters): draft passes, tokens proposed,
+    # tokens accepted, and accepted counts by draft position (position 0 first).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens per verifying pass, vLLM's 1 + accepted / drafts (1.0 with no drafts)."""
+        drafts = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / drafts if drafts else 1.0
 
     @property
     def generation_throughput(self) -> float:

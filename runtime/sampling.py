@@ -36,6 +36,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
+    # False opts this request out of speculative decoding (plain one-token steps).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,18 +97,28 @@ def sample(
         return tokens
     rows = torch.tensor(sampled, device=logits.device)
     chosen = [params[i] for i in sampled]
-    temps = torch.tensor([p.temperature for p in chosen], dtype=logits.dtype, device=logits.device)
-    scaled = logits[rows] / temps.unsqueeze(1)
-    scaled = _top_k_top_p(scaled, chosen)
-    probs = torch.softmax(scaled, dim=-1)
+    probs = probabilities(logits[rows], chosen)
+    tokens[rows] = draw(probs, [generators[i] for i in sampled])
+    return tokens
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of `logits` samples from: softmax after the row's
+    temperature, top-k and top-p (non-greedy params only)."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    scaled = _top_k_top_p(logits / temps.unsqueeze(1), params)
+    return torch.softmax(scaled, dim=-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [n, vocab]; seeded rows draw from their own generator."""
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p, and lets one
     # tensor op serve every unseeded row.
     noise = torch.empty_like(probs).exponential_()
-    for j, i in enumerate(sampled):
-        if generators[i] is not None:
-            noise[j] = torch.empty_like(probs[j]).exponential_(generator=generators[i])
-    tokens[rows] = (probs / noise).argmax(dim=-1)
-    return tokens
+    for j, generator in enumerate(generators):
+        if generator is not None:
+            noise[j] = torch.empty_like(probs[j]).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

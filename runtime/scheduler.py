@@ -8,6 +8,10 @@ budget), then waiting requests are admitted after a prefix-cache lookup while th
 (or, with the priority policy, the lowest-priority one) is preempted: its blocks are freed,
 their hashes kept so they stay prefix-cache candidates, and it goes back to the front of the
 waiting queue to be recomputed.
+
+With speculative decoding a running request may carry k draft tokens: it is scheduled for
+1 + k tokens (the target verifies them all in this step's forward) when the budget and the
+pool allow, and otherwise drops its drafts and decodes one token.
 """
 
 from __future__ import annotations
@@ -96,6 +100,15 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.spec_token_ids:
+                # Verify the draft tokens too when budget and blocks allow; else decode one.
+                wanted = num_new + len(request.spec_token_ids)
+                if wanted <= budget and self.kv.allocate_slots(request, wanted):
+                    scheduled[request] = wanted
+                    budget -= wanted
+                    index += 1
+                    continue
+                request.drop_spec()
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._victim()
                 position = self.running.index(victim)
@@ -151,6 +164,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.drop_spec()
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

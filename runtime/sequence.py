@@ -62,6 +62,10 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Speculative decoding: draft tokens to verify next step (not in all_token_ids) and,
+    # for sampled requests with a draft model, the draft's distribution at each [k, vocab].
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
     # Incremental detokenisation state (see Detokenizer).
     text: str = ""
     prefix_offset: int = 0
@@ -96,6 +100,11 @@ class Request:
             self.params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < self.num_prompt_tokens
         )
+
+    def drop_spec(self) -> None:
+        """Forget the pending draft tokens (the step decodes one token instead)."""
+        self.spec_token_ids = []
+        self.spec_probs = None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

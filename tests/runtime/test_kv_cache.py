@@ -117,3 +117,15 @@ def test_random_workload_returns_every_block(tiny_llama: Path) -> None:
     assert all(block.ref_cnt == 0 for block in engine.kv.pool.blocks)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert not engine.requests
+
+
+def test_trim_frees_rejected_draft_blocks_last_first() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    req = request("a", list(range(7)))
+    assert kv.allocate_slots(req, 7 + 5)  # 7 tokens and 5 draft positions: 3 blocks
+    kept, dropped = req.block_table[:2], req.block_table[2:]
+    kv.trim(req, 8)  # 8 tokens survive verification: 2 blocks
+    assert req.block_table == kept and kv.pool.num_free_blocks == 4
+    assert [b.block_id for b in kv.pool.allocate(4)][-1] == dropped[0]
+    kv.trim(req, 8)  # nothing more to free
+    assert req.block_table == kept

@@ -154,3 +154,21 @@ def test_requests_join_a_running_batch(tiny_llama: Path) -> None:
             produced[out.request_id] += out.token_ids
     assert len(produced[first]) == 15
     assert produced[second] == alone.token_ids
+
+
+def test_draft_tokens_are_scheduled_when_budget_and_blocks_allow() -> None:
+    scheduler = make_scheduler(3, max_num_batched_tokens=4)
+    request = Request("r", [1, 2, 3], GREEDY)
+    scheduler.add(request)
+    advance(scheduler, scheduler.schedule())  # prefill: 3 computed, 4 tokens, 1 block
+    request.spec_token_ids = [8, 9, 10]
+    out = scheduler.schedule()
+    assert out.num_new_tokens == [4]  # the last token and three drafts, in one chunk
+    assert len(request.block_table) == 2  # positions 3..6 reach into a second block
+    scheduler.kv.trim(request, request.num_computed_tokens + 1)  # all drafts rejected
+    request.num_computed_tokens += 1
+    request.drop_spec()
+    request.append_token(7)
+    request.spec_token_ids = [8, 9, 10, 11]  # 5 tokens: more than the budget of 4
+    out = scheduler.schedule()
+    assert out.num_new_tokens == [1] and request.spec_token_ids == []

@@ -6,15 +6,15 @@ A side spec is one of
   spec a registered resolver turns into one (the compiler registers `builtin:` and GGUF);
 - an http(s) URL of an OpenAI-compatible endpoint (`/v1/completions`, `/v1/chat/completions`).
 
-`HttpSide` streams (SSE) to measure TTFT and TPOT as `vllm bench serve` defines them:
-TTFT = first content chunk - request sent; TPOT = (last chunk - first) / (tokens - 1).
+`HttpSide` streams (SSE) through `runtime.client` to measure TTFT and TPOT as
+`vllm bench serve` defines them: TTFT = first content chunk - request sent;
+TPOT = (latency - TTFT) / (output tokens - 1).
 `EngineSide` runs requests through `runtime.Engine` one at a time, so the per-request
 timings are the engine's own, not a queue's.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +26,7 @@ import httpx
 
 from gates.shadow import SideResponse
 from runtime.artifact import MANIFEST, content_digest, file_digests, load_manifest
+from runtime.client import OpenAIClient
 from runtime.errors import UsageError
 from runtime.traffic import TrafficRecord
 
@@ -103,74 +104,34 @@ def resolve_side(spec: str, role: str = "side") -> SideSpec:
 
 
 class HttpSide:
-    """An OpenAI-compatible endpoint, called with `stream: true`."""
+    """An OpenAI-compatible endpoint, called with `stream: true` through runtime.client."""
 
     def __init__(self, url: str, model: str | None = None, timeout_s: float = 300.0) -> None:
-        base = url.rstrip("/")
-        self.base = base[: -len("/v1")] if base.endswith("/v1") else base
         self.name = url
-        self.model = model
-        self._client = httpx.Client(timeout=timeout_s)
+        self._client = OpenAIClient(url, model, timeout_s)
+        self.base = self._client.base
+        self._model_known = model is not None
 
-    def _model_name(self) -> str | None:
-        """The served model's id from /v1/models when none was given (None if unknown)."""
-        if self.model is None:
+    def _resolve_model(self) -> None:
+        """Ask /v1/models for the served model's id once, when none was given."""
+        if not self._model_known:
+            self._model_known = True
             try:
-                listed = self._client.get(f"{self.base}/v1/models").json()
-                self.model = str(listed["data"][0]["id"])
+                self._client.model = self._client.first_model()
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-                self.model = ""
-        return self.model or None
+                self._client.model = None  # the server picks its default model
 
     def complete(self, record: TrafficRecord) -> SideResponse:
-        body = dict(record.request)
-        model = self._model_name()
-        if model:
-            body["model"] = model
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        texts: list[str] = []
-        chunks, usage_tokens, finish = 0, None, None
-        first = last = None
-        sent = time.perf_counter()
-        try:
-            with self._client.stream("POST", self.base + record.endpoint, json=body) as resp:
-                if resp.status_code >= 400:
-                    detail = resp.read().decode(errors="replace")[:300]
-                    return SideResponse(error=f"HTTP {resp.status_code}: {detail}")
-                for line in resp.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[len("data:") :].strip()
-                    if payload == "[DONE]":
-                        break
-                    event = json.loads(payload)
-                    if event.get("usage"):
-                        usage_tokens = event["usage"].get("completion_tokens")
-                    for choice in event.get("choices") or []:
-                        piece = _choice_text(choice, record.is_chat)
-                        finish = choice.get("finish_reason") or finish
-                        if piece:
-                            now = time.perf_counter()
-                            first = first if first is not None else now
-                            last = now
-                            chunks += 1
-                            texts.append(piece)
-        except (httpx.HTTPError, ValueError) as exc:
-            return SideResponse(text="".join(texts), error=f"{type(exc).__name__}: {exc}")
-        tokens = usage_tokens or chunks
-        ttft = first - sent if first is not None else None
-        tpot = (last - first) / (tokens - 1) if first is not None and last and tokens > 1 else None
-        return SideResponse("".join(texts), None, ttft, tpot, None, finish)
+        self._resolve_model()
+        result = self._client.stream(record.endpoint, record.request)
+        if result.error is not None:
+            return SideResponse(text=result.text, error=result.error)
+        return SideResponse(
+            result.text, None, result.ttft_s, result.tpot_s, None, result.finish_reason
+        )
 
     def close(self) -> None:
         self._client.close()
-
-
-def _choice_text(choice: dict[str, Any], chat: bool) -> str:
-    if chat:
-        return str((choice.get("delta") or {}).get("content") or "")
-    return str(choice.get("text") or "")
 
 
 def sampling_from_request(request: dict[str, Any]) -> dict[str, Any]:

@@ -213,26 +213,21 @@ def inspect(artifact_dir: Path, verify: bool, as_json: bool, debug: bool) -> Non
         )
 
 
-def _register_gate_commands() -> None:
-    """`kiln gate`, `promote`, `rollback` and `registry` live with the gate package."""
-    from gates.cli import COMMANDS
-
-    for command in COMMANDS:
-        main.add_command(command)
+# Commands that live beside what they drive: `gate`, `promote`, `rollback`, `registry`
+# (gates/cli.py), `serve` (compiler/serve_cli.py), `bench` (compiler/bench_cli.py) and
+# `draft` (compiler/draft.py). Each module lists its click commands in COMMANDS.
+_COMMAND_MODULES = ("gates.cli", "compiler.serve_cli", "compiler.bench_cli", "compiler.draft")
 
 
-_register_gate_commands()
+def _register_commands() -> None:
+    import importlib
+
+    for name in _COMMAND_MODULES:
+        for command in importlib.import_module(name).COMMANDS:
+            main.add_command(command)
 
 
-def _register_serve_command() -> None:
-    """`kiln serve`, the OpenAI-compatible server."""
-    from compiler.serve_cli import COMMANDS
-
-    for command in COMMANDS:
-        main.add_command(command)
-
-
-_register_serve_command()
+_register_commands()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from compiler import sources
 from compiler.engines import checkpoint_dir, export_for, write_target
 from compiler.preflight import Preflight, run_preflight
 from compiler.recipe import load_recipe
+from compiler.speculative import Speculation, compile_draft
 from compiler.stages import StageCache, StageResult, input_key, output_lock
 from quant import calibration, imports
 from quant.logs import route_library_logs_to_stderr
@@ -197,8 +198,15 @@ def _run_stages(
                                 force)  # fmt: skip
         stages.append(exports[tp])
 
+    speculation: Speculation | None = None
+    if pre.speculative is not None:  # the draft: a nested artifact, and K when auto
+        speculation = compile_draft(pre.speculative, recipe, cache, root / CACHE_DIR / "sources",
+                                    quantized.path / "model", quant_key, sorted(exports), tools,
+                                    force, progress)  # fmt: skip
+        stages.extend(speculation.stages)
+
     package_key = input_key("package", quant_key, report_key, recipe.resolved(), source_digest,
-                            tools)  # fmt: skip
+                            tools, *([speculation.key] if speculation else []))  # fmt: skip
     previous = cache.lookup("package", package_key)
     if previous is not None and not force:
         path = Path(previous.record["artifact"])
@@ -218,6 +226,7 @@ def _run_stages(
         },
         scheme={k: v for k, v in quantized.record.items() if k not in ("stage", "key")},
         tools=tools,
+        extra={"speculative": speculation.section} if speculation else {},
         stages={
             s.name: {"status": s.status, "seconds": round(s.seconds, 3), "key": s.key}
             for s in stages
@@ -233,11 +242,14 @@ def _run_stages(
             for tp, exported in exports.items():
                 if (exported.path / "checkpoint").is_dir():
                     _copy_tree(exported.path / "checkpoint", staging.dir / checkpoint_dir(tp))
+            if speculation is not None:
+                speculation.install(staging.dir)
             for name, target_plan in pre.plans.items():
                 progress(f"engines: {name}")
                 outcome = write_target(
                     staging.dir, name, pre.info, pre.spec, recipe.deploy_spec(), target_plan,
                     exports[target_plan.tp_size].record, recipe.config.deploy.trtllm_path,
+                    speculation.target if speculation else None,
                 )  # fmt: skip
                 manifest.targets[name] = {
                     **outcome.to_dict(),

@@ -8,6 +8,10 @@ For every target in the recipe the artifact gets, under `engines/<target>/`:
 - `trtllm-serve.yaml`: options for the PyTorch backend serving `model/` directly;
 and under `trtllm/tp<N>/` the unified checkpoint `trtllm-build` reads. A scheme that one
 path cannot carry is recorded as `unsupported: <reason>` for that path; nothing pretends.
+
+With speculative decoding (compiler/speculative.py) the target engine is planned for
+externally drafted tokens, a draft model adds its own engine plan (from the nested draft
+artifact's `draft/trtllm/tp<N>/`) and the serve YAML gets a `speculative_config`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from typing import Any
 from compiler.modelinfo import ModelInfo
 from compiler.planner import DeploySpec, Plan
 from compiler.targets import PROFILES, check_target
-from compiler.trtllm.build import BuildPlanError, build_plan, run_build
+from compiler.trtllm.build import BuildPlanError, DraftBuild, build_plan, run_build
 from compiler.trtllm.export import export_checkpoint
 from compiler.trtllm.serve_config import serve_options, write_serve_config
 from quant.spec import QuantSpec
-from runtime.artifact import json_dumps
+from runtime.artifact import MODEL_DIR, json_dumps
 from runtime.errors import KilnError
 
 TRTLLM_DIR = "trtllm"
@@ -35,6 +39,19 @@ CHECKPOINT_DTYPE = "bfloat16"
 def checkpoint_dir(tp: int) -> str:
     """Artifact-relative directory of the TensorRT-LLM checkpoint for tensor parallel `tp`."""
     return f"{TRTLLM_DIR}/tp{tp}"
+
+
+@dataclass
+class SpeculativeTarget:
+    """Speculative decoding as the engine plans and serve options need it."""
+
+    method: str  # draft | ngram
+    max_draft_len: int
+    draft_dir: str | None = None  # artifact-relative nested draft artifact (method draft)
+    spec: QuantSpec = field(default_factory=QuantSpec)  # the draft's scheme
+    info: ModelInfo | None = None  # the draft's shapes
+    exports: dict[int, dict[str, Any]] = field(default_factory=dict)  # the draft's, per tp
+    ngram_size: int = 3  # method ngram: max_matching_ngram_size
 
 
 @dataclass
@@ -74,16 +91,20 @@ def write_target(
     plan: Plan,
     export: dict[str, Any],
     path: str = "both",
+    speculative: SpeculativeTarget | None = None,
 ) -> TargetOutcome:
     """Fill `root/engines/<name>/` (root is the artifact being assembled) and say what it holds.
 
     `export` is the record of `trtllm/tp<N>/` from `export_for`; `path` is the recipe's
-    `deploy.trtllm_path` (both, engine or pytorch).
+    `deploy.trtllm_path` (both, engine or pytorch); `speculative` adds the draft.
     """
     engine_dir = root / ENGINES_DIR / name
     engine_dir.mkdir(parents=True)
     (engine_dir / "plan.json").write_text(json_dumps(plan.to_dict()))
     record: dict[str, Any] = {"plan": f"{ENGINES_DIR}/{name}/plan.json", "tp_size": plan.tp_size}
+    if speculative is not None:
+        record["speculative"] = {"method": speculative.method,
+                                 "max_draft_len": speculative.max_draft_len}  # fmt: skip
 
     engine_problems = check_target(spec, name, path="engine")
     if path == "pytorch":
@@ -93,7 +114,7 @@ def write_target(
     elif "unsupported" in export:
         engine = f"unsupported: {export['unsupported']}"
     else:
-        engine = _build(root, name, info, spec, deploy, plan, record)
+        engine = _build(root, name, info, spec, deploy, plan, record, speculative)
 
     pytorch_problems = check_target(spec, name, path="pytorch")
     if path == "engine":
@@ -101,11 +122,39 @@ def write_target(
     elif pytorch_problems:
         pytorch = _unsupported(pytorch_problems)
     else:
-        options = serve_options(spec, deploy, plan)
-        write_serve_config(engine_dir / "trtllm-serve.yaml", options)
+        options = serve_options(spec, deploy, plan, **_serve_speculation(speculative))
+        # A draft is named by its path inside the artifact: serve from the artifact root.
+        header = ""
+        if speculative is not None:
+            header = (f"from the artifact directory: trtllm-serve {MODEL_DIR} --backend "
+                      f"pytorch --config {ENGINES_DIR}/{name}/trtllm-serve.yaml")  # fmt: skip
+        write_serve_config(engine_dir / "trtllm-serve.yaml", options, header)
         record["serve_config"] = f"{ENGINES_DIR}/{name}/trtllm-serve.yaml"
         pytorch = "ready"
     return TargetOutcome(name, engine, pytorch, record)
+
+
+def _serve_speculation(speculative: SpeculativeTarget | None) -> dict[str, Any]:
+    """serve_options arguments for `speculative` (the draft's HF checkpoint, or n-gram)."""
+    if speculative is None:
+        return {}
+    if speculative.method == "ngram":
+        return {"max_draft_len": speculative.max_draft_len, "ngram_size": speculative.ngram_size}
+    # Artifact-relative: trtllm-serve runs from the artifact directory (see the YAML header).
+    return {"draft_dir": f"{speculative.draft_dir}/{MODEL_DIR}",
+            "max_draft_len": speculative.max_draft_len}  # fmt: skip
+
+
+def _draft_build(root: Path, name: str, plan: Plan, speculative: SpeculativeTarget) -> DraftBuild:
+    """The draft engine of draft-target speculation, from the nested artifact's checkpoint."""
+    return DraftBuild(
+        speculative.max_draft_len,
+        root / str(speculative.draft_dir) / checkpoint_dir(plan.tp_size),
+        root / ENGINES_DIR / name / "draft-engine",
+        tp_size=plan.tp_size,
+        spec=speculative.spec,
+        info=speculative.info,
+    )
 
 
 def _build(
@@ -116,12 +165,24 @@ def _build(
     deploy: DeploySpec,
     plan: Plan,
     record: dict[str, Any],
+    speculative: SpeculativeTarget | None = None,
 ) -> str:
     """Plan the engine build, run it where this machine can, and record the outcome."""
     engine_dir = root / ENGINES_DIR / name / "engine"
+    draft: DraftBuild | None = None
+    extra: dict[str, str | None] | None = None
+    if speculative is not None and speculative.method == "draft":
+        draft_export = speculative.exports.get(plan.tp_size, {})
+        if "unsupported" in draft_export:
+            return f"unsupported: the draft: {draft_export['unsupported']}"
+        draft = _draft_build(root, name, plan, speculative)
+    elif speculative is not None:  # prompt lookup: the target alone takes external drafts
+        extra = {"--speculative_decoding_mode": "draft_tokens_external",
+                 "--max_draft_len": str(speculative.max_draft_len)}  # fmt: skip
     try:
         build = build_plan(info, spec, PROFILES[name], deploy, plan,
-                           root / checkpoint_dir(plan.tp_size), engine_dir)  # fmt: skip
+                           root / checkpoint_dir(plan.tp_size), engine_dir, draft=draft,
+                           extra_args=extra)  # fmt: skip
     except BuildPlanError as exc:
         return "unsupported: " + "; ".join(str(p) for p in exc.problems)
     # The recorded command and build.sh use artifact-relative paths: the artifact is renamed
@@ -139,4 +200,6 @@ def _build(
     if outcome.status == "built":
         return "built"
     shutil.rmtree(engine_dir, ignore_errors=True)  # a failed build leaves no half engine
+    if draft is not None:
+        shutil.rmtree(draft.engine_dir, ignore_errors=True)
     return "planned" if outcome.status == "planned" else f"failed: {outcome.reason}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -71,5 +72,39 @@ def describe(manifest: Manifest, path: Path, console: Console) -> None:
             targets.add_row(name, str(entry.get("tp_size", "")), str(entry.get("engine")),
                             str(entry.get("pytorch")))  # fmt: skip
         console.print(targets)
+    speculative = manifest.extra.get("speculative")
+    if isinstance(speculative, dict):
+        describe_speculative(speculative, console)
     if manifest.gate:
         console.print(f"gate     {manifest.gate.get('verdict', manifest.gate)}")
+
+
+def describe_speculative(section: dict[str, Any], console: Console) -> None:
+    """The manifest's `speculative` section: method, draft, K and how it was chosen."""
+    k = section.get("max_draft_len")
+    if section.get("method") == "ngram":
+        console.print(
+            f"speculative  ngram (prompt lookup), K={k}, "
+            f"max_matching_ngram_size {section.get('max_matching_ngram_size')}"
+        )
+        return
+    console.print(
+        f"speculative  draft {section.get('draft')}/ ({section.get('draft_source')}, "
+        f"{section.get('draft_scheme')}, sha256:{str(section.get('draft_digest'))[:12]}), "
+        f"K={k} ({section.get('chosen_by')})"
+    )
+    if section.get("alpha") is not None:
+        per_position = ", ".join(f"{a:.2f}" for a in section.get("alpha_per_position") or [])
+        where = section.get("measured_on") or {}
+        console.print(
+            f"             alpha {section['alpha']:.3f} (per position: {per_position}), "
+            f"cost ratio c {section.get('cost_ratio', 0):.3f}, expected speedup "
+            f"{section.get('expected_speedup', 0):.2f}x, measured on "
+            f"{where.get('device', '?')} ({where.get('name', '?')}, "
+            f"{where.get('threads', '?')} threads)"
+        )
+        if section.get("pays") is False:
+            console.print(
+                "             [bold]speculation does not pay on that device[/]: no K "
+                "beats plain decoding at this acceptance and cost ratio"
+            )

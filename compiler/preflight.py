@@ -2,7 +2,8 @@
 
 Every problem found is collected and reported at once: the model source and its
 architecture, the scheme × backend × shapes, the calibration and report data, the target
-GPUs and their support matrix, and whether calibration fits in this machine's memory.
+GPUs and their support matrix, a speculative draft (the same checks, and a tokenizer equal
+to the model's), and whether calibration fits in this machine's memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from compiler import sources
 from compiler.modelinfo import ModelInfo
 from compiler.planner import Plan, plan
 from compiler.recipe import Recipe, load_recipe
+from compiler.speculative import SpeculativePlan, check_speculative
 from compiler.targets import PROFILES, check_target
 from quant import calibration, imports, schemes
 from quant.imports import PreQuantized
@@ -37,6 +39,7 @@ class Preflight:
     memory: dict[str, int] = field(default_factory=dict)
     plans: dict[str, Plan] = field(default_factory=dict)
     imported: PreQuantized | None = None  # a pre-quantised AWQ/GPTQ source, converted as is
+    speculative: SpeculativePlan | None = None  # the draft (or n-gram) to compile beside it
 
 
 def host_memory_bytes() -> int:
@@ -115,6 +118,11 @@ def run_preflight(recipe: Recipe, *, check_memory: bool = True) -> Preflight:
                     )
                 )
 
+    # The draft is checked like the model, its tokenizer against the model's, before any
+    # calibration starts.
+    speculative, draft_problems = check_speculative(recipe, ref, info)
+    problems.extend(draft_problems)
+
     memory: dict[str, int] = {}
     if info is not None and not problems and check_memory and imported is None:
         memory = estimate_calibration_bytes(info, spec, calib)
@@ -142,6 +150,7 @@ def run_preflight(recipe: Recipe, *, check_memory: bool = True) -> Preflight:
         memory=memory,
         plans=plans,
         imported=imported,
+        speculative=speculative,
     )
 
 

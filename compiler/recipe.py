@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -83,6 +83,40 @@ class DeploySection(_Strict):
     trtllm_path: Literal["both", "engine", "pytorch"] = "both"
 
 
+class DraftSection(_Strict):
+    """The draft model of draft-target speculation: a model source and its own quantisation."""
+
+    source: str = Field(description="same syntax as model.source")
+    quantization: QuantizationSection = QuantizationSection()  # default: keep it float
+
+
+class SpeculativeSection(_Strict):
+    """`speculative:` — draft-target (or prompt-lookup n-gram) speculative decoding."""
+
+    method: Literal["draft", "ngram"] = "draft"
+    draft: DraftSection | None = None
+    max_draft_len: int | Literal["auto"] = "auto"
+    # What `auto` measures: prompts from the calibration data, tokens decoded per prompt,
+    # and the largest K it may choose.
+    auto_prompts: int = Field(8, ge=1, le=256)
+    auto_max_tokens: int = Field(32, ge=4, le=1024)
+    auto_max_k: int = Field(8, ge=1, le=16)
+    max_matching_ngram_size: int = Field(3, ge=1, le=16)  # ngram: suffix length looked up
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _draft_shorthand(cls, value: Any) -> Any:
+        # `draft: path` is short for `draft: {source: path}`, like a bare model source.
+        return {"source": value} if isinstance(value, str) else value
+
+    @field_validator("max_draft_len")
+    @classmethod
+    def _draft_len(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 16:
+            raise ValueError("must be auto or a number of draft tokens from 1 to 16 (4 to 8 usual)")
+        return value
+
+
 class RecipeModel(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
     model: ModelSection
@@ -93,6 +127,7 @@ class RecipeModel(_Strict):
     deploy: DeploySection = DeploySection()
     output: str = "artifacts"
     gates: GatesSection | None = None  # what `kiln gate` measures and its thresholds
+    speculative: SpeculativeSection | None = None  # a draft compiled beside the model
 
 
 # Per method: (default weight bits, allowed weight bits, default group size, default symmetric).
@@ -146,27 +181,14 @@ class Recipe:
 
     def quant_spec(self) -> QuantSpec:
         """The quantization section with per-method defaults filled in."""
-        q = self.config.quantization
-        bits, _, group, symmetric = _METHOD_DEFAULTS[q.method]
-        weight_bits = q.weight_bits if q.weight_bits is not None else bits
-        if q.method == "none":
-            weight_bits = 16
-        group_size = q.group_size if q.group_size is not None else group
-        if weight_bits == 8 and q.group_size is None:
-            group_size = None  # 8-bit weights default to one scale per output channel
-        activations = DEFAULT_ACTIVATIONS[q.method] if q.activations == "default" else q.activations
-        return QuantSpec(
-            method=q.method,
-            weight_bits=weight_bits,
-            group_size=group_size,
-            symmetric=q.symmetric if q.symmetric is not None else symmetric,
-            activations=activations,
-            kv_cache=q.kv_cache,
-            ignore=tuple(q.ignore),
-            backend=q.backend,
-            smoothing_strength=q.smoothing_strength,
-            dampening_frac=q.dampening_frac,
-        )
+        return resolve_quantization(self.config.quantization)
+
+    def draft_quant_spec(self) -> QuantSpec | None:
+        """The speculative draft's own quantization, defaulted; None without a draft."""
+        spec = self.config.speculative
+        if spec is None or spec.draft is None:
+            return None
+        return resolve_quantization(spec.draft.quantization)
 
     def calibration_spec(self) -> CalibrationSpec:
         c = self.config.calibration
@@ -199,14 +221,44 @@ class Recipe:
     def resolved(self) -> dict[str, Any]:
         """The fully defaulted recipe as JSON-able data (what the manifest records)."""
         data = self.config.model_dump(mode="json")
-        spec = self.quant_spec()
-        data["quantization"].update(
-            weight_bits=spec.weight_bits,
-            group_size=spec.group_size,
-            symmetric=spec.symmetric,
-            activations=spec.activations,
-        )
+        if data.get("speculative") is None:
+            data.pop("speculative", None)  # a recipe without one resolves as it always did
+        pairs = [(data["quantization"], self.quant_spec())]
+        draft_spec = self.draft_quant_spec()
+        if draft_spec is not None:
+            pairs.append((data["speculative"]["draft"]["quantization"], draft_spec))
+        for section, spec in pairs:
+            section.update(
+                weight_bits=spec.weight_bits,
+                group_size=spec.group_size,
+                symmetric=spec.symmetric,
+                activations=spec.activations,
+            )
         return data
+
+
+def resolve_quantization(q: QuantizationSection) -> QuantSpec:
+    """A quantization section with its method's defaults filled in."""
+    bits, _, group, symmetric = _METHOD_DEFAULTS[q.method]
+    weight_bits = q.weight_bits if q.weight_bits is not None else bits
+    if q.method == "none":
+        weight_bits = 16
+    group_size = q.group_size if q.group_size is not None else group
+    if weight_bits == 8 and q.group_size is None:
+        group_size = None  # 8-bit weights default to one scale per output channel
+    activations = DEFAULT_ACTIVATIONS[q.method] if q.activations == "default" else q.activations
+    return QuantSpec(
+        method=q.method,
+        weight_bits=weight_bits,
+        group_size=group_size,
+        symmetric=q.symmetric if q.symmetric is not None else symmetric,
+        activations=activations,
+        kv_cache=q.kv_cache,
+        ignore=tuple(q.ignore),
+        backend=q.backend,
+        smoothing_strength=q.smoothing_strength,
+        dampening_frac=q.dampening_frac,
+    )
 
 
 # --- YAML with line numbers -------------------------------------------------------------
@@ -329,10 +381,12 @@ def _allowed_keys(loc: Key) -> str:
     for part in loc[:-1]:
         info = model.model_fields.get(str(part))
         annotation = info.annotation if info else None
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        else:
+        # `X | None` sections (gates, speculative, speculative.draft): look inside the union
+        options = get_args(annotation) or (annotation,)
+        models = [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not models:
             return ""
+        model = models[0]
     return "allowed keys: " + ", ".join(model.model_fields)
 
 
@@ -380,14 +434,42 @@ def load_recipe(path: str | Path) -> Recipe:
 
 
 def _method_problems(recipe: Recipe) -> list[str]:
-    """Per-method consistency of weight bits that the schema alone cannot express."""
-    q = recipe.config.quantization
+    """Consistency that the schema alone cannot express: per-method weight bits (the model's
+    and the draft's quantization) and which speculative methods need a draft."""
+    problems = _bits_problems(recipe, recipe.config.quantization, "quantization")
+    spec = recipe.config.speculative
+    if spec is None:
+        return problems
+    if spec.draft is not None:
+        problems += _bits_problems(
+            recipe, spec.draft.quantization, "speculative.draft.quantization"
+        )
+    if spec.method == "draft" and spec.draft is None:
+        problems.append(recipe.problem(
+            "speculative", "method draft needs a draft model",
+            "add draft: <model source> (make one with `kiln draft TARGET`), "
+            "or use method: ngram",
+        ))  # fmt: skip
+    if spec.method == "ngram" and spec.draft is not None:
+        problems.append(recipe.problem(
+            "speculative.draft", "method ngram drafts from the prompt itself, not a model",
+            "drop speculative.draft, or use method: draft",
+        ))  # fmt: skip
+    if spec.method == "ngram" and spec.max_draft_len == "auto":
+        problems.append(recipe.problem(
+            "speculative.max_draft_len", "auto measures a draft model; ngram has none",
+            "give a number of draft tokens, e.g. max_draft_len: 4",
+        ))  # fmt: skip
+    return problems
+
+
+def _bits_problems(recipe: Recipe, q: QuantizationSection, key: str) -> list[str]:
     _, allowed_bits, _, _ = _METHOD_DEFAULTS[q.method]
     if q.weight_bits is not None and q.method != "none" and q.weight_bits not in allowed_bits:
         bits = " or ".join(str(b) for b in allowed_bits)
         return [
             recipe.problem(
-                "quantization.weight_bits",
+                f"{key}.weight_bits",
                 f"{q.method} does not quantise weights to {q.weight_bits} bits",
                 f"use {bits}",
             )
@@ -395,7 +477,7 @@ def _method_problems(recipe: Recipe) -> list[str]:
     if q.method == "none" and (q.weight_bits is not None or q.group_size is not None):
         return [
             recipe.problem(
-                "quantization.method",
+                f"{key}.method",
                 "method none keeps float weights, so weight_bits/group_size do not apply",
                 "set a method (gptq, awq, fp8, ...) or drop those keys",
             )

@@ -9,7 +9,8 @@ enable_block_reuse, tokens_per_block, dtype — "fp8" for an FP8 KV cache, PyTor
 only), `DecodingBaseConfig.from_dict` ("DraftTarget" → DraftTargetDecodingConfig; its
 `speculative_model_dir` is an accepted alias of `speculative_model` on main) and
 `TorchLlmArgs.disable_overlap_scheduler`, which docs/source/features/speculative-decoding.md
-sets for draft/target. The LLM API rejects unknown keys (extra="forbid"), so nothing else
+sets for draft/target and NGram ("NGram" → NGramDecodingConfig: max_draft_len,
+max_matching_ngram_size). The LLM API rejects unknown keys (extra="forbid"), so nothing else
 goes in.
 """
 
@@ -33,19 +34,25 @@ def serve_options(
     *,
     draft_dir: Path | str | None = None,
     max_draft_len: int | None = None,
+    ngram_size: int | None = None,
 ) -> dict[str, Any]:
     """LLM API options serving `plan` on the PyTorch backend; PreflightError if it cannot.
 
     With `draft_dir` and `max_draft_len`, draft-target speculative decoding from the draft
-    model's Hugging Face checkpoint in `draft_dir`.
+    model's Hugging Face checkpoint in `draft_dir`; with `ngram_size` and `max_draft_len`
+    instead, prompt-lookup (n-gram) speculation matching up to `ngram_size` tokens.
     """
     problems = [str(p) for p in check_algos(plan.quant_algo, plan.kv_cache_quant_algo,
                                             get_profile(plan.target), "pytorch")]  # fmt: skip
     if not plan.fits:
         problems.append(f"deploy: the model does not fit {plan.target} at tp={plan.tp_size} "
                         f"({'; '.join(plan.suggestions) or 'use a larger GPU'})")  # fmt: skip
-    if (draft_dir is None) != (max_draft_len is None):
-        problems.append("speculative decoding needs both draft_dir and max_draft_len")
+    drafter = draft_dir is not None or ngram_size is not None
+    if draft_dir is not None and ngram_size is not None:
+        problems.append("speculative decoding takes a draft_dir or an ngram_size, not both")
+    elif drafter != (max_draft_len is not None):
+        problems.append("speculative decoding needs max_draft_len and a draft_dir "
+                        "(or an ngram_size)")  # fmt: skip
     elif max_draft_len is not None and max_draft_len < 1:
         problems.append(f"max_draft_len {max_draft_len}: draft at least 1 token (4 to 10 usual)")
     if problems:
@@ -77,13 +84,25 @@ def serve_options(
             "speculative_model_dir": str(draft_dir),
         }
         options["disable_overlap_scheduler"] = True
+    elif ngram_size is not None:
+        options["speculative_config"] = {
+            "decoding_type": "NGram",
+            "max_draft_len": max_draft_len,
+            "max_matching_ngram_size": ngram_size,
+        }
+        options["disable_overlap_scheduler"] = True
     return options
 
 
-def write_serve_config(path: Path | str, options: dict[str, Any]) -> Path:
-    """Write `options` as the YAML file `trtllm-serve <model> --config <path>` reads."""
+def write_serve_config(path: Path | str, options: dict[str, Any], header: str = "") -> Path:
+    """Write `options` as the YAML file `trtllm-serve <model> --config <path>` reads.
+
+    `header`: the command line to put on top instead of the generic one (when the options
+    name paths relative to a directory to run from).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = "# trtllm-serve <model_dir> --backend pytorch --config " + path.name + "\n"
+    command = header or f"trtllm-serve <model_dir> --backend pytorch --config {path.name}"
+    text = f"# {command}\n"
     path.write_text(text + yaml.safe_dump(options, sort_keys=False))
     return path

@@ -1,0 +1,390 @@
+"""Speculative decoding in `kiln compile`: check the draft, compile it, pick K.
+
+A recipe's `speculative:` section names a draft model (any `model.source`) with its own
+quantisation, or `method: ngram` (prompt lookup, no draft). Preflight (`check_speculative`)
+refuses, before any calibration, a draft whose tokenizer differs from the target's
+(vocabulary, merges, special tokens), and checks the draft's scheme, data and targets like
+the model's own. `compile_draft` then runs the draft's stages — source, quantize, export,
+package — into a nested artifact of the same format (installed at `<artifact>/draft/`) and,
+for `max_draft_len: auto`, measures per-position acceptance α and the draft/target cost
+ratio c of what ships (the quantised target and draft, on this machine) and picks the K
+that maximises (1 − α^(K+1)) / ((1 − α)(K·c + 1)) (runtime.speculative).
+
+TensorRT-LLM spellings this feeds (compiler/trtllm/build.py and serve_config.py), checked
+in its sources: `trtllm-build --speculative_decoding_mode draft_tokens_external
+--max_draft_len K` for the target plus a plain draft engine
+(examples/draft_target_model/README.md; prompt lookup builds only the target,
+examples/prompt_lookup/README.md); the LLM API / trtllm-serve YAML `speculative_config:
+{decoding_type: DraftTarget | NGram, max_draft_len, speculative_model_dir,
+max_matching_ngram_size}` (tensorrt_llm/llmapi/llm_args.py `DecodingBaseConfig.from_dict`,
+docs/source/features/speculative-decoding.md).
+
+The tokenizer comparison itself is compiler/tokenizers.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compiler import sources
+from compiler.engines import SpeculativeTarget, checkpoint_dir, export_for
+from compiler.modelinfo import ModelInfo
+from compiler.recipe import Recipe
+from compiler.stages import StageCache, StageResult, input_key
+from compiler.targets import PROFILES, check_target
+from compiler.tokenizers import tokenizer_differences, tokenizer_facts
+from quant import calibration, schemes
+from quant.spec import CalibrationSpec, QuantSpec
+from runtime import artifact
+from runtime.errors import SourceError
+
+DRAFT_DIR = "draft"  # the nested artifact's place inside the target's artifact
+
+
+# ---- preflight ---------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativePlan:
+    """The recipe's `speculative:` section after preflight: what to compile and how."""
+
+    method: str  # draft | ngram
+    max_draft_len: int | None  # None: auto
+    auto_prompts: int = 8
+    auto_max_tokens: int = 32
+    auto_max_k: int = 8
+    max_matching_ngram_size: int = 3
+    source: sources.SourceRef | None = None  # the draft's
+    info: ModelInfo | None = None
+    spec: QuantSpec = field(default_factory=QuantSpec)
+
+
+def check_speculative(
+    recipe: Recipe, target_ref: sources.SourceRef | None, target_info: ModelInfo | None
+) -> tuple[SpeculativePlan | None, list[str]]:
+    """Check the `speculative:` section like the model's own; returns (plan, problems)."""
+    section = recipe.config.speculative
+    if section is None:
+        return None, []
+    out = SpeculativePlan(
+        method=section.method,
+        max_draft_len=None if section.max_draft_len == "auto" else int(section.max_draft_len),
+        auto_prompts=section.auto_prompts,
+        auto_max_tokens=section.auto_max_tokens,
+        auto_max_k=section.auto_max_k,
+        max_matching_ngram_size=section.max_matching_ngram_size,
+    )
+    draft_spec = recipe.draft_quant_spec()
+    if section.draft is None or draft_spec is None:
+        return out, []
+    out.spec = draft_spec
+    key = "speculative.draft.source"
+    problems: list[str] = []
+    try:
+        out.source = sources.parse_source(section.draft.source, recipe.base_dir(key))
+        out.info = sources.inspect_source(out.source)
+    except SourceError as exc:
+        # Its message names `model.source` (the key it was written for); this is the draft's.
+        return out, [recipe.problem(key, exc.message.removeprefix("model.source "))]
+    info = out.info
+    problems += [recipe.problem(key, p) for p in sources.check_architecture(info)]
+    quant_key = "speculative.draft.quantization"
+    scheme_problems = schemes.check(draft_spec, info)
+    problems += [
+        recipe.problem(quant_key + p.key.removeprefix("quantization"), p.problem, p.allowed)
+        for p in scheme_problems
+    ]
+    if not scheme_problems and schemes.resolve(draft_spec).needs_calibration:
+        problems += [
+            recipe.problem(p.key, p.problem, p.allowed)
+            for p in calibration.check(recipe.calibration_spec())
+        ]
+    for index, target in enumerate(recipe.config.targets):
+        if target not in PROFILES:
+            continue  # the model's own check names it
+        path = recipe.config.deploy.trtllm_path
+        found = check_target(draft_spec, target, path=path)
+        problems += [
+            recipe.problem(f"targets.{index}", f"the draft: {p.problem}", p.allowed) for p in found
+        ]
+    if target_info is not None and info.num_parameters >= target_info.num_parameters:
+        problems.append(
+            recipe.problem(
+                key,
+                f"the draft ({info.num_parameters / 1e6:.0f}M parameters) is not smaller than "
+                f"the model ({target_info.num_parameters / 1e6:.0f}M), so drafting cannot pay",
+                "use a smaller model of the same family, or make one with `kiln draft`",
+            )
+        )
+    if target_ref is not None:
+        differences = tokenizer_differences(
+            tokenizer_facts(target_ref), tokenizer_facts(out.source)
+        )
+        if differences:
+            problems.append(
+                recipe.problem(
+                    key,
+                    f"the draft's tokenizer differs from the model's ({target_ref.spec}): "
+                    + "; ".join(differences),
+                    "draft and target must share one tokenizer: use a draft of the same model "
+                    "family, or make one from the model with `kiln draft`",
+                )
+            )
+    return out, problems
+
+
+# ---- compile -----------------------------------------------------------------------------
+
+
+@dataclass
+class Speculation:
+    """What `compile_draft` produced: stages, the nested artifact, and the manifest section."""
+
+    stages: list[StageResult]
+    key: str  # everything the section and the nested artifact depend on
+    section: dict[str, Any]  # manifest.json `speculative`
+    target: SpeculativeTarget  # what engine plans and serve options need
+    draft_artifact: Path | None = None
+
+    def install(self, staging: Path) -> None:
+        """Hard-link the nested draft artifact into an artifact being assembled."""
+        if self.draft_artifact is None:
+            return
+
+        def link_or_copy(a: str, b: str) -> None:
+            try:
+                os.link(a, b)
+            except OSError:
+                shutil.copy2(a, b)
+
+        shutil.copytree(self.draft_artifact, staging / DRAFT_DIR, copy_function=link_or_copy)
+
+
+def device_facts() -> dict[str, Any]:
+    """Where a cost ratio was measured: it holds for this device only."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "device": "cpu",
+        "name": cpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def compile_draft(
+    plan: SpeculativePlan,
+    recipe: Recipe,
+    cache: StageCache,
+    sources_dir: Path,
+    target_model: Path,
+    target_key: str,
+    tps: list[int],
+    tools: dict[str, str],
+    force: bool,
+    progress: Any,
+) -> Speculation:
+    """Run the draft's stages and, for auto, the acceptance measurement; see module doc."""
+    if plan.method == "ngram":
+        k = int(plan.max_draft_len or 1)
+        entry: dict[str, Any] = {
+            "method": "ngram",
+            "max_draft_len": k,
+            "chosen_by": "recipe",
+            "max_matching_ngram_size": plan.max_matching_ngram_size,
+        }
+        target = SpeculativeTarget("ngram", k, ngram_size=plan.max_matching_ngram_size)
+        return Speculation([], input_key("speculative", entry), entry, target)
+    ref, info = plan.source, plan.info
+    assert ref is not None and info is not None  # preflight resolved both
+    stages: list[StageResult] = []
+    digest = sources.source_digest(ref)
+
+    def materialize(out: Path) -> dict[str, Any]:
+        return {"model_dir": str(sources.materialize(ref, sources_dir))}
+
+    progress(f"draft: materialising {ref.spec}")
+    src = cache.run("draft-source", input_key("source", digest), materialize, force)
+    stages.append(src)
+    model_dir = Path(src.record["model_dir"])
+
+    calib = recipe.calibration_spec()
+    needs_data = schemes.resolve(plan.spec).needs_calibration
+    calib_inputs = {
+        **dataclasses.asdict(calib),
+        "base_dir": None,
+        "digest": calibration.dataset_digest(calib) if needs_data else None,
+    }
+    quant_key = input_key("quantize", digest, dataclasses.asdict(plan.spec), calib_inputs, tools)
+
+    def quantize(out: Path) -> dict[str, Any]:
+        import quant
+
+        (out / "model").mkdir()
+        return quant.quantize(model_dir, plan.spec, calib, out / "model", progress=progress)
+
+    progress(f"draft: {schemes.resolve(plan.spec).name}")
+    quantized = cache.run("draft-quantize", quant_key, quantize, force)
+    stages.append(quantized)
+
+    exports: dict[int, StageResult] = {}
+    for tp in tps:
+
+        def export(out: Path, tp: int = tp) -> dict[str, Any]:
+            algo = quantized.record.get("trtllm_quant_algo")
+            return export_for(quantized.path / "model", tp, algo, out / "checkpoint")
+
+        exports[tp] = cache.run(f"draft-export-tp{tp}", input_key("export", quant_key, tp),
+                                export, force)  # fmt: skip
+        stages.append(exports[tp])
+
+    draft_section = (recipe.resolved().get("speculative") or {}).get("draft", {})
+    package_key = input_key(
+        "draft-package", quant_key, [exports[t].key for t in tps], draft_section, tools
+    )
+    name = f"{recipe.name}-draft"
+    scheme = {k: v for k, v in quantized.record.items() if k not in ("stage", "key")}
+
+    def package(out: Path) -> dict[str, Any]:
+        manifest = artifact.Manifest(
+            name=name,
+            recipe={"speculative": {"draft": draft_section}, "target": recipe.name},
+            source={
+                "spec": ref.spec,
+                "kind": ref.kind,
+                "digest": digest,
+                "architecture": info.architecture,
+                "parameters": info.num_parameters,
+            },
+            scheme=scheme,
+            tools=tools,
+            stages={s.name: {"status": s.status, "key": s.key} for s in stages},
+        )
+        with artifact.assemble(out, manifest) as staging:
+            shutil.copytree(quantized.path / "model", staging.dir / artifact.MODEL_DIR)
+            for tp, exported in exports.items():
+                if (exported.path / "checkpoint").is_dir():
+                    shutil.copytree(exported.path / "checkpoint", staging.dir / checkpoint_dir(tp))
+        assert staging.path is not None
+        return {"name": staging.path.name, "digest": manifest.digest}
+
+    progress("draft: packaging the nested artifact")
+    packaged = cache.run("draft-package", package_key, package, force)
+    stages.append(packaged)
+
+    section: dict[str, Any] = {
+        "method": "draft",
+        "draft": DRAFT_DIR,
+        "draft_digest": packaged.record["digest"],
+        "draft_source": ref.spec,
+        "draft_scheme": scheme.get("scheme"),
+        "max_draft_len": plan.max_draft_len,
+        "chosen_by": "recipe",
+    }
+    key = input_key("speculative", package_key, section)
+    if plan.max_draft_len is None:
+        measured = _measure(
+            plan, calib, cache, target_model, target_key, quantized, force, progress
+        )
+        stages.append(measured)
+        section.update(
+            {k: v for k, v in measured.record.items() if k not in ("stage", "key", "seconds")}
+        )
+        section["chosen_by"] = "auto"
+        key = input_key("speculative", key, measured.key)
+    target = SpeculativeTarget(
+        "draft",
+        int(section["max_draft_len"]),
+        draft_dir=DRAFT_DIR,
+        spec=plan.spec,
+        info=plan.info,
+        exports={tp: e.record for tp, e in exports.items()},
+    )
+    return Speculation(stages, key, section, target, packaged.path / packaged.record["name"])
+
+
+def _measure(
+    plan: SpeculativePlan,
+    calib: CalibrationSpec,
+    cache: StageCache,
+    target_model: Path,
+    target_key: str,
+    draft: StageResult,
+    force: bool,
+    progress: Any,
+) -> StageResult:
+    """max_draft_len auto: α per position and c on this device, then the best K."""
+    device = device_facts()
+    settings = {
+        "prompts": plan.auto_prompts,
+        "max_tokens": plan.auto_max_tokens,
+        "max_k": plan.auto_max_k,
+    }
+    prompts_spec = dataclasses.replace(calib, num_samples=plan.auto_prompts)
+    key = input_key(
+        "acceptance",
+        target_key,
+        draft.key,
+        settings,
+        device,
+        {
+            **dataclasses.asdict(prompts_spec),
+            "base_dir": None,
+            "digest": calibration.dataset_digest(prompts_spec),
+        },
+    )
+
+    def measure(out: Path) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
+        from runtime.speculative import choose_draft_len, expected_speedup, measure_acceptance
+
+        tokenizer = AutoTokenizer.from_pretrained(target_model)
+        # Calibration passages cut to a prompt's length: the text the deployment expects.
+        texts = calibration.load_texts(prompts_spec, tokenizer)
+        prompts = [
+            str(tokenizer.decode(ids[:64]))
+            for ids in calibration.tokenize(texts, tokenizer, calib.max_seq_len)
+        ]
+        progress(f"draft: measuring acceptance on {len(prompts)} calibration prompts")
+        profile = measure_acceptance(
+            str(target_model),
+            str(draft.path / "model"),
+            prompts,
+            max_k=plan.auto_max_k,
+            max_tokens=plan.auto_max_tokens,
+            device="cpu",
+        )
+        k = choose_draft_len(profile.alpha, profile.cost_ratio, max_k=plan.auto_max_k)
+        speedup = expected_speedup(profile.alpha, k, profile.cost_ratio)
+        record = {
+            "max_draft_len": int(k),
+            "alpha": float(profile.alpha),
+            "alpha_per_position": [float(a) for a in profile.alpha_per_position],
+            "cost_ratio": float(profile.cost_ratio),
+            "draft_ms_per_token": float(profile.draft_ms_per_token),
+            "target_ms_per_token": float(profile.target_ms_per_token),
+            "num_drafts": int(profile.num_drafts),
+            "expected_speedup": float(speedup),
+            # False: no K beats plain decoding on this device; say so rather than hide it.
+            "pays": speedup > 1.0,
+            "measured_on": {**device, "prompts": len(prompts), **settings},
+        }
+        (out / "acceptance.json").write_text(artifact.json_dumps(record))
+        return record
+
+    return cache.run("acceptance", key, measure, force)

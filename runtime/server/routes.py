@@ -183,11 +183,40 @@ async def _respond(
         after(results)
         return JSONResponse(final(results))
 
-    return StreamingResponse(
-        _sse(state, specs, sent, head, chunk, body.include_usage, final, after),
+    release = _Once(lambda: state.release(len(specs)))
+    return _ReleasingStream(
+        _sse(state, specs, sent, head, chunk, body.include_usage, final, after, release),
+        release,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )
+
+
+class _Once:
+    """Call a function at most once, however many paths end a response."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class _ReleasingStream(StreamingResponse):
+    """A streaming response that gives back its admission slots however it ends: a client
+    that leaves before the body starts never runs the body generator's `finally`."""
+
+    def __init__(self, content: AsyncIterator[str], release: _Once, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 async def _sse(
@@ -199,6 +228,7 @@ async def _sse(
     include_usage: bool,
     final: Callable[[list[ChoiceResult]], dict[str, Any]],
     after: Callable[[list[ChoiceResult]], None],
+    release: Callable[[], None],
 ) -> AsyncIterator[str]:
     """Interleave every choice's deltas as SSE frames; `data: [DONE]` last."""
     results = [ChoiceResult(s.index, s.prompt_ids, sent=sent) for s in specs]
@@ -237,7 +267,7 @@ async def _sse(
     finally:
         # No await in here: a client that left cancels this generator, and under Starlette's
         # cancel scope any await would be cancelled again before the release ran.
-        state.release(len(specs))
+        release()
         for task in tasks:
             task.cancel()  # each choice's stream aborts its engine request as it unwinds
 

@@ -175,3 +175,28 @@ def test_health_and_requests_are_503_while_draining(start_server: ServerFactory)
         assert "Retry-After" in resp.headers
     finally:
         server.state.draining = False
+
+
+def test_a_stream_whose_client_left_before_the_headers_still_releases_its_slot() -> None:
+    import asyncio
+
+    from runtime.server.routes import _Once, _ReleasingStream
+
+    released: list[int] = []
+    started: list[bool] = []
+
+    async def body() -> Any:
+        started.append(True)
+        yield "data: never\n\n"
+
+    async def gone(_message: Any) -> None:
+        raise OSError("client disconnected")
+
+    async def receive() -> Any:
+        return {"type": "http.disconnect"}
+
+    response = _ReleasingStream(body(), _Once(lambda: released.append(1)))
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    with pytest.raises(Exception):  # noqa: B017 - Starlette reports the disconnect its own way
+        asyncio.run(response(scope, receive, gone))
+    assert released == [1] and not started

@@ -248,7 +248,11 @@ class Engine:
         plain = [(r, row) for r, row in step.sample_rows if not r.spec_token_ids]
         if plain:
             requests = [request for request, _ in plain]
-            rows = logits[torch.tensor([row for _, row in plain], device=logits.device)]
+            index = [row for _, row in plain]
+            if index == list(range(logits.shape[0])):  # every row, in order: no copy
+                rows = logits
+            else:
+                rows = logits[torch.tensor(index, device=logits.device)]
             tokens = sample(rows, [r.params for r in requests], [r.generator for r in requests])
             entries = self._logprob_entries(requests, rows, tokens)
             for request, token, entry in zip(requests, tokens.tolist(), entries, strict=True):

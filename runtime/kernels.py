@@ -115,7 +115,15 @@ class Int4Linear(Linear):
 
 
 class Int8WeightLinear(Linear):
-    """W8A16 per-channel symmetric on `_weight_int8pack_mm` (bf16 activations)."""
+    """W8A16 per-channel symmetric on `_weight_int8pack_mm` (bf16 activations).
+
+    From `DEQUANT_ROWS` tokens up (prefill) the kernel loses to dequantising the codes and
+    running an fp32 GEMM (SmolLM2-135M, 2 threads: the kernel costs ~5 ms per row per forward,
+    concurrency-32 TTFT p50 10.2 s). Both paths use the same bf16-rounded activations and
+    scales, so they differ only in summation order.
+    """
+
+    DEQUANT_ROWS = 64
 
     def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
         assert w.scale is not None
@@ -140,7 +148,12 @@ class Int8WeightLinear(Linear):
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(self.dtype)
+        activations = x.to(torch.bfloat16)
+        if x.shape[0] >= self.DEQUANT_ROWS:
+            weight = self.codes.float().mul_(self.scale.float().unsqueeze(1))
+            y = F.linear(activations.float(), weight).to(self.dtype)
+        else:
+            y = torch._weight_int8pack_mm(activations, self.codes, self.scale).to(self.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -203,12 +216,13 @@ class Int8GroupLinear(Linear):
             ).to(self.dtype)
             return F.linear(x, weight, self.bias)
         activations = x.to(torch.bfloat16)
-        y: torch.Tensor | None = None
-        for (a, b), codes, scale in zip(self.bounds, self.codes, self.scales, strict=True):
-            part = torch._weight_int8pack_mm(activations[:, a:b].contiguous(), codes, scale)
-            y = part.float() if y is None else y.add_(part)
-        assert y is not None
-        y = y.to(self.dtype)
+        parts = [
+            torch._weight_int8pack_mm(activations[:, a:b].contiguous(), codes, scale)
+            for (a, b), codes, scale in zip(self.bounds, self.codes, self.scales, strict=True)
+        ]
+        # One stacked float32 sum instead of a running add per group (0.53 vs 0.84 ms for
+        # a 1536x576 layer at group 64, one row).
+        y = torch.stack(parts).sum(0, dtype=torch.float32).to(self.dtype)
         return y if self.bias is None else y + self.bias
 
     def weight_bytes(self) -> int:

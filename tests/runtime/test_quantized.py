@@ -174,3 +174,20 @@ def test_group_wise_w8a16_runs_per_group_with_a_narrow_last_group() -> None:
         torch.testing.assert_close(
             layer(x), expected, rtol=0, atol=2e-2 * float(expected.abs().max())
         )
+
+
+def test_per_channel_w8a16_kernel_and_prefill_paths_agree() -> None:
+    """Below DEQUANT_ROWS the int8 kernel, from there a dequantised GEMM: same numbers."""
+    generator = torch.Generator().manual_seed(1)
+    codes = torch.randint(-128, 128, (64, 96), dtype=torch.int8, generator=generator)
+    scale = torch.rand(64, 1, generator=generator) * 0.01 + 0.001
+    w = LinearWeights(WeightScheme("int", 8, "channel"), codes, scale)
+    layer = make_linear([w], torch.float32, torch.device("cpu"))
+    assert isinstance(layer, Int8WeightLinear)
+    x = torch.randn(Int8WeightLinear.DEQUANT_ROWS, 96, generator=generator)
+    prefill = layer(x)
+    decode = torch.cat([layer(x[i : i + 4]) for i in range(0, len(x), 4)])
+    # The kernel returns bf16: its outputs carry bf16 rounding (relative 2^-8).
+    torch.testing.assert_close(prefill, decode, rtol=2**-7, atol=1e-3)
+    expected = x @ dequantize(w, torch.float32).t()
+    torch.testing.assert_close(prefill, expected, rtol=0, atol=2e-2 * float(expected.abs().max()))

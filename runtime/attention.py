@@ -1,14 +1,17 @@
-"""Paged attention over the KV-cache tensors, in plain torch ops.
+"""Paged attention over the KV-cache tensors: torch ops, plus one native CPU kernel.
 
 Layout: each layer's K and V cache is [num_kv_heads, num_blocks, block_size, head_dim], so
-gathering a batch's blocks with one `index_select` along dim 1 yields [kv_heads, batch,
-context, head_dim] with no copy beyond the gather itself, and grouped-query heads fold into
-the query length of `scaled_dot_product_attention` (queries [kv_heads, batch, group,
-head_dim]). On this CPU that is 6x faster than gathering in token-major layout and permuting.
+gathering a batch's blocks (as rows of block_size * head_dim values, `index_select` on dim 0)
+yields [kv_heads, batch, context, head_dim] with no copy beyond the gather itself, and
+grouped-query heads fold into the query length of `scaled_dot_product_attention` (queries
+[kv_heads, batch, group, head_dim]). On this CPU that is 6x faster than gathering in
+token-major layout and permuting.
 
 A step's tokens are laid out decodes first (one token per sequence, attended as one batch),
 then each prefill chunk (attended one sequence at a time with a causal mask aligned to the
-end of its context, which covers chunked prefill and prefix-cache hits).
+end of its context, which covers chunked prefill and prefix-cache hits). With a float32
+cache on CPU the decode rows skip the gather: the native kernel (`native_decode`) reads each
+sequence's keys and values straight from its blocks.
 
 The KV cache may hold FP8 or INT8 codes with per-tensor (or per-head) scales from the
 checkpoint: values are quantised on write and dequantised on read, so attention always sees
@@ -22,7 +25,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from runtime import native
+
 FP8_MAX = 448.0
+# Tests turn this off to run the pure-torch decode path on a machine that has the kernel.
+NATIVE_DECODE = True
 
 
 @dataclass(slots=True)
@@ -45,7 +52,10 @@ class AttentionMetadata:
     num_decodes: int = 0
     # Each decode row's blocks, padded to the longest row: [num_decodes * blocks_per_row].
     decode_block_ids: torch.Tensor | None = None
-    # Additive mask [1, num_decodes, 1, blocks_per_row * block_size] hiding the padding.
+    # Each decode row's context length (its new token included): [num_decodes] int64.
+    decode_lens: torch.Tensor | None = None
+    # Additive mask [1, num_decodes, 1, blocks_per_row * block_size] hiding the padding
+    # (the pure-torch path only; None when the native kernel attends).
     decode_bias: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -77,6 +87,7 @@ class PagedKVCache:
         # Zeros, not empty: padding slots are masked, but 0 * NaN garbage would still poison V.
         self.k = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=storage, device=device) for _ in range(num_layers)]
+        self.head_offsets = torch.arange(num_kv_heads, device=device).unsqueeze(1) * num_blocks
         self.k_scales = [_head_scale(s, device) for s in k_scales or []]
         self.v_scales = [_head_scale(s, device) for s in v_scales or []]
 
@@ -102,9 +113,12 @@ class PagedKVCache:
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks, in order: [kv_heads, len(block_ids) * block_size, dim]."""
+        # Each (head, block) is one contiguous row of block_size * head_dim values; selecting
+        # rows along dim 0 is a plain row copy, twice as fast here as index_select on dim 1.
+        rows = (self.head_offsets + block_ids).view(-1)
         out = []
         for cache, scales in ((self.k, self.k_scales), (self.v, self.v_scales)):
-            blocks = cache[layer].index_select(1, block_ids)
+            blocks = cache[layer].view(-1, self.block_size * self.head_dim).index_select(0, rows)
             values = blocks.view(self.num_kv_heads, -1, self.head_dim)
             if self.quant is not None:
                 values = (values.to(torch.float32) * scales[layer]).to(self.dtype)
@@ -124,6 +138,21 @@ def _head_scale(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
     return scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1, 1)
 
 
+def native_decode(cache: PagedKVCache) -> bool:
+    """Whether decode rows attend with the native kernel (runtime/csrc/paged_attention.cpp):
+    a float32 cache on CPU, where it reads each key and value once instead of gathering the
+    context into a new tensor and reading it again (decode at batch 32, context 256, this
+    2-core CPU: 3.3 vs 11.3 ms per layer in isolation). Every other cache uses the torch
+    path below."""
+    return (
+        NATIVE_DECODE
+        and cache.quant is None
+        and cache.dtype == torch.float32
+        and cache.k[0].device.type == "cpu"
+        and native.available()
+    )
+
+
 def paged_attention(
     layer: int,
     q: torch.Tensor,
@@ -141,7 +170,20 @@ def paged_attention(
     if q.dtype != cache.dtype:  # a bf16 cache under an fp32 model: attend as it is held
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
     decoded = None
-    if meta.num_decodes:
+    if meta.num_decodes and meta.decode_bias is None:  # the native kernel (native_decode)
+        assert meta.decode_block_ids is not None and meta.decode_lens is not None
+        batch = meta.num_decodes
+        decoded = torch.ops.kiln.paged_decode_attention(
+            q[:batch],
+            cache.k[layer],
+            cache.v[layer],
+            meta.decode_block_ids.view(batch, -1),
+            meta.decode_lens,
+            scale,
+        ).view(batch, heads * dim)
+        if not meta.prefills:
+            return decoded
+    elif meta.num_decodes:
         assert meta.decode_block_ids is not None
         batch = meta.num_decodes
         keys, values = cache.gather(layer, meta.decode_block_ids)

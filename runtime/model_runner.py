@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata, PagedKVCache, PrefillChunk
+from runtime.attention import AttentionMetadata, PagedKVCache, PrefillChunk, native_decode
 from runtime.model import CausalLM
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import Request
@@ -39,6 +39,8 @@ class ModelRunner:
         self.cache = cache
         self.block_size = cache.block_size
         self.device = model.device
+        # Decided once (the kernel builds on first use, at load rather than mid-request).
+        self.native_decode = native_decode(cache)
 
     def run(self, step: SchedulerOutput) -> StepLogits:
         order = sorted(
@@ -80,11 +82,14 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             flat = [b for t in decode_tables for b in t + [0] * (width - len(t))]
             meta.decode_block_ids = self._tensor(flat)
-            lens = torch.tensor(decode_lens, device=self.device)
-            keys = torch.arange(width * bs, device=self.device)
-            hidden = keys.unsqueeze(0) >= lens.unsqueeze(1)
-            bias = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
-            meta.decode_bias = bias.masked_fill_(hidden, float("-inf")).view(1, len(lens), 1, -1)
+            lens = self._tensor(decode_lens)
+            meta.decode_lens = lens
+            if not self.native_decode:
+                keys = torch.arange(width * bs, device=self.device)
+                hidden = keys.unsqueeze(0) >= lens.unsqueeze(1)
+                bias = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
+                bias.masked_fill_(hidden, float("-inf"))
+                meta.decode_bias = bias.view(1, len(lens), 1, -1)
         for request, first, count in prefills:
             start = request.num_computed_tokens
             context = start + count

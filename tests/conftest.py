@@ -12,6 +12,13 @@ from tests.tiny_models import make_tiny_model
 # Hermetic: never reach a model hub, keep dataset caches out of the user's home.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The runtime's native kernels build once per machine in torch's extensions directory, which
+# follows XDG_CACHE_HOME: pin it before the session's private cache (below) moves that, so
+# test sessions and the servers they start share one build instead of compiling again.
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"),
+)
 
 
 @pytest.fixture(autouse=True, scope="session")

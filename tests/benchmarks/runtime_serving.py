@@ -212,6 +212,7 @@ def main() -> None:
 
     print(
         f"dtype {args.dtype}  kv {args.kv_cache_dtype}  threads {args.threads}  "
+        f"native decode attention {engine.runner.native_decode}  "
         f"{args.requests} x {args.prompt_tokens} -> {new} tokens (c=1: "
         f"{args.single_requests} requests, sequential)"
     )
@@ -233,7 +234,8 @@ def main() -> None:
     print(f"memory bandwidth (tensor copy, {args.threads} threads): {bandwidth / 1e9:.1f} GB/s")
     print(
         f"{'checkpoint':28s} {'decode tok/s':>12s} {'vs fp32':>8s} {'MB/token':>9s} "
-        f"{'roofline':>9s} {'fraction':>9s} {'c' + str(max(levels)) + ' tok/s':>10s}"
+        f"{'roofline':>9s} {'fraction':>9s} {'c' + str(max(levels)) + ' tok/s':>10s} "
+        f"{'TTFT p50':>9s}"
     )
     context = args.prompt_tokens + new // 2
     base = None
@@ -246,12 +248,12 @@ def main() -> None:
         per_token = bytes_per_token(each, context)
         roofline = bandwidth / per_token
         if each is engine:
-            concurrent = ours[max(levels)][0]
+            concurrent, ttft = ours[max(levels)]
         else:
-            concurrent = ours_concurrent(each, prompts, new, max(levels))[0]
+            concurrent, ttft = ours_concurrent(each, prompts, new, max(levels))
         print(
             f"{name:28s} {decode:12.1f} {decode / base:7.2f}x {per_token / 1e6:9.1f} "
-            f"{roofline:9.1f} {decode / roofline:9.2f} {concurrent:10.1f}"
+            f"{roofline:9.1f} {decode / roofline:9.2f} {concurrent:10.1f} {ttft:8.2f}s"
         )
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 

@@ -1,0 +1,209 @@
+// kiln runtime: single-token (decode) attention read straight from the paged KV cache, CPU.
+//
+// Hand-written because no library torch 2.13 can install on a CPU box does it: torch's
+// scaled_dot_product_attention needs contiguous keys, so the pure-torch path first gathers
+// every sequence's blocks into a new tensor (one copy of the whole context per layer) and
+// then reads it again. Here each (sequence, KV head) pair walks its block table and reads
+// each key and value row once, for all the query heads that share it (grouped-query).
+//
+// Layout (runtime/attention.py): caches [kv_heads, num_blocks, block_size, head_dim] float32;
+// q [batch, heads, head_dim] with query heads h * group .. h * group + group - 1 on KV head h;
+// block_tables [batch, width] int64; context_lens [batch] int64 (>= 1 and <= width * block_size).
+// Every (sequence, KV head) is computed alone, so a sequence's result does not depend on what
+// else is in the batch. Softmax is the usual max-subtracted one, accumulated in float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (scores minus their maximum), vectorisable: 2^k * p(r) with
+// r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative error < 2e-7,
+// about one float ulp). Underflows to 0 below -87.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float k = std::nearbyint(x * 1.4426950408889634f);
+  const float r = x - k * 0.693145751953125f - k * 1.4286068203094172e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int64_t* tables;
+  const int64_t* lens;
+  float* out;
+  int64_t heads, kv_heads, num_blocks, block_size, width;
+  float scale;
+};
+
+// Calls row(t, pointer) for positions t = 0 .. len - 1 of sequence b's KV head h in `cache`,
+// walking its block table.
+template <typename Row>
+inline void for_each_row(const Problem& pr, const float* cache, int64_t b, int64_t h, int64_t len,
+                         int64_t dim, Row&& row) {
+  const int64_t bs = pr.block_size;
+  for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
+    const int64_t block = pr.tables[b * pr.width + slot];
+    const float* rows = cache + ((h * pr.num_blocks + block) * bs) * dim;
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t j = 0; j < n; ++j) row(t0 + j, rows + j * dim);
+  }
+}
+
+// One (sequence, KV head): the group's scores against every key, softmax, weighted values.
+// DIM and GROUP are compile-time for the common shapes (the accumulators then live in
+// registers); 0 means "read it from the problem" (any other shape).
+template <int DIM, int GROUP>
+void attend_one(const Problem& pr, int64_t b, int64_t h, int64_t dim_rt, int64_t group_rt,
+                std::vector<float>& scores, std::vector<float>& acc_rt) {
+  const int64_t dim = DIM ? DIM : dim_rt;
+  const int64_t group = GROUP ? GROUP : group_rt;
+  const int64_t len = pr.lens[b];
+  const float* __restrict query = pr.q + (b * pr.heads + h * group) * dim;
+  scores.resize(group * len);
+  float* __restrict sc = scores.data();
+  for_each_row(pr, pr.k, b, h, len, dim, [&](int64_t t, const float* __restrict key) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* __restrict qg = query + g * dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * key[d];
+      sc[g * len + t] = dot * pr.scale;
+    }
+  });
+  float total[GROUP ? GROUP : 64];
+  for (int64_t g = 0; g < group; ++g) {
+    float* __restrict row = sc + g * len;
+    float top = row[0];
+    for (int64_t t = 1; t < len; ++t) top = std::max(top, row[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = exp_nonpositive(row[t] - top);
+      sum += row[t];
+    }
+    total[g] = sum;
+  }
+  float acc_fixed[(DIM && GROUP) ? DIM * GROUP : 1];
+  float* __restrict acc = (DIM && GROUP) ? acc_fixed : acc_rt.data();
+  for (int64_t i = 0; i < group * dim; ++i) acc[i] = 0.f;
+  for_each_row(pr, pr.v, b, h, len, dim, [&](int64_t t, const float* __restrict value) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = sc[g * len + t];
+      float* __restrict a = acc + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * value[d];
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    float* __restrict target = pr.out + (b * pr.heads + h * group + g) * dim;
+    const float inv = 1.f / total[g];
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) target[d] = acc[g * dim + d] * inv;
+  }
+}
+
+using Attend = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, std::vector<float>&,
+                        std::vector<float>&);
+
+template <int DIM>
+Attend pick_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_one<DIM, 1>;
+    case 2: return &attend_one<DIM, 2>;
+    case 3: return &attend_one<DIM, 3>;
+    case 4: return &attend_one<DIM, 4>;
+    case 5: return &attend_one<DIM, 5>;
+    case 6: return &attend_one<DIM, 6>;
+    case 7: return &attend_one<DIM, 7>;
+    case 8: return &attend_one<DIM, 8>;
+    default: return &attend_one<0, 0>;
+  }
+}
+
+Attend pick(int64_t dim, int64_t group) {
+  if (group > 64) return nullptr;
+  if (dim == 64) return pick_group<64>(group);
+  if (dim == 128) return pick_group<128>(group);
+  return &attend_one<0, 0>;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 query and caches only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: q [B, H, D], caches [KVH, NB, BS, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: int64 block tables and lengths");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor kc = k_cache.contiguous();
+  const at::Tensor vc = v_cache.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const int64_t batch = qc.size(0), heads = qc.size(1), dim = qc.size(2);
+  const int64_t kv_heads = kc.size(0), num_blocks = kc.size(1), block_size = kc.size(2);
+  const int64_t width = tables.size(1);
+  TORCH_CHECK(kc.size(3) == dim && heads % kv_heads == 0, "paged_decode_attention: head shapes");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.size(0) == batch,
+              "paged_decode_attention: one block table and length per sequence");
+  const int64_t group = heads / kv_heads;
+  const Attend attend = pick(dim, group);
+  TORCH_CHECK(attend != nullptr, "paged_decode_attention: more than 64 query heads per KV head");
+  const int64_t* table_p = tables.data_ptr<int64_t>();
+  const int64_t* len_p = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len_p[b] >= 1 && len_p[b] <= width * block_size,
+                "paged_decode_attention: context length out of range");
+    for (int64_t slot = 0; slot < (len_p[b] + block_size - 1) / block_size; ++slot) {
+      const int64_t block = table_p[b * width + slot];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: bad block id");
+    }
+  }
+  at::Tensor out = at::empty_like(qc);
+  const Problem pr{qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), table_p,
+                   len_p, out.data_ptr<float>(), heads, kv_heads, num_blocks, block_size, width,
+                   static_cast<float>(scale)};
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(group * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      attend(pr, item / kv_heads, item % kv_heads, dim, group, scores, acc);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,114 @@
+"""The native decode-attention kernel (runtime/csrc/paged_attention.cpp) against the
+pure-torch path it replaces on CPU: random paged caches, every specialised shape and the
+generic one, and whole-engine greedy decoding with the kernel on and off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import runtime.attention as attention
+from runtime import Engine, SamplingParams, native
+from tests.runtime.test_batch_invariance import audit_prompts
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="native kernels unavailable (no C++ compiler or ninja)"
+)
+
+
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Per sequence: gather its blocks, cut to its length, SDPA with grouped heads."""
+    out = []
+    for b in range(q.shape[0]):
+        keys = k_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])]
+        values = v_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])]
+        group = q.shape[1] // k_cache.shape[0]
+        attended = F.scaled_dot_product_attention(
+            q[b].unsqueeze(1),
+            keys.repeat_interleave(group, 0),
+            values.repeat_interleave(group, 0),
+            scale=scale,
+        )
+        out.append(attended.squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "dim"),
+    [(3, 3, 64), (2, 4, 128), (4, 1, 64), (1, 8, 128), (2, 3, 32), (1, 12, 64), (2, 2, 80)],
+)
+def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, dim: int) -> None:
+    generator = torch.Generator().manual_seed(kv_heads * 100 + group * 10 + dim)
+    block_size, num_blocks, batch, width = 16, 64, 5, 6
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[: batch * width].view(batch, width)
+    # 1 token, a partial block, exactly full blocks, and the whole table.
+    lens = torch.tensor([1, 7, 16, 33, width * block_size])
+    q = torch.randn(batch, kv_heads * group, dim, generator=generator)
+    scale = dim**-0.5
+    got = torch.ops.kiln.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, scale))
+
+
+def test_kernel_accepts_a_non_contiguous_query() -> None:
+    k_cache = torch.randn(2, 8, 4, 64)
+    v_cache = torch.randn(2, 8, 4, 64)
+    tables = torch.tensor([[3, 1], [0, 7]])
+    lens = torch.tensor([6, 8])
+    qk = torch.randn(2, 6, 64)  # queries and keys side by side, as the model lays them out
+    q = qk[:, :4]
+    got = torch.ops.kiln.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    expected = reference(q.contiguous(), k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("tables", "lens", "message"),
+    [
+        ([[0, 9]], [20], "bad block id"),
+        ([[0, 1]], [33], "context length out of range"),
+        ([[0, 1]], [0], "context length out of range"),
+    ],
+)
+def test_kernel_rejects_bad_tables(tables: list[list[int]], lens: list[int], message: str) -> None:
+    cache = torch.zeros(1, 4, 16, 64)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kiln.paged_decode_attention(
+            torch.zeros(1, 2, 64), cache, cache, torch.tensor(tables), torch.tensor(lens), 1.0
+        )
+
+
+def test_engine_greedy_and_logprobs_same_with_kernel_on_and_off(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 ragged prompts decoded together: identical tokens, log-probabilities to rounding."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = audit_prompts(tiny_llama)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(attention, "NATIVE_DECODE", on)
+        engine = Engine.from_pretrained(tiny_llama, enable_prefix_caching=False)
+        assert engine.runner.native_decode is on
+        runs[on] = engine.generate(prompts, params)
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y, token in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert x is not None and y is not None
+            assert abs(x[token].logprob - y[token].logprob) < 1e-4
+
+
+def test_kernel_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KILN_NATIVE", "0")
+    assert native._load() is False

@@ -9,7 +9,7 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
   and scales/zeros are held in bf16. 2x faster than fp32 dense at one token, 1.7x slower at
   32; prefill-sized inputs dequantise instead (see the class).
 - W8A16 per-channel (`Int8WeightLinear`): `aten._weight_int8pack_mm`, bf16 activations for
-  the same reason.
+  the same reason; prefill-sized inputs dequantise instead (see the class).
 - W8A8 int8 (`Int8Linear`): `torch._int_mm` (VNNI) after per-token dynamic (or static
   per-tensor) symmetric activation quantisation: 4x faster than fp32 dense at 32 tokens.
 - FP8 (`Fp8Linear`): `torch._scaled_mm` on CUDA. The CPU has no FP8 arithmetic and its

@@ -84,6 +84,7 @@ class ModelRunner:
             meta.decode_block_ids = self._tensor(flat)
             lens = self._tensor(decode_lens)
             meta.decode_lens = lens
+            meta.native_decode = self.native_decode
             if not self.native_decode:
                 keys = torch.arange(width * bs, device=self.device)
                 hidden = keys.unsqueeze(0) >= lens.unsqueeze(1)

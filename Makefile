@@ -27,13 +27,14 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy && $(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .mypy_cache .ruff_cache

@@ -14,10 +14,10 @@ import click
 from rich.console import Console, Group
 from rich.table import Table
 
-from runtime.exits import handle_errors
+from kiln.runtime.exits import handle_errors
 
 if TYPE_CHECKING:
-    from runtime.bench import BenchReport, Distribution
+    from kiln.runtime.bench import BenchReport, Distribution
 
 
 @click.command("bench")
@@ -78,8 +78,8 @@ def bench(
     debug: bool,
 ) -> None:
     """Benchmark the OpenAI-compatible server at URL (kiln, vLLM, llama-server, trtllm-serve)."""
-    from runtime import bench as b
-    from runtime.errors import StageFailure, UsageError
+    from kiln.runtime import bench as b
+    from kiln.runtime.errors import StageFailure, UsageError
 
     limits = b.parse_slo(slo)
     if num_requests is not None and num_requests < 1:

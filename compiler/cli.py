@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from runtime.exits import handle_errors
+from kiln.runtime.exits import handle_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 err = Console(stderr=True, highlight=False)
@@ -38,8 +38,8 @@ def main() -> None:
 @handle_errors
 def validate(recipe: Path, as_json: bool, debug: bool) -> None:
     """Check RECIPE completely (schema, model, scheme, data, targets, memory) without running it."""
-    from compiler.preflight import validate_recipe
-    from runtime.errors import RecipeError
+    from kiln.compiler.preflight import validate_recipe
+    from kiln.runtime.errors import RecipeError
 
     try:
         loaded = validate_recipe(recipe)
@@ -65,9 +65,9 @@ def validate(recipe: Path, as_json: bool, debug: bool) -> None:
 @handle_errors
 def plan(recipe: Path, only: tuple[str, ...], as_json: bool, debug: bool) -> None:
     """Plan GPU memory, KV capacity, tensor parallelism and cost for RECIPE's targets."""
-    from compiler.planner import format_plan
-    from compiler.preflight import validate_recipe_plans
-    from runtime.errors import UsageError
+    from kiln.compiler.planner import format_plan
+    from kiln.compiler.preflight import validate_recipe_plans
+    from kiln.runtime.errors import UsageError
 
     plans = validate_recipe_plans(recipe)
     unknown = sorted(set(only) - set(plans))
@@ -126,10 +126,10 @@ def compile_cmd(
     debug: bool,
 ) -> None:
     """Compile RECIPE into a content-addressed artifact, then gate it if the recipe says so."""
-    from compiler.compile import compile_recipe
-    from compiler.gating import check_gate_options, gate_compiled
-    from compiler.recipe import load_recipe
-    from runtime.errors import VerdictFailure
+    from kiln.compiler.compile import compile_recipe
+    from kiln.compiler.gating import check_gate_options, gate_compiled
+    from kiln.compiler.recipe import load_recipe
+    from kiln.runtime.errors import VerdictFailure
 
     parsed = load_recipe(recipe)
     check_gate_options(parsed, promote, not no_gate)
@@ -143,7 +143,7 @@ def compile_cmd(
         result = compile_recipe(recipe, output=output, force=force, progress=progress)
         step = None
         if not no_gate and parsed.config.gates is not None:
-            from gates.registry import Registry
+            from kiln.gates.registry import Registry
 
             with Registry(registry_spec) as registry:
                 step = gate_compiled(
@@ -165,7 +165,7 @@ def compile_cmd(
         if result.up_to_date:
             err.print("up to date: nothing changed since the last compile")
         if step is not None:
-            from gates.report import MARKDOWN
+            from kiln.gates.report import MARKDOWN
 
             click.echo((step.reports_dir / MARKDOWN).read_text(), err=True)  # unwrapped
             err.print(f"gate reports: {step.reports_dir}")
@@ -190,9 +190,9 @@ def compile_cmd(
 @handle_errors
 def inspect(artifact_dir: Path, verify: bool, as_json: bool, debug: bool) -> None:
     """Show an artifact's manifest, sizes and scheme; --verify re-checks every digest."""
-    from compiler.inspect import describe
-    from runtime import artifact
-    from runtime.errors import ArtifactError
+    from kiln.compiler.describe import describe
+    from kiln.runtime import artifact
+    from kiln.runtime.errors import ArtifactError
 
     manifest = artifact.load_manifest(artifact_dir)
     problems = artifact.verify(artifact_dir) if verify else []
@@ -216,7 +216,12 @@ def inspect(artifact_dir: Path, verify: bool, as_json: bool, debug: bool) -> Non
 # Commands that live beside what they drive: `gate`, `promote`, `rollback`, `registry`
 # (gates/cli.py), `serve` (compiler/serve_cli.py), `bench` (compiler/bench_cli.py) and
 # `draft` (compiler/draft.py). Each module lists its click commands in COMMANDS.
-_COMMAND_MODULES = ("gates.cli", "compiler.serve_cli", "compiler.bench_cli", "compiler.draft")
+_COMMAND_MODULES = (
+    "kiln.gates.cli",
+    "kiln.compiler.serve_cli",
+    "kiln.compiler.bench_cli",
+    "kiln.compiler.draft",
+)
 
 
 def _register_commands() -> None:

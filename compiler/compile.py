@@ -11,44 +11,24 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import quant
-from compiler import sources
-from compiler.engines import checkpoint_dir, export_for, write_target
-from compiler.preflight import Preflight, run_preflight
-from compiler.recipe import load_recipe
-from compiler.speculative import Speculation, compile_draft
-from compiler.stages import StageCache, StageResult, input_key, output_lock
-from quant import calibration, imports
-from quant.logs import route_library_logs_to_stderr
-from quant.report import quantization_report
-from runtime import artifact
-from runtime.artifact import Manifest
+from kiln import quant
+from kiln.compiler import sources
+from kiln.compiler.preflight import Preflight, run_preflight
+from kiln.compiler.recipe import load_recipe
+from kiln.compiler.speculative import Speculation, compile_draft
+from kiln.compiler.stages import StageCache, StageResult, input_key, output_lock
+from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for, write_target
+from kiln.quant import calibration, prequantized
+from kiln.quant.logs import route_library_logs_to_stderr
+from kiln.quant.report import quantization_report
+from kiln.runtime import artifact
+from kiln.runtime.artifact import Manifest
+from kiln.runtime.versions import COMPILE_TOOLS, versions
 
 CACHE_DIR = ".kiln-cache"
-TOOLS = (
-    "kiln",
-    "torch",
-    "transformers",
-    "llmcompressor",
-    "compressed-tensors",
-    "nvidia-modelopt",
-    "safetensors",
-)
-
-
-def tool_versions() -> dict[str, str]:
-    """Installed versions of the libraries whose behaviour shapes an artifact."""
-    out: dict[str, str] = {}
-    for name in TOOLS:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
 
 
 @dataclass
@@ -112,7 +92,7 @@ def _run_stages(
     pre: Preflight, cache: StageCache, root: Path, force: bool, progress: Progress
 ) -> CompileResult:
     recipe = pre.recipe
-    tools = tool_versions()
+    tools = versions(COMPILE_TOOLS)
     stages: list[StageResult] = []
 
     progress("source: hashing and materialising the model")
@@ -145,7 +125,7 @@ def _run_stages(
         route_library_logs_to_stderr()
         (out / "model").mkdir()
         if pre.imported is not None:
-            return imports.convert(model_dir, out / "model")
+            return prequantized.convert(model_dir, out / "model")
         return quant.quantize(model_dir, pre.spec, calib, out / "model", progress=progress)
 
     progress(f"quantize: {quant.schemes.resolve(pre.spec).name} with {pre.spec.backend}")

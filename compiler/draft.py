@@ -28,12 +28,12 @@ from typing import Any
 
 import click
 
-from compiler import sources
-from compiler.sources.sidecar import cache_home
-from quant import calibration
-from quant.spec import CalibrationSpec
-from runtime.errors import SourceError, UsageError
-from runtime.exits import handle_errors
+from kiln.compiler import sources
+from kiln.compiler.sources.sidecar import cache_home
+from kiln.quant import calibration
+from kiln.quant.spec import CalibrationSpec
+from kiln.runtime.errors import SourceError, UsageError
+from kiln.runtime.exits import handle_errors
 
 PROVENANCE = "kiln-draft.json"
 TOKENIZER_FILES = (
@@ -276,7 +276,7 @@ def measure(
     exclude: list[str],
 ) -> dict[str, Any]:
     """α per position, c, and the best K with its expected speedup, on held-out prompts."""
-    from runtime.speculative import choose_draft_len, expected_speedup, measure_acceptance
+    from kiln.runtime.speculative import choose_draft_len, expected_speedup, measure_acceptance
 
     held_out = calibration.load_texts(
         CalibrationSpec(

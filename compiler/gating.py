@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compiler.compile import CompileResult
-from compiler.recipe import Recipe
-from compiler.stages import input_key
-from gates.config import GatesSection
-from gates.registry import Registry
-from gates.sides import SideSpec, resolve_side
-from runtime import artifact
-from runtime.errors import UsageError
+from kiln.compiler.compile import CompileResult
+from kiln.compiler.recipe import Recipe
+from kiln.compiler.stages import input_key
+from kiln.gates.config import GatesSection
+from kiln.gates.registry import Registry
+from kiln.gates.sides import SideSpec, resolve_side
+from kiln.runtime import artifact
+from kiln.runtime.errors import UsageError
 
 GATE_REPORTS_DIR = "gate-reports"
 
@@ -99,8 +99,8 @@ def gate_compiled(
     gates = recipe.config.gates
     if gates is None:
         return None
-    from gates.gate import run_gate
-    from gates.verdict import GATE_JSON
+    from kiln.gates.gate import run_gate
+    from kiln.gates.verdict import GATE_JSON
 
     say = progress or (lambda _msg: None)
     path = result.artifact

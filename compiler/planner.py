@@ -30,11 +30,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from compiler.modelinfo import ModelInfo
-from compiler.targets import TargetProfile, check_algos, describe, quant_algo
-from quant.schemes import is_ignored
-from quant.spec import QuantSpec
-from runtime.errors import UsageError
+from kiln.compiler.targets import TargetProfile, check_algos, describe, quant_algo
+from kiln.quant.schemes import is_ignored
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import UsageError
+from kiln.runtime.model_info import ModelInfo
 
 GiB = 2**30
 FLOAT16 = 2

@@ -12,17 +12,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compiler import sources
-from compiler.modelinfo import ModelInfo
-from compiler.planner import Plan, plan
-from compiler.recipe import Recipe, load_recipe
-from compiler.speculative import SpeculativePlan, check_speculative
-from compiler.targets import PROFILES, check_target
-from quant import calibration, imports, schemes
-from quant.imports import PreQuantized
-from quant.memory import estimate_calibration_bytes
-from quant.spec import CalibrationSpec, QuantSpec
-from runtime.errors import RecipeError, SourceError, UsageError
+from kiln.compiler import sources
+from kiln.compiler.planner import Plan, plan
+from kiln.compiler.recipe import Recipe, load_recipe
+from kiln.compiler.speculative import SpeculativePlan, check_speculative
+from kiln.compiler.targets import PROFILES, check_target
+from kiln.quant import calibration, prequantized, schemes
+from kiln.quant.memory import estimate_calibration_bytes
+from kiln.quant.prequantized import PreQuantized
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.errors import RecipeError, SourceError, UsageError
+from kiln.runtime.model_info import ModelInfo
 
 GIB = 1 << 30
 
@@ -69,10 +69,10 @@ def run_preflight(recipe: Recipe, *, check_memory: bool = True) -> Preflight:
         arch_problems = sources.check_architecture(info)
         problems.extend(recipe.problem("model.source", p) for p in arch_problems)
         if not arch_problems:
-            imported = imports.detect(info.config)
+            imported = prequantized.detect(info.config)
     if imported is not None:
         # A published AWQ/GPTQ checkpoint: the artifact holds its scheme, converted as is.
-        for p in imports.check_recipe(spec, imported):
+        for p in prequantized.check_recipe(spec, imported):
             problems.append(recipe.problem(p.key, p.problem, p.allowed))
         spec = imported.to_spec()
 

@@ -16,10 +16,10 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from compiler.planner import DeploySpec
-from gates.config import GatesSection
-from quant.spec import DEFAULT_ACTIVATIONS, CalibrationSpec, QuantSpec
-from runtime.errors import RecipeError
+from kiln.compiler.planner import DeploySpec
+from kiln.gates.config import GatesSection
+from kiln.quant.spec import DEFAULT_ACTIVATIONS, CalibrationSpec, QuantSpec
+from kiln.runtime.errors import RecipeError
 
 Key = tuple[str | int, ...]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from runtime.errors import UsageError
-from runtime.exits import handle_errors
+from kiln.runtime.errors import UsageError
+from kiln.runtime.exits import handle_errors
 
 REGISTRY_SCHEME = "registry://"
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -55,11 +55,11 @@ def parse_size(text: str) -> int:
 
 def resolve_model(spec: str, registry_spec: str | None, role: str = "ARTIFACT") -> ServedModel:
     """An artifact directory, a Hugging Face model directory, or registry://CHANNEL."""
-    from runtime.artifact import MANIFEST, load_manifest
+    from kiln.runtime.artifact import MANIFEST, load_manifest
 
     original = spec
     if spec.startswith(REGISTRY_SCHEME):
-        from gates.registry import Registry
+        from kiln.gates.registry import Registry
 
         channel = spec[len(REGISTRY_SCHEME) :]
         with Registry(registry_spec) as registry:
@@ -85,7 +85,7 @@ def resolve_model(spec: str, registry_spec: str | None, role: str = "ARTIFACT") 
 
 def engine_problems(engine_dir: Path, env: Any) -> list[str]:
     """Why a built TensorRT-LLM engine cannot run here (empty: it can)."""
-    from compiler.trtllm.build import check_engine_compatible, read_engine_stamp
+    from kiln.compiler.trtllm.build import check_engine_compatible, read_engine_stamp
 
     if not env.gpus:
         stamp = read_engine_stamp(engine_dir) or {}
@@ -106,8 +106,8 @@ def engine_problems(engine_dir: Path, env: Any) -> list[str]:
 def choose_backend(kind: str, model: ServedModel, env: Any = None) -> tuple[str, Path | None, str]:
     """(`native` or `trtllm`, the engine directory for trtllm, why). Raises UsageError when
     `--backend trtllm` cannot run here, with built-for vs found and the rebuild command."""
-    from compiler.trtllm.build import ENGINE_STAMP, detect_environment
-    from runtime.server.trtllm import trtllm_available
+    from kiln.compiler.trtllm.build import ENGINE_STAMP, detect_environment
+    from kiln.runtime.server.trtllm import trtllm_available
 
     if kind == "native":
         return "native", None, "--backend native"
@@ -232,11 +232,11 @@ def serve(
     debug: bool,
 ) -> None:
     """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
-    from runtime import Engine
-    from runtime.server import NativeBackend, ServerConfig, create_app
-    from runtime.server import serve as run
-    from runtime.server.record import RecordSettings, TrafficRecorder
-    from runtime.server.shadow import ShadowMirror
+    from kiln.runtime import Engine
+    from kiln.runtime.server import NativeBackend, ServerConfig, create_app
+    from kiln.runtime.server import serve as run
+    from kiln.runtime.server.record import RecordSettings, TrafficRecorder
+    from kiln.runtime.server.shadow import ShadowMirror
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if shadow_spec and shadow_log is None:
@@ -259,7 +259,7 @@ def serve(
     click.echo(f"backend: {kind} ({why})", err=True)
     served: Any
     if kind == "trtllm":
-        from runtime.server.trtllm import TrtllmBackend
+        from kiln.runtime.server.trtllm import TrtllmBackend
 
         assert engine_dir is not None
         limit = max_model_len or _config_len(model.model_dir)

@@ -19,7 +19,7 @@ examples/prompt_lookup/README.md); the LLM API / trtllm-serve YAML `speculative_
 max_matching_ngram_size}` (tensorrt_llm/llmapi/llm_args.py `DecodingBaseConfig.from_dict`,
 docs/source/features/speculative-decoding.md).
 
-The tokenizer comparison itself is compiler/tokenizers.py.
+The tokenizer comparison itself is compiler/tokenizer_match.py.
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiler import sources
-from compiler.engines import SpeculativeTarget, checkpoint_dir, export_for
-from compiler.modelinfo import ModelInfo
-from compiler.recipe import Recipe
-from compiler.stages import StageCache, StageResult, input_key
-from compiler.targets import PROFILES, check_target
-from compiler.tokenizers import tokenizer_differences, tokenizer_facts
-from quant import calibration, schemes
-from quant.spec import CalibrationSpec, QuantSpec
-from runtime import artifact
-from runtime.errors import SourceError
+from kiln.compiler import sources
+from kiln.compiler.recipe import Recipe
+from kiln.compiler.stages import StageCache, StageResult, input_key
+from kiln.compiler.targets import PROFILES, check_target
+from kiln.compiler.tokenizer_match import tokenizer_differences, tokenizer_facts
+from kiln.compiler.trtllm.deploy import SpeculativeTarget, checkpoint_dir, export_for
+from kiln.quant import calibration, schemes
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime import artifact
+from kiln.runtime.errors import SourceError
+from kiln.runtime.model_info import ModelInfo
 
 DRAFT_DIR = "draft"  # the nested artifact's place inside the target's artifact
 
@@ -232,7 +232,7 @@ def compile_draft(
     quant_key = input_key("quantize", digest, dataclasses.asdict(plan.spec), calib_inputs, tools)
 
     def quantize(out: Path) -> dict[str, Any]:
-        import quant
+        from kiln import quant
 
         (out / "model").mkdir()
         return quant.quantize(model_dir, plan.spec, calib, out / "model", progress=progress)
@@ -351,7 +351,7 @@ def _measure(
     def measure(out: Path) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
-        from runtime.speculative import choose_draft_len, expected_speedup, measure_acceptance
+        from kiln.runtime.speculative import choose_draft_len, expected_speedup, measure_acceptance
 
         tokenizer = AutoTokenizer.from_pretrained(target_model)
         # Calibration passages cut to a prompt's length: the text the deployment expects.

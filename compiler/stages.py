@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import KilnError, StageFailure, UsageError
+from kiln.runtime.errors import KilnError, StageFailure, UsageError
 
 STAGE_RECORD = "stage.json"
 PARTIAL = ".partial"

@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from quant.schemes import Problem, resolve
-from quant.spec import QuantSpec
-from runtime.errors import KilnError, UsageError
+from kiln.quant.schemes import Problem, resolve
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import KilnError, UsageError
 
 PATHS = ("engine", "pytorch")
 PATH_LABELS = {

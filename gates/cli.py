@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import click
 
-from runtime.errors import VerdictFailure
-from runtime.exits import handle_errors
+from kiln.runtime.errors import VerdictFailure
+from kiln.runtime.exits import handle_errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,7 +34,7 @@ def _echo_err(message: str) -> None:
 
 
 def _open_registry(spec: str | None) -> Any:
-    from gates.registry import Registry
+    from kiln.gates.registry import Registry
 
     return Registry(spec)
 
@@ -74,11 +74,11 @@ def gate(
     debug: bool,
 ) -> None:
     """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
-    from gates.config import load_gate_file, load_gates
-    from gates.gate import run_gate
-    from gates.report import to_markdown
-    from gates.sides import resolve_side
-    from runtime.artifact import load_manifest
+    from kiln.gates.config import load_gate_file, load_gates
+    from kiln.gates.gate import run_gate
+    from kiln.gates.report import to_markdown
+    from kiln.gates.sides import resolve_side
+    from kiln.runtime.artifact import load_manifest
 
     cand = resolve_side(candidate, "candidate")
     base_dir = Path.cwd()
@@ -130,14 +130,15 @@ def _judge_shadow_log(
     """A verdict on the pairs a live shadow logged, by the replay gate's comparison."""
     import time
 
-    from gates.gate import GateOutcome, tool_versions
-    from gates.report import write_reports
-    from gates.shadow import ReplaySettings, SideResponse, compare_pair, summarize_pairs
-    from gates.sides import resolve_side
-    from gates.verdict import build_verdict
-    from runtime.errors import UsageError
-    from runtime.server.shadow_log import read_shadow_log
-    from runtime.traffic import COMPLETIONS, TrafficRecord
+    from kiln.gates.gate import GateOutcome
+    from kiln.gates.report import write_reports
+    from kiln.gates.shadow import ReplaySettings, SideResponse, compare_pair, summarize_pairs
+    from kiln.gates.sides import resolve_side
+    from kiln.gates.verdict import build_verdict
+    from kiln.runtime.errors import UsageError
+    from kiln.runtime.server.shadow_log import read_shadow_log
+    from kiln.runtime.traffic import COMPLETIONS, TrafficRecord
+    from kiln.runtime.versions import GATE_TOOLS, versions
 
     began = time.perf_counter()
     cand, base = resolve_side(candidate, "candidate"), resolve_side(baseline, "baseline")
@@ -169,7 +170,7 @@ def _judge_shadow_log(
         base.to_dict(),
         gates.policy(cand.weight_bits),
         shadow=report,
-        tools=tool_versions(),
+        tools=versions(GATE_TOOLS, python=True),
         notes=notes,
         seconds=round(time.perf_counter() - began, 3),
     )

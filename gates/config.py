@@ -27,9 +27,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gates.rules import GatePolicy, default_policy
-from gates.shadow import ReplaySettings
-from runtime.errors import UsageError
+from kiln.gates.rules import GatePolicy, default_policy
+from kiln.gates.shadow import ReplaySettings
+from kiln.runtime.errors import UsageError
 
 DEFAULT_TASKS = ["kiln_ppl", "kiln_mc", "kiln_qa"]
 

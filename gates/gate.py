@@ -15,31 +15,30 @@ from __future__ import annotations
 
 import gc
 import json
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from gates.config import GatesSection
-from gates.divergence import DivergenceSummary, kl_topk, summarize
-from gates.registry import Registry
-from gates.report import write_reports
-from gates.rules import GatePolicy
-from gates.shadow import ShadowReport, Side, replay
-from gates.sides import EngineSide, HttpSide, SideSpec, resolve_side
-from gates.tasks import BUILTIN_TASKS_DIR, TaskResult
-from gates.verdict import (
+from kiln.gates.config import GatesSection
+from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
+from kiln.gates.registry import Registry
+from kiln.gates.report import write_reports
+from kiln.gates.rules import GatePolicy
+from kiln.gates.shadow import ShadowReport, Side, replay
+from kiln.gates.sides import EngineSide, HttpSide, SideSpec, resolve_side
+from kiln.gates.tasks import BUILTIN_TASKS_DIR, TaskResult
+from kiln.gates.verdict import (
     GateVerdict,
     PerplexityComparison,
     TaskComparison,
     build_verdict,
     compare_task,
 )
-from runtime.errors import UsageError
-from runtime.traffic import read_traffic
+from kiln.runtime.errors import UsageError
+from kiln.runtime.traffic import read_traffic
+from kiln.runtime.versions import GATE_TOOLS, versions
 
 Progress = Callable[[str], None]
 
@@ -54,17 +53,6 @@ class GateOutcome:
     candidate: SideSpec | None = None
     baseline: SideSpec | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def tool_versions() -> dict[str, str]:
-    """Versions of everything that shaped the numbers."""
-    out = {"python": platform.python_version()}
-    for dist in ("kiln", "lm-eval", "torch", "transformers", "tokenizers", "compressed-tensors"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
 
 
 def _resolve(path: str | None, base_dir: Path) -> Path | None:
@@ -98,8 +86,8 @@ def _evaluate_side(
     side: SideSpec, gates: GatesSection, texts: list[str], max_length: int | None, base_dir: Path
 ) -> tuple[_SideEval, int]:
     """lm-eval tasks and top-k logprobs of one model side; returns its max_length too."""
-    from gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs
-    from gates.tasks import run_tasks
+    from kiln.gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs
+    from kiln.gates.tasks import run_tasks
 
     task_dirs = [BUILTIN_TASKS_DIR]
     extra = _resolve(gates.tasks_dir, base_dir)
@@ -236,7 +224,7 @@ def run_gate(
         ppl,
         divergence,
         shadow,
-        tools=tool_versions(),
+        tools=versions(GATE_TOOLS, python=True),
         notes=notes,
         seconds=round(time.perf_counter() - began, 3),
     )

@@ -1,6 +1,6 @@
 """lm-eval model `kiln`: evaluate an artifact through kiln's runtime engine.
 
-    python -m gates.lm_eval_adapter run --model kiln --model_args artifact=PATH \
+    python -m kiln.gates.lm_eval_adapter run --model kiln --model_args artifact=PATH \
         --include_path recipes/tasks --tasks kiln_mc,kiln_qa
 
 (lm-eval has no plugin discovery, so its own `lm_eval` command only knows `kiln` once this
@@ -33,7 +33,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from runtime.errors import UsageError
+from kiln.runtime.errors import UsageError
 
 DEFAULT_MAX_LENGTH = 2048
 
@@ -56,7 +56,7 @@ class KilnLM(TemplateLM):
         if engine is None:
             import torch
 
-            from runtime import Engine
+            from kiln.runtime import Engine
 
             # lm-eval's CLI passes device="cuda" by default; without a GPU run on the CPU.
             if not device or (device.startswith("cuda") and not torch.cuda.is_available()):
@@ -115,7 +115,7 @@ class KilnLM(TemplateLM):
 
     def _prompt_logprobs(self, prompts: Sequence[list[int]], top_k: int = 0) -> list[Any]:
         """Each prompt's per-position logprob dicts (position 0 has none), in batches."""
-        from runtime import SamplingParams
+        from kiln.runtime import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
         out: list[Any] = []
@@ -165,7 +165,7 @@ class KilnLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Generate for each (context, gen_kwargs); cut at the first stop string."""
-        from runtime import SamplingParams
+        from kiln.runtime import SamplingParams
 
         prompts, params, stops = [], [], []
         for context, gen_kwargs in (req.args for req in requests):
@@ -253,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from lm_eval.__main__ import cli_evaluate
 
-    from gates.tasks import prepare_task_dir
+    from kiln.gates.tasks import prepare_task_dir
 
     args = list(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="kiln-tasks-") as tmp:

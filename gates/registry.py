@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.artifact import json_dumps, load_manifest, verify
-from runtime.errors import ArtifactError, UsageError, VerdictFailure
+from kiln.runtime.artifact import json_dumps, load_manifest, verify
+from kiln.runtime.errors import ArtifactError, UsageError, VerdictFailure
 
 ENV_VAR = "KILN_REGISTRY"
 BASELINE_RULES = ("current", "fixed")

@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gates.shadow import PairDiff
-from gates.verdict import GateVerdict
+from kiln.gates.shadow import PairDiff
+from kiln.gates.verdict import GateVerdict
 
 MARKDOWN = "gate.md"
 HTML = "gate.html"

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gates.rules import Check, GatePolicy, threshold_check
-from runtime.traffic import TrafficRecord
+from kiln.gates.rules import Check, GatePolicy, threshold_check
+from kiln.runtime.traffic import TrafficRecord
 
 
 @dataclass(slots=True)

@@ -24,11 +24,11 @@ from typing import Any
 
 import httpx
 
-from gates.shadow import SideResponse
-from runtime.artifact import MANIFEST, content_digest, file_digests, load_manifest
-from runtime.client import OpenAIClient
-from runtime.errors import UsageError
-from runtime.traffic import TrafficRecord
+from kiln.gates.shadow import SideResponse
+from kiln.runtime.artifact import MANIFEST, content_digest, file_digests, load_manifest
+from kiln.runtime.client import OpenAIClient
+from kiln.runtime.errors import UsageError
+from kiln.runtime.traffic import TrafficRecord
 
 _SOURCE_RESOLVERS: list[Callable[[str], Path | None]] = []
 
@@ -169,7 +169,7 @@ class EngineSide:
     @classmethod
     def load(cls, side: SideSpec, **engine_config: Any) -> EngineSide:
         """Load the runtime engine for an artifact or source side."""
-        from runtime import Engine
+        from kiln.runtime import Engine
 
         if side.path is None:
             raise UsageError(f"{side.spec}: an http side is served by HttpSide, not the engine")
@@ -178,7 +178,7 @@ class EngineSide:
         return cls(Engine.from_pretrained(side.path, **engine_config), side.name)
 
     def complete(self, record: TrafficRecord) -> SideResponse:
-        from runtime import SamplingParams
+        from kiln.runtime import SamplingParams
 
         try:
             ids = prompt_token_ids(self.engine.tokenizer, record)

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from runtime.errors import UsageError
+from kiln.runtime.errors import UsageError
 
 PLACEHOLDER = "${KILN_TASKS_DIR}"
 # recipes/tasks of a source checkout (editable install); a packaged kiln passes tasks_dir.

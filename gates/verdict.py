@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gates.divergence import DivergenceSummary
-from gates.rules import (
+from kiln.gates.divergence import DivergenceSummary
+from kiln.gates.rules import (
     Check,
     Decision,
     GatePolicy,
@@ -26,7 +26,7 @@ from gates.rules import (
     score_stats,
     threshold_check,
 )
-from gates.shadow import ShadowReport, shadow_checks
+from kiln.gates.shadow import ShadowReport, shadow_checks
 
 GATE_JSON = "gate.json"
 VERDICT_VERSION = 1

@@ -10,15 +10,15 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from quant import calibration as calib_data
-from quant.memory import calibration_dtype
-from quant.schemes import SCHEMES, Problem, Scheme, check, resolve
-from quant.spec import CalibrationSpec, QuantSpec
-from runtime.errors import CalibrationDataError, PreflightError, StageFailure
+from kiln.quant import calibration as calib_data
+from kiln.quant.memory import calibration_dtype
+from kiln.quant.schemes import SCHEMES, Problem, Scheme, check, resolve
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.errors import CalibrationDataError, PreflightError, StageFailure
+from kiln.runtime.versions import versions
 
 __all__ = [
     "SCHEMES",
@@ -27,21 +27,9 @@ __all__ = [
     "QuantSpec",
     "Scheme",
     "check",
-    "library_versions",
     "quantize",
     "resolve",
 ]
-
-
-def library_versions(packages: tuple[str, ...] = ()) -> dict[str, str]:
-    """Installed versions of torch, transformers and `packages` (absent ones are left out)."""
-    out: dict[str, str] = {}
-    for name in ("torch", "transformers", *packages):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
 
 
 def quantize(
@@ -59,8 +47,8 @@ def quantize(
     CalibrationDataError for a spec or data that cannot work (before loading the model) and
     StageFailure when the quantisation library fails.
     """
-    from compiler.modelinfo import ModelInfo
-    from quant.backends import BACKENDS
+    from kiln.quant.backends import BACKENDS
+    from kiln.runtime.model_info import ModelInfo
 
     say = progress or (lambda _msg: None)
     start = time.perf_counter()
@@ -83,7 +71,9 @@ def quantize(
         "activations": scheme.activations,
         "kv_cache": scheme.kv_cache,
         "ignore": list(spec.ignore),
-        "versions": library_versions(backend.packages if scheme.name != "NO_QUANT" else ()),
+        "versions": versions(
+            ("torch", "transformers", *(backend.packages if scheme.name != "NO_QUANT" else ()))
+        ),
     }
     if scheme.name == "NO_QUANT":
         say("method none: copying the float checkpoint")

@@ -23,10 +23,10 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from quant.schemes import Problem
-from quant.spec import CalibrationSpec
-from runtime.errors import CalibrationDataError
-from runtime.traffic import TrafficError, TrafficRecord, read_traffic
+from kiln.quant.schemes import Problem
+from kiln.quant.spec import CalibrationSpec
+from kiln.runtime.errors import CalibrationDataError
+from kiln.runtime.traffic import TrafficError, TrafficRecord, read_traffic
 
 KEY = "calibration.dataset"
 CHARS_PER_TOKEN = 4  # rough; passages are merged up to max_seq_len tokens' worth of text

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from compiler.modelinfo import ModelInfo
-from quant.schemes import quantised_linears, resolve
-from quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant.schemes import quantised_linears, resolve
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.model_info import ModelInfo
 
 FP32 = 4
 # A checkpoint is calibrated in its own float dtype: an 8B bf16 model needs 16 GB, not 32.

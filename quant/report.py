@@ -48,11 +48,11 @@ def load_quantised(path: Path) -> tuple[Any, dict[str, Any]]:
     """(model, {linear name: dequantised effective weight}) read from a saved checkpoint."""
     fmt = checkpoint_format(path)
     if fmt == "compressed-tensors":
-        from quant.backends.llmcompressor import load_checkpoint
+        from kiln.quant.backends.llmcompressor import load_checkpoint
 
         return load_checkpoint(Path(path))
     if fmt == "modelopt":
-        from quant.backends.modelopt import load_checkpoint as load_modelopt
+        from kiln.quant.backends.modelopt import load_checkpoint as load_modelopt
 
         return load_modelopt(Path(path))
     return _load_float(Path(path)), {}
@@ -144,7 +144,7 @@ def quantization_report(
     """Per-layer weight error and next-token KL, top-1 agreement and perplexity on `texts`."""
     from transformers import AutoTokenizer
 
-    from quant.calibration import tokenize
+    from kiln.quant.calibration import tokenize
 
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
     float_model = _load_float(float_dir)

@@ -12,11 +12,11 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from quant.spec import ACTIVATIONS, KV_CACHE, METHODS, QuantSpec
-from runtime.errors import PreflightError
+from kiln.quant.spec import ACTIVATIONS, KV_CACHE, METHODS, QuantSpec
+from kiln.runtime.errors import PreflightError
 
 if TYPE_CHECKING:
-    from compiler.modelinfo import ModelInfo
+    from kiln.runtime.model_info import ModelInfo
 
 GROUP_SIZES = (128, 64, 32)  # what TensorRT-LLM's groupwise kernels take, largest first
 
@@ -159,7 +159,7 @@ def _spec_problems(spec: QuantSpec) -> tuple[SchemeDef | None, list[Problem]]:
 
 
 def _backend_problems(spec: QuantSpec, scheme: SchemeDef) -> list[Problem]:
-    from quant.backends import BACKENDS  # registry; imports no heavy library
+    from kiln.quant.backends import BACKENDS  # registry; imports no heavy library
 
     backend = BACKENDS.get(spec.backend)
     if backend is None:

@@ -1,8 +1,8 @@
 """kiln's runtime: the artifact format and the serving engine.
 
 Imports nothing else of ours and needs only torch, safetensors and a tokenizer library.
-The engine names below load on first use, so `import runtime.errors` or `runtime.artifact`
-(which every package does) does not pay for importing torch.
+The engine names below load on first use, so `import kiln.runtime.errors` or
+`kiln.runtime.artifact` (which every package does) does not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -11,24 +11,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.async_engine import AsyncEngine as AsyncEngine
-    from runtime.config import EngineConfig as EngineConfig
-    from runtime.engine import Engine as Engine
-    from runtime.outputs import EngineStats as EngineStats
-    from runtime.outputs import RequestOutput as RequestOutput
-    from runtime.sampling import Logprob as Logprob
-    from runtime.sampling import SamplingParams as SamplingParams
-    from runtime.speculative import SpeculativeConfig as SpeculativeConfig
+    from kiln.runtime.async_engine import AsyncEngine as AsyncEngine
+    from kiln.runtime.config import EngineConfig as EngineConfig
+    from kiln.runtime.engine import Engine as Engine
+    from kiln.runtime.outputs import EngineStats as EngineStats
+    from kiln.runtime.outputs import RequestOutput as RequestOutput
+    from kiln.runtime.sampling import Logprob as Logprob
+    from kiln.runtime.sampling import SamplingParams as SamplingParams
+    from kiln.runtime.speculative import SpeculativeConfig as SpeculativeConfig
 
 _EXPORTS = {
-    "AsyncEngine": "runtime.async_engine",
-    "Engine": "runtime.engine",
-    "EngineConfig": "runtime.config",
-    "EngineStats": "runtime.outputs",
-    "Logprob": "runtime.sampling",
-    "RequestOutput": "runtime.outputs",
-    "SamplingParams": "runtime.sampling",
-    "SpeculativeConfig": "runtime.speculative",
+    "AsyncEngine": "kiln.runtime.async_engine",
+    "Engine": "kiln.runtime.engine",
+    "EngineConfig": "kiln.runtime.config",
+    "EngineStats": "kiln.runtime.outputs",
+    "Logprob": "kiln.runtime.sampling",
+    "RequestOutput": "kiln.runtime.outputs",
+    "SamplingParams": "kiln.runtime.sampling",
+    "SpeculativeConfig": "kiln.runtime.speculative",
 }
 
 __all__ = sorted(_EXPORTS)

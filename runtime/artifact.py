@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import ArtifactError
+from kiln.runtime.errors import ArtifactError
 
 FORMAT = "kiln-artifact"
 FORMAT_VERSION = 1

@@ -16,11 +16,11 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from runtime.engine import Engine, Prompt
-from runtime.errors import UsageError
-from runtime.outputs import EngineStats, RequestOutput, delta_output
-from runtime.sampling import SamplingParams
-from runtime.sequence import Request
+from kiln.runtime.engine import Engine, Prompt
+from kiln.runtime.errors import UsageError
+from kiln.runtime.outputs import EngineStats, RequestOutput, delta_output
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.sequence import Request
 
 Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from runtime import native
+from kiln.runtime import native
 
 FP8_MAX = 448.0
 # Tests turn this off to run the pure-torch decode path on a machine that has the kernel.

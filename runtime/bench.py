@@ -29,15 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from runtime.client import (
+from kiln.runtime.client import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     AsyncOpenAIClient,
     StreamResult,
     resolve_model,
 )
-from runtime.errors import UsageError
-from runtime.traffic import read_traffic
+from kiln.runtime.errors import UsageError
+from kiln.runtime.traffic import read_traffic
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from runtime.errors import UsageError
+from kiln.runtime.errors import UsageError
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from runtime.errors import UsageError
+from kiln.runtime.errors import UsageError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")

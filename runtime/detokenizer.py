@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from runtime.sequence import Request
+from kiln.runtime.sequence import Request
 
 # Prompt tokens decoded as left context for the first output token.
 CONTEXT_TOKENS = 5

@@ -20,18 +20,18 @@ from typing import Any
 
 import torch
 
-from runtime.config import EngineConfig, engine_config
-from runtime.detokenizer import Detokenizer, find_stop
-from runtime.errors import ArtifactError, UsageError
-from runtime.kv_cache import KVCacheManager, build_kv_cache
-from runtime.loader import KVCacheSpec, load_model, read_config
-from runtime.model import CausalLM
-from runtime.model_runner import ModelRunner, StepLogits
-from runtime.outputs import EngineStats, RequestOutput, delta_output, final_output
-from runtime.sampling import Logprob, SamplingParams, make_generator, sample, token_logprobs
-from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.sequence import Request, RequestStatus
-from runtime.speculative import SpeculativeConfig, build_speculator, from_manifest
+from kiln.runtime.config import EngineConfig, engine_config
+from kiln.runtime.detokenizer import Detokenizer, find_stop
+from kiln.runtime.errors import ArtifactError, UsageError
+from kiln.runtime.kv_cache import KVCacheManager, build_kv_cache
+from kiln.runtime.loader import KVCacheSpec, load_model, read_config
+from kiln.runtime.model import CausalLM
+from kiln.runtime.model_runner import ModelRunner, StepLogits
+from kiln.runtime.outputs import EngineStats, RequestOutput, delta_output, final_output
+from kiln.runtime.sampling import Logprob, SamplingParams, make_generator, sample, token_logprobs
+from kiln.runtime.scheduler import Scheduler, SchedulerOutput
+from kiln.runtime.sequence import Request, RequestStatus
+from kiln.runtime.speculative import SpeculativeConfig, build_speculator, from_manifest
 
 Prompt = str | list[int]
 
@@ -114,8 +114,8 @@ class Engine:
         """Load the model of a kiln artifact (`<artifact>/model/`); `verify` re-hashes every
         file against the manifest first. A manifest `speculative` entry (a nested draft
         artifact and its K) turns speculative decoding on unless `speculative=False`."""
-        from runtime.artifact import MODEL_DIR, load_manifest
-        from runtime.artifact import verify as verify_artifact
+        from kiln.runtime.artifact import MODEL_DIR, load_manifest
+        from kiln.runtime.artifact import verify as verify_artifact
 
         speculative = from_manifest(load_manifest(path), Path(path), speculative)
         if verify and (problems := verify_artifact(path)):

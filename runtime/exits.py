@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any, TypeVar
 
-from runtime.errors import KilnError
+from kiln.runtime.errors import KilnError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

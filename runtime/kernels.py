@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.linear import (
+from kiln.runtime.linear import (
     DenseLinear,
     DequantLinear,
     Linear,

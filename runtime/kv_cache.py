@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.attention import PagedKVCache
-from runtime.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
-from runtime.errors import UsageError
-from runtime.loader import KVCacheSpec
-from runtime.model import CausalLM
-from runtime.sequence import Request
+from kiln.runtime.attention import PagedKVCache
+from kiln.runtime.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kiln.runtime.errors import UsageError
+from kiln.runtime.loader import KVCacheSpec
+from kiln.runtime.model import CausalLM
+from kiln.runtime.sequence import Request
 
 
 @dataclass(slots=True, eq=False)

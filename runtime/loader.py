@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from runtime.errors import ArtifactError
-from runtime.kernels import make_linear
-from runtime.linear import ActivationScheme, LinearWeights, WeightScheme
-from runtime.model import CausalLM, DecoderLayer, ModelConfig
+from kiln.runtime.errors import ArtifactError
+from kiln.runtime.kernels import make_linear
+from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme
+from kiln.runtime.model import CausalLM, DecoderLayer, ModelConfig
 
 PROJECTIONS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

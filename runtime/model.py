@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import AttentionMetadata, PagedKVCache, paged_attention
-from runtime.errors import ArtifactError
-from runtime.linear import Linear
+from kiln.runtime.attention import AttentionMetadata, PagedKVCache, paged_attention
+from kiln.runtime.errors import ArtifactError
+from kiln.runtime.linear import Linear
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

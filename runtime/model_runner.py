@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata, PagedKVCache, PrefillChunk, native_decode
-from runtime.model import CausalLM
-from runtime.scheduler import SchedulerOutput
-from runtime.sequence import Request
+from kiln.runtime.attention import AttentionMetadata, PagedKVCache, PrefillChunk, native_decode
+from kiln.runtime.model import CausalLM
+from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.sequence import Request
 
 
 @dataclass(slots=True)

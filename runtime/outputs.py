@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.sampling import Logprob
-from runtime.sequence import FINISH_REASONS, Request
+from kiln.runtime.sampling import Logprob
+from kiln.runtime.sequence import FINISH_REASONS, Request
 
 
 @dataclass(slots=True)

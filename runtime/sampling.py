@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.errors import UsageError
+from kiln.runtime.errors import UsageError
 
 
 @dataclass(slots=True)

@@ -21,9 +21,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.config import EngineConfig
-from runtime.kv_cache import KVCacheManager
-from runtime.sequence import Request, RequestStatus
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.kv_cache import KVCacheManager
+from kiln.runtime.sequence import Request, RequestStatus
 
 
 class WaitingQueue:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.sampling import Logprob, SamplingParams
+from kiln.runtime.sampling import Logprob, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

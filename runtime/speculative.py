@@ -26,17 +26,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.artifact import Manifest
-from runtime.config import EngineConfig
-from runtime.errors import UsageError
-from runtime.kv_cache import KVCacheManager, build_kv_cache
-from runtime.loader import KVCacheSpec, load_model
-from runtime.model import CausalLM
-from runtime.model_runner import ModelRunner
-from runtime.rejection import accept_greedy, rejection_sample
-from runtime.sampling import SamplingParams, draw, probabilities
-from runtime.scheduler import SchedulerOutput
-from runtime.sequence import Request
+from kiln.runtime.artifact import Manifest
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.errors import UsageError
+from kiln.runtime.kv_cache import KVCacheManager, build_kv_cache
+from kiln.runtime.loader import KVCacheSpec, load_model
+from kiln.runtime.model import CausalLM
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.rejection import accept_greedy, rejection_sample
+from kiln.runtime.sampling import SamplingParams, draw, probabilities
+from kiln.runtime.scheduler import SchedulerOutput
+from kiln.runtime.sequence import Request
 
 METHODS = ("draft", "ngram")
 # Measured on the 2-core CPU with SmolLM2-135M (tests/benchmarks/speculative_decoding.py),
@@ -384,7 +384,7 @@ def measure_acceptance(
 ) -> AcceptanceProfile:
     """Greedy-decode `prompts` with the draft proposing `max_k` tokens to measure per-position
     acceptance, and time single-stream decode of each model on this device for c."""
-    from runtime.engine import Engine  # engine.py imports this module
+    from kiln.runtime.engine import Engine  # engine.py imports this module
 
     spec = SpeculativeConfig(draft=draft_dir, num_speculative_tokens=max_k)
     engine = Engine.from_pretrained(resolve_model_dir(target_dir), device, speculative=spec)

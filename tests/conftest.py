@@ -46,7 +46,7 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gptq_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo recipe (SmolLM2-135M-Instruct, GPTQ W4A16 g64) compiled once per session."""
-    from compiler.compile import compile_recipe
+    from kiln.compiler.compile import compile_recipe
 
     repo = Path(__file__).parents[1]
     out = tmp_path_factory.mktemp("smollm2-artifacts")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import artifact
-from runtime.errors import ArtifactError
+from kiln.runtime import artifact
+from kiln.runtime.errors import ArtifactError
 
 
 def build(root: Path, payload: bytes = b"weights") -> Path:

@@ -14,10 +14,10 @@ content-addressed cache entry through a temporary directory and a rename. File h
 metadata are remembered per user in $XDG_CACHE_HOME/kiln/ (sidecar.py).
 """
 
-from compiler.sources.checkpoint import PROVENANCE_FILE, materialize
-from compiler.sources.digest import CHECKPOINT_FILES, checkpoint_files, source_digest
-from compiler.sources.metadata import CAUSAL_LM_CLASSES, check_architecture, inspect_source
-from compiler.sources.spec import (
+from kiln.compiler.sources.checkpoint import PROVENANCE_FILE, materialize
+from kiln.compiler.sources.digest import CHECKPOINT_FILES, checkpoint_files, source_digest
+from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, check_architecture, inspect_source
+from kiln.compiler.sources.spec import (
     BUILTIN,
     BUILTIN_MODELS,
     GGUF,

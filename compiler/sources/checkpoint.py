@@ -14,11 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from compiler.sources.digest import source_digest
-from compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
-from compiler.sources.spec import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
-from quant import imports
-from runtime.errors import SourceError, StageFailure
+from kiln.compiler.sources.digest import source_digest
+from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
+from kiln.compiler.sources.spec import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
+from kiln.quant import prequantized
+from kiln.runtime.errors import SourceError, StageFailure
 
 PROVENANCE_FILE = "kiln_source.json"
 _STALE_TEMP_S = 24 * 3600
@@ -28,9 +28,9 @@ def materialize(ref: SourceRef, cache_dir: Path) -> Path:
     """A local float HF directory (config, safetensors, tokenizer, generation_config) for `ref`.
 
     A directory with safetensors weights, or a pre-quantised AWQ/GPTQ one (not float: the
-    quantise stage converts it with quant.imports), is returned as is. Anything else is converted
-    once into `cache_dir/<kind>-<digest[:16]>/`; an interrupted run leaves no half-written entry,
-    and a second call returns the entry at once.
+    quantise stage converts it with quant.prequantized), is returned as is. Anything else is
+    converted once into `cache_dir/<kind>-<digest[:16]>/`; an interrupted run leaves no
+    half-written entry, and a second call returns the entry at once.
     """
     if ref.kind in (HF_DIR, HUB_CACHE) and (
         any(ref.path.glob("*.safetensors")) or _pre_quantised(ref.path)
@@ -69,7 +69,7 @@ def materialize(ref: SourceRef, cache_dir: Path) -> Path:
 
 def _pre_quantised(path: Path) -> bool:
     try:
-        return imports.detect(imports.read_config(path)) is not None
+        return prequantized.detect(prequantized.read_config(path)) is not None
     except (OSError, ValueError, SourceError):
         return False
 

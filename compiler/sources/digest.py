@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from compiler.sources.sidecar import FileFacts
-from compiler.sources.spec import BUILTIN, GGUF, SourceRef
-from runtime.artifact import content_digest, sha256_file
-from runtime.errors import SourceError
+from kiln.compiler.sources.sidecar import FileFacts
+from kiln.compiler.sources.spec import BUILTIN, GGUF, SourceRef
+from kiln.runtime.artifact import content_digest, sha256_file
+from kiln.runtime.errors import SourceError
 
 DIGEST_SIDECAR = "file-digests.json"
 
@@ -20,7 +20,7 @@ DIGEST_SIDECAR = "file-digests.json"
 # licences and images change nothing the compiler reads.
 CHECKPOINT_FILES = (
     "config.json",
-    "quantize_config.json",  # AutoGPTQ's quantization settings (quant.imports reads them)
+    "quantize_config.json",  # AutoGPTQ's quantization settings (quant.prequantized reads them)
     "quant_config.json",  # early AutoAWQ's
     "generation_config.json",
     "*.safetensors",

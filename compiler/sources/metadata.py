@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from compiler.modelinfo import SUPPORTED_ARCHITECTURES, ModelInfo
-from compiler.sources.sidecar import FileFacts
-from compiler.sources.spec import BUILTIN, GGUF, SourceRef
-from quant import imports
-from runtime.errors import SourceError
+from kiln.compiler.sources.sidecar import FileFacts
+from kiln.compiler.sources.spec import BUILTIN, GGUF, SourceRef
+from kiln.quant import prequantized
+from kiln.runtime.errors import SourceError
+from kiln.runtime.model_info import SUPPORTED_ARCHITECTURES, ModelInfo
 
 GGUF_SIDECAR = "gguf-configs.json"
 
@@ -41,7 +41,7 @@ def inspect_source(ref: SourceRef) -> ModelInfo:
         return _model_info(ref, config, f"{ref.path} metadata")
     config_path = ref.path / "config.json"
     try:
-        config = imports.read_config(ref.path)  # AutoGPTQ may keep quantize_config.json apart
+        config = prequantized.read_config(ref.path)  # AutoGPTQ may keep quantize_config.json apart
     except (OSError, json.JSONDecodeError) as exc:
         raise SourceError(
             f"model.source {ref.spec!r}: cannot read {config_path} ({exc}); "
@@ -53,7 +53,7 @@ def inspect_source(ref: SourceRef) -> ModelInfo:
 def check_architecture(info: ModelInfo) -> list[str]:
     """Problems that stop kiln compiling this model (empty when it can).
 
-    A pre-quantised AutoAWQ / AutoGPTQ / GPTQModel checkpoint is accepted (quant.imports
+    A pre-quantised AutoAWQ / AutoGPTQ / GPTQModel checkpoint is accepted (quant.prequantized
     converts it); any other quantised checkpoint is refused.
     """
     problems: list[str] = []
@@ -64,7 +64,9 @@ def check_architecture(info: ModelInfo) -> list[str]:
         )
     quantization = info.config.get("quantization_config")
     try:
-        imported = imports.detect(info.config)  # AWQ / GPTQ checkpoints are converted, not refused
+        imported = prequantized.detect(
+            info.config
+        )  # AWQ / GPTQ checkpoints are converted, not refused
     except SourceError as exc:
         problems.append(exc.message)
     else:
@@ -73,8 +75,8 @@ def check_architecture(info: ModelInfo) -> list[str]:
             method = quantization.get("quant_method", "?") if known else "?"
             problems.append(
                 f"the checkpoint is already quantised (quantization_config.quant_method={method}); "
-                f"kiln imports only {imports.SUPPORTED} checkpoints — point model.source at one "
-                "of those or at the float checkpoint it was made from"
+                f"kiln imports only {prequantized.SUPPORTED} checkpoints — point model.source at "
+                "one of those or at the float checkpoint it was made from"
             )
     if info.num_kv_heads <= 0 or info.num_heads % info.num_kv_heads:
         problems.append(

@@ -36,15 +36,15 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from compiler.modelinfo import ModelInfo
-from compiler.planner import DeploySpec, Plan, tp_valid
-from compiler.targets import TargetProfile, check_target, quant_algo
-from quant.spec import QuantSpec
-from runtime.errors import PreflightError
+from kiln.compiler.planner import DeploySpec, Plan, tp_valid
+from kiln.compiler.targets import TargetProfile, check_target, quant_algo
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import PreflightError
+from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.versions import version
 
 ENGINE_STAMP = "kiln-engine.json"
 TRTLLM_LINE = "1.2"  # the last TensorRT-LLM line with trtllm-build
@@ -412,15 +412,6 @@ class BuildEnvironment:
     gpus: tuple[GpuInfo, ...] = ()
 
 
-def _version(*dists: str) -> str | None:
-    for dist in dists:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _parse_cc(text: str) -> tuple[int, int]:
     major, _, minor = text.strip().removeprefix("sm").partition(".")
     if not minor and len(major) > 1:  # "sm90" / "90"
@@ -449,8 +440,8 @@ def detect_environment() -> BuildEnvironment:
                     for i in range(torch.cuda.device_count())]  # fmt: skip
     except ImportError:
         pass
-    return BuildEnvironment(_version("tensorrt_llm", "tensorrt-llm"),
-                            _version("tensorrt", "tensorrt-cu12", "tensorrt-cu13"), cuda,
+    return BuildEnvironment(version("tensorrt_llm", "tensorrt-llm"),
+                            version("tensorrt", "tensorrt-cu12", "tensorrt-cu13"), cuda,
                             tuple(gpus))  # fmt: skip
 
 

@@ -7,10 +7,10 @@ writer does (TensorRT-LLM keeps unknown keys as attributes).
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
 
-from compiler.trtllm.source import Source
+from kiln.compiler.trtllm.source import Source
+from kiln.runtime.versions import kiln_version
 
 
 def checkpoint_config(
@@ -35,14 +35,10 @@ def checkpoint_config(
     if algo == "W4A16_AWQ":
         group = next(lin.group_size for lin in src.linears.values() if lin.group_size)
         quant.update(group_size=group, has_zero_point=not src.symmetric, pre_quant_scale=pre_quant)
-    try:
-        version = metadata.version("kiln")
-    except metadata.PackageNotFoundError:
-        version = "0+unknown"
     return {
         "producer": {
             "name": "kiln",
-            "version": version,
+            "version": kiln_version(),
             "source_format": src.fmt,
             "source_quant_algo": src.quant_algo,
         },

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from compiler.trtllm.source import unpack_int4_rows
-from runtime.errors import ArtifactError
+from kiln.compiler.trtllm.source import unpack_int4_rows
+from kiln.runtime.errors import ArtifactError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HF_MLP = {"mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}

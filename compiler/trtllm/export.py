@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from compiler.trtllm.config import checkpoint_config
-from compiler.trtllm.source import QLinear, Source, pack_int4_rows, read_source
-from runtime.errors import UsageError
+from kiln.compiler.trtllm.config import checkpoint_config
+from kiln.compiler.trtllm.source import QLinear, Source, pack_int4_rows, read_source
+from kiln.runtime.errors import UsageError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Source algo → the algo the checkpoint declares.

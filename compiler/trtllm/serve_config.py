@@ -21,10 +21,10 @@ from typing import Any
 
 import yaml
 
-from compiler.planner import DeploySpec, Plan
-from compiler.targets import check_algos, get_profile
-from quant.spec import QuantSpec
-from runtime.errors import PreflightError
+from kiln.compiler.planner import DeploySpec, Plan
+from kiln.compiler.targets import check_algos, get_profile
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import PreflightError
 
 
 def serve_options(

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from compiler.modelinfo import ModelInfo
-from quant.schemes import is_ignored
-from runtime.errors import SourceError, UsageError
+from kiln.quant.schemes import is_ignored
+from kiln.runtime.errors import SourceError, UsageError
+from kiln.runtime.model_info import ModelInfo
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")

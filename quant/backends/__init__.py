@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from quant.schemes import Scheme
-    from quant.spec import QuantSpec
+    from kiln.quant.schemes import Scheme
+    from kiln.quant.spec import QuantSpec
 
 # run(model, tokenizer, scheme, spec, samples, out_dir, progress): quantise in place, save to
 # out_dir. `samples` are token-id lists, already cut to max_seq_len.
@@ -73,5 +73,5 @@ def register_backend(
 
 
 # Registration happens on import.
-import quant.backends.llmcompressor  # noqa: E402
-import quant.backends.modelopt  # noqa: E402, F401
+import kiln.quant.backends.llmcompressor  # noqa: E402
+import kiln.quant.backends.modelopt  # noqa: E402, F401

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quant.backends import register_backend
-from quant.schemes import ignore_regexes
+from kiln.quant.backends import register_backend
+from kiln.quant.schemes import ignore_regexes
 
 if TYPE_CHECKING:
-    from quant.schemes import Scheme
-    from quant.spec import QuantSpec
+    from kiln.quant.schemes import Scheme
+    from kiln.quant.spec import QuantSpec
 
 
 def _weights(scheme: Scheme) -> dict[str, Any]:
@@ -106,7 +106,7 @@ def run(
     from datasets import Dataset
     from llmcompressor import oneshot
 
-    from quant.cpu_workarounds import llmcompressor_on_cpu
+    from kiln.quant.cpu_workarounds import llmcompressor_on_cpu
 
     dataset = None
     if samples:

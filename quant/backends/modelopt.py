@@ -21,12 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quant.backends import register_backend
-from quant.schemes import is_ignored
+from kiln.quant.backends import register_backend
+from kiln.quant.schemes import is_ignored
 
 if TYPE_CHECKING:
-    from quant.schemes import Scheme
-    from quant.spec import QuantSpec
+    from kiln.quant.schemes import Scheme
+    from kiln.quant.spec import QuantSpec
 
 PRESETS = {
     "FP8": "FP8_DEFAULT_CFG",

@@ -10,22 +10,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.server.app import create_app as create_app
-    from runtime.server.backend import NativeBackend as NativeBackend
-    from runtime.server.record import RecordSettings as RecordSettings
-    from runtime.server.record import TrafficRecorder as TrafficRecorder
-    from runtime.server.runner import serve as serve
-    from runtime.server.shadow import ShadowMirror as ShadowMirror
-    from runtime.server.state import ServerConfig as ServerConfig
+    from kiln.runtime.server.app import create_app as create_app
+    from kiln.runtime.server.backend import NativeBackend as NativeBackend
+    from kiln.runtime.server.record import RecordSettings as RecordSettings
+    from kiln.runtime.server.record import TrafficRecorder as TrafficRecorder
+    from kiln.runtime.server.runner import serve as serve
+    from kiln.runtime.server.shadow import ShadowMirror as ShadowMirror
+    from kiln.runtime.server.state import ServerConfig as ServerConfig
 
 _EXPORTS = {
-    "create_app": "runtime.server.app",
-    "NativeBackend": "runtime.server.backend",
-    "RecordSettings": "runtime.server.record",
-    "TrafficRecorder": "runtime.server.record",
-    "serve": "runtime.server.runner",
-    "ShadowMirror": "runtime.server.shadow",
-    "ServerConfig": "runtime.server.state",
+    "create_app": "kiln.runtime.server.app",
+    "NativeBackend": "kiln.runtime.server.backend",
+    "RecordSettings": "kiln.runtime.server.record",
+    "TrafficRecorder": "kiln.runtime.server.record",
+    "serve": "kiln.runtime.server.runner",
+    "ShadowMirror": "kiln.runtime.server.shadow",
+    "ServerConfig": "kiln.runtime.server.state",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -34,5 +34,5 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'runtime.server' has no attribute {name!r}")
+        raise AttributeError(f"module 'kiln.runtime.server' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)

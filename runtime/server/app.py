@@ -20,16 +20,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.errors import KilnError, UsageError
-from runtime.sampling import SamplingParams
-from runtime.server import routes
-from runtime.server.auth import require_api_key
-from runtime.server.backend import Backend
-from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from runtime.server.protocol import error_body, now
-from runtime.server.record import TrafficRecorder
-from runtime.server.shadow import ShadowMirror
-from runtime.server.state import APIError, ServerConfig, ServerState
+from kiln.runtime.errors import KilnError, UsageError
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server import routes
+from kiln.runtime.server.auth import require_api_key
+from kiln.runtime.server.backend import Backend
+from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.runtime.server.protocol import error_body, now
+from kiln.runtime.server.record import TrafficRecorder
+from kiln.runtime.server.shadow import ShadowMirror
+from kiln.runtime.server.state import APIError, ServerConfig, ServerState
 
 log = logging.getLogger("kiln.serve")
 DRAIN_POLL_S = 0.05

@@ -7,7 +7,7 @@ import hmac
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from runtime.server.state import APIError
+from kiln.runtime.server.state import APIError
 
 # auto_error off: a missing key is our 401 with OpenAI's body, not FastAPI's 403.
 _bearer = HTTPBearer(auto_error=False, description="Needed when the server runs with --api-key")

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
-from runtime.errors import UsageError
-from runtime.outputs import EngineStats, RequestOutput
-from runtime.sampling import SamplingParams
+from kiln.runtime.errors import UsageError
+from kiln.runtime.outputs import EngineStats, RequestOutput
+from kiln.runtime.sampling import SamplingParams
 
 
 class Backend(Protocol):
@@ -56,7 +56,7 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, engine: Any) -> None:
-        from runtime.async_engine import AsyncEngine
+        from kiln.runtime.async_engine import AsyncEngine
 
         self.engine = engine
         self.async_engine = AsyncEngine(engine)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.sampling import Logprob
+from kiln.runtime.sampling import Logprob
 
 LogprobEntry = dict[int, Logprob]
 

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from runtime.sampling import SamplingParams
-from runtime.server.formatting import ChoiceResult
-from runtime.server.state import ServerState
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.formatting import ChoiceResult
+from kiln.runtime.server.state import ServerState
 
 T = TypeVar("T")
 

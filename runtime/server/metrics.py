@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from runtime.outputs import EngineStats
+from kiln.runtime.outputs import EngineStats
 
 PREFIX = "vllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.errors import UsageError
-from runtime.sampling import SamplingParams
+from kiln.runtime.errors import UsageError
+from kiln.runtime.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16

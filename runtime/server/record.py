@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import UsageError
-from runtime.traffic import REDACTED, TrafficRecord, append_record
+from kiln.runtime.errors import UsageError
+from kiln.runtime.traffic import REDACTED, TrafficRecord, append_record
 
 
 @dataclass(slots=True)

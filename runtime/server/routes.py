@@ -11,10 +11,10 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runtime.server import formatting as fmt
-from runtime.server.auth import require_api_key
-from runtime.server.formatting import ChoiceResult
-from runtime.server.generation import (
+from kiln.runtime.server import formatting as fmt
+from kiln.runtime.server.auth import require_api_key
+from kiln.runtime.server.formatting import ChoiceResult
+from kiln.runtime.server.generation import (
     ChoiceSpec,
     body_dict,
     choice_specs,
@@ -22,12 +22,12 @@ from runtime.server.generation import (
     stream_choice,
     unless_disconnected,
 )
-from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
-from runtime.server.record import prompt_digest
-from runtime.server.shadow import ShadowJob
-from runtime.server.shadow_log import ShadowEntry, SideResult
-from runtime.server.state import APIError, ServerState
-from runtime.traffic import CHAT_COMPLETIONS, COMPLETIONS
+from kiln.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from kiln.runtime.server.record import prompt_digest
+from kiln.runtime.server.shadow import ShadowJob
+from kiln.runtime.server.shadow_log import ShadowEntry, SideResult
+from kiln.runtime.server.state import APIError, ServerState
+from kiln.runtime.traffic import CHAT_COMPLETIONS, COMPLETIONS
 
 ChunkFn = Callable[[ChoiceResult, bool], dict[str, Any] | None]
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import UsageError
-from runtime.sampling import SamplingParams
-from runtime.server.shadow_log import ShadowEntry, SideResult, append_entry
+from kiln.runtime.errors import UsageError
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.shadow_log import ShadowEntry, SideResult, append_entry
 
 log = logging.getLogger("kiln.serve.shadow")
 

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import UsageError
-from runtime.traffic import append_line
+from kiln.runtime.errors import UsageError
+from kiln.runtime.traffic import append_line
 
 
 @dataclass(slots=True)

@@ -6,11 +6,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.errors import UsageError
-from runtime.server.backend import Backend
-from runtime.server.metrics import ServerMetrics
-from runtime.server.record import TrafficRecorder
-from runtime.server.shadow import ShadowMirror
+from kiln.runtime.errors import UsageError
+from kiln.runtime.server.backend import Backend
+from kiln.runtime.server.metrics import ServerMetrics
+from kiln.runtime.server.record import TrafficRecorder
+from kiln.runtime.server.shadow import ShadowMirror
 
 API_KEY_ENV = "KILN_API_KEY"
 

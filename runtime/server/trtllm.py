@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import UsageError
-from runtime.outputs import EngineStats, RequestOutput
-from runtime.sampling import SamplingParams
-from runtime.server.backend import chat_token_ids
+from kiln.runtime.errors import UsageError
+from kiln.runtime.outputs import EngineStats, RequestOutput
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.backend import chat_token_ids
 
 
 def trtllm_available() -> bool:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from runtime import Engine, SamplingParams
-from runtime.attention import PagedKVCache
-from runtime.loader import read_config
-from runtime.model import ModelConfig
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.attention import PagedKVCache
+from kiln.runtime.loader import read_config
+from kiln.runtime.model import ModelConfig
 from tests.benchmarks.runtime_serving import make_prompts, smollm2_dir
 
 

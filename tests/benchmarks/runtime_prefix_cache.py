@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import Engine, SamplingParams
+from kiln.runtime import Engine, SamplingParams
 from tests.benchmarks.runtime_serving import make_prompts, smollm2_dir
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from runtime import Engine, SamplingParams
+from kiln.runtime import Engine, SamplingParams
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln-bench"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -42,7 +42,7 @@ def free_port() -> int:
 
 
 def kiln(*args: str) -> list[str]:
-    return [sys.executable, "-m", "compiler.cli", *args]
+    return [sys.executable, "-m", "kiln.compiler.cli", *args]
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -72,7 +72,7 @@ def run_bench(
             "--output-len", str(args.output_len), "--concurrency", str(concurrency),
             "--num-requests", str(requests), "--seed", str(concurrency), "--json", str(out),
         )  # fmt: skip
-        shown = " ".join(cmd[2:]).replace("compiler.cli", "kiln")
+        shown = " ".join(cmd[2:]).replace("kiln.compiler.cli", "kiln")
         print(f"$ {shown}", flush=True)
         subprocess.run(
             cmd, check=True, cwd=ROOT, env=bench_env(),
@@ -107,7 +107,7 @@ def bench_kiln(name: str, model: str, args: argparse.Namespace) -> dict[int, dic
         "serve", model, "--host", "127.0.0.1", "--port", str(port),
         "--num-threads", str(args.threads), "--log-level", "warning", *args.serve_arg,
     )  # fmt: skip
-    print(f"$ {' '.join(cmd[2:]).replace('compiler.cli', 'kiln')}", flush=True)
+    print(f"$ {' '.join(cmd[2:]).replace('kiln.compiler.cli', 'kiln')}", flush=True)
     log = Path(tempfile.mkdtemp(prefix="bench-serve-")) / "server.log"
     print(f"  (server log: {log})", flush=True)
     with open(log, "wb") as sink:  # the access log would drown the results

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from runtime import Engine, SamplingParams
-from runtime.model import CausalLM
-from runtime.speculative import (
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.model import CausalLM
+from kiln.runtime.speculative import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     SpeculativeConfig,
     choose_draft_len,

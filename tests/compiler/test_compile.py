@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
-from runtime import artifact
+from kiln.compiler.cli import main
+from kiln.runtime import artifact
 
 REPO = Path(__file__).parents[2]
 
@@ -145,7 +145,7 @@ def test_killed_compile_leaves_nothing_visible_and_the_next_run_resumes(
     recipe = recipe_file(tmp_path, tiny_llama, samples=256, seq=256)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "compiler.cli", "compile", str(recipe)],
+        [sys.executable, "-m", "kiln.compiler.cli", "compile", str(recipe)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

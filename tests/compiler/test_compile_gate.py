@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gates.registry import Registry
-from runtime import artifact
+from kiln.gates.registry import Registry
+from kiln.runtime import artifact
 from tests.compiler.test_compile import kiln, published
 
 RECIPE = """\
@@ -137,8 +137,8 @@ def test_one_layer_with_corrupted_scales_fails_the_default_gate(
 ) -> None:
     from safetensors.torch import load_file, save_file
 
-    from gates.config import load_gates
-    from gates.gate import run_gate
+    from kiln.gates.config import load_gates
+    from kiln.gates.gate import run_gate
     from tests.gates.conftest import build_artifact
 
     # A random tiny model's next-token distributions are nearly flat, so perplexity and task

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from compiler.modelinfo import ModelInfo
-from compiler.planner import DeploySpec, format_plan, linear_bytes, plan, tp_valid
-from compiler.targets import get_profile
-from quant.spec import QuantSpec
-from runtime.errors import UsageError
+from kiln.compiler.planner import DeploySpec, format_plan, linear_bytes, plan, tp_valid
+from kiln.compiler.targets import get_profile
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import UsageError
+from kiln.runtime.model_info import ModelInfo
 
 # Published configs (config.json of meta-llama/Meta-Llama-3-70B and Llama-3.1-8B).
 LLAMA_3_70B = ModelInfo.from_hf_config({

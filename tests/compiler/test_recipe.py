@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
-from compiler.recipe import load_recipe
-from runtime.errors import RecipeError
+from kiln.compiler.cli import main
+from kiln.compiler.recipe import load_recipe
+from kiln.runtime.errors import RecipeError
 
 
 def write(path: Path, text: str) -> Path:

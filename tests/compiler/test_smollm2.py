@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import artifact
+from kiln.runtime import artifact
 
 
 @pytest.mark.slow

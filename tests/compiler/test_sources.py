@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from compiler import sources
-from compiler.modelinfo import SUPPORTED_ARCHITECTURES
-from compiler.sources import BuiltinModel, SourceRef
-from runtime.errors import SourceError
+from kiln.compiler import sources
+from kiln.compiler.sources import BuiltinModel, SourceRef
+from kiln.runtime.errors import SourceError
+from kiln.runtime.model_info import SUPPORTED_ARCHITECTURES
 
 SMOLLM2 = "smollm2-135m-instruct"
 SAMPLE = "Licensed under the Apache License, Version 2.0; you may not use this file."

@@ -13,12 +13,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from compiler.cli import main
-from compiler.recipe import load_recipe
-from compiler.sources import parse_source
-from compiler.tokenizers import tokenizer_differences, tokenizer_facts
-from runtime import artifact
-from runtime.errors import RecipeError
+from kiln.compiler.cli import main
+from kiln.compiler.recipe import load_recipe
+from kiln.compiler.sources import parse_source
+from kiln.compiler.tokenizer_match import tokenizer_differences, tokenizer_facts
+from kiln.runtime import artifact
+from kiln.runtime.errors import RecipeError
 
 SMALL_AUTO = "  auto_prompts: 2\n  auto_max_tokens: 8\n  auto_max_k: 4\n"
 
@@ -382,7 +382,7 @@ def test_a_rerun_with_a_draft_is_a_no_op(compiled: tuple[Path, Path, dict[str, A
 def test_the_runtime_turns_speculation_on_from_the_artifact(
     compiled: tuple[Path, Path, dict[str, Any]],
 ) -> None:
-    from runtime.engine import Engine
+    from kiln.runtime.engine import Engine
 
     path = compiled[1]
     entry = artifact.load_manifest(path).extra["speculative"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from compiler.targets import (
+from kiln.compiler.targets import (
     PROFILES,
     TargetProfile,
     check_algos,
@@ -14,9 +14,9 @@ from compiler.targets import (
     get_profile,
     quant_algo,
 )
-from quant.schemes import Problem
-from quant.spec import QuantSpec
-from runtime.errors import UsageError
+from kiln.quant.schemes import Problem
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import UsageError
 
 FP8 = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static")
 FP8_DYNAMIC = QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic")

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from compiler.modelinfo import ModelInfo
-from compiler.planner import DeploySpec, plan
-from compiler.targets import get_profile
-from compiler.trtllm.build import (
+from kiln.compiler.planner import DeploySpec, plan
+from kiln.compiler.targets import get_profile
+from kiln.compiler.trtllm.build import (
     ENGINE_STAMP,
     BuildEnvironment,
     BuildPlanError,
@@ -31,9 +30,10 @@ from compiler.trtllm.build import (
     detect_environment,
     run_build,
 )
-from compiler.trtllm.serve_config import serve_options, write_serve_config
-from quant.spec import QuantSpec
-from runtime.errors import PreflightError
+from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import PreflightError
+from kiln.runtime.model_info import ModelInfo
 
 # config.json of meta-llama/Llama-3.2-1B and of a 2-layer draft cut from it.
 LLAMA_32_1B = ModelInfo.from_hf_config({

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from quant import quantize
-from quant.spec import CalibrationSpec, QuantSpec
-from runtime.errors import UsageError
+from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
+from kiln.quant import quantize
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.errors import UsageError
 
 CALIBRATION = CalibrationSpec(num_samples=8, max_seq_len=64)
 SPECS = {

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from compiler.trtllm.source import unpack_int4_rows
+from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.source import unpack_int4_rows
 
 
 def _calibration(tokenizer) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from runtime import artifact
+from kiln.runtime import artifact
 
 Responder = Callable[[dict[str, Any]], str]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from gates.cli import gate, promote, registry, rollback
-from gates.registry import Registry
-from runtime.artifact import load_manifest
+from kiln.gates.cli import gate, promote, registry, rollback
+from kiln.gates.registry import Registry
+from kiln.runtime.artifact import load_manifest
 from tests.gates.conftest import (
     OpenAIStub,
     answers_with,

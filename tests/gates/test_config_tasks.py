@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gates.config import load_gate_file, load_gates
-from gates.tasks import BUILTIN_TASKS_DIR, PLACEHOLDER, local_task_names, prepare_task_dir
-from runtime.errors import UsageError
+from kiln.gates.config import load_gate_file, load_gates
+from kiln.gates.tasks import BUILTIN_TASKS_DIR, PLACEHOLDER, local_task_names, prepare_task_dir
+from kiln.runtime.errors import UsageError
 
 
 def test_defaults_follow_the_scheme_and_overrides_apply() -> None:
@@ -59,7 +59,7 @@ def test_task_data_is_well_formed_and_small() -> None:
 
 
 def test_unknown_tasks_are_a_usage_error() -> None:
-    from gates.tasks import run_tasks
+    from kiln.gates.tasks import run_tasks
 
     with pytest.raises(UsageError, match=r"unknown task.*kiln_nope"):
         run_tasks(object(), ["kiln_mc", "kiln_nope"])

@@ -11,10 +11,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from gates.cli import gate, promote
-from gates.config import load_gate_file
-from gates.gate import run_gate
-from gates.registry import Registry
+from kiln.gates.cli import gate, promote
+from kiln.gates.config import load_gate_file
+from kiln.gates.gate import run_gate
+from kiln.gates.registry import Registry
 from tests.gates.conftest import build_artifact
 
 GATE_FILE = """

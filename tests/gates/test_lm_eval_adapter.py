@@ -9,7 +9,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs, main
+from kiln.gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs, main
 from tests.gates.conftest import build_artifact
 
 TEXT = "Permission is hereby granted, free of charge, to any person obtaining a copy"

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gates.divergence import summarize
-from gates.report import to_markdown, write_reports
-from gates.rules import GatePolicy
-from gates.shadow import LatencyStats, PairDiff, ReplaySettings, SideResponse, summarize_pairs
-from gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.gates.divergence import summarize
+from kiln.gates.report import to_markdown, write_reports
+from kiln.gates.rules import GatePolicy
+from kiln.gates.shadow import LatencyStats, PairDiff, ReplaySettings, SideResponse, summarize_pairs
+from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = '<script>alert("x")</script> & <img src="http://example.com/x.png">'

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gates.rules import GatePolicy
-from gates.shadow import ReplaySettings, is_valid_json, replay, replay_requests, shadow_checks
-from gates.sides import HttpSide
-from runtime.traffic import TrafficRecord, read_traffic
+from kiln.gates.rules import GatePolicy
+from kiln.gates.shadow import ReplaySettings, is_valid_json, replay, replay_requests, shadow_checks
+from kiln.gates.sides import HttpSide
+from kiln.runtime.traffic import TrafficRecord, read_traffic
 from tests.gates.conftest import OpenAIStub, answers_with, baseline_responder, write_traffic
 
 

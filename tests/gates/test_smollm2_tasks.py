@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler import sources
-from gates.lm_eval_adapter import KilnLM
-from gates.tasks import run_tasks
+from kiln.compiler import sources
+from kiln.gates.lm_eval_adapter import KilnLM
+from kiln.gates.tasks import run_tasks
 
 
 @pytest.mark.slow

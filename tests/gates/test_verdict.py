@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gates.divergence import kl_dense, kl_topk, summarize
-from gates.rules import GatePolicy
-from gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.gates.divergence import kl_dense, kl_topk, summarize
+from kiln.gates.rules import GatePolicy
+from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
 
 CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
 BASELINE = {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64}

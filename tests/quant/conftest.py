@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from quant import quantize
-from quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant import quantize
+from kiln.quant.spec import CalibrationSpec, QuantSpec
 
 CALIBRATION = CalibrationSpec(dataset="builtin:licenses", num_samples=8, max_seq_len=64)
 HELD_OUT = CalibrationSpec(dataset="builtin:licenses", num_samples=6, max_seq_len=96, seed=7)

@@ -10,14 +10,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quant import quantize
-from quant.backends import BACKENDS
-from quant.backends.modelopt import calibrate, load_checkpoint
-from quant.calibration import load_texts, tokenize
-from quant.report import load_quantised
-from quant.schemes import resolve
-from quant.spec import QuantSpec
-from runtime.errors import PreflightError
+from kiln.quant import quantize
+from kiln.quant.backends import BACKENDS
+from kiln.quant.backends.modelopt import calibrate, load_checkpoint
+from kiln.quant.calibration import load_texts, tokenize
+from kiln.quant.report import load_quantised
+from kiln.quant.schemes import resolve
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import PreflightError
 from tests.quant.conftest import CALIBRATION, SPECS, Quantised
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"

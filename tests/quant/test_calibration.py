@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from quant.calibration import check, dataset_digest, load_texts, split_passages, tokenize
-from quant.spec import CalibrationSpec
-from runtime.errors import CalibrationDataError
-from runtime.traffic import TrafficRecord, append_record
+from kiln.quant.calibration import check, dataset_digest, load_texts, split_passages, tokenize
+from kiln.quant.spec import CalibrationSpec
+from kiln.runtime.errors import CalibrationDataError
+from kiln.runtime.traffic import TrafficRecord, append_record
 
 
 @pytest.fixture
@@ -126,8 +126,8 @@ def test_tokenize_cuts_to_max_seq_len(tiny_llama: Path) -> None:
 
 
 def test_held_out_texts_share_no_paragraph_with_the_calibration_texts() -> None:
-    from quant.calibration import load_texts
-    from quant.spec import CalibrationSpec
+    from kiln.quant.calibration import load_texts
+    from kiln.quant.spec import CalibrationSpec
 
     calib = CalibrationSpec(dataset="builtin:licenses", num_samples=32, max_seq_len=128)
     report = CalibrationSpec(dataset="builtin:licenses", num_samples=16, max_seq_len=256)

@@ -10,11 +10,11 @@ from llmcompressor import oneshot
 from llmcompressor.pipelines.cache import IntermediatesCache
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quant.backends.llmcompressor import build_recipe
-from quant.calibration import load_texts, tokenize
-from quant.cpu_workarounds import llmcompressor_on_cpu
-from quant.schemes import resolve
-from quant.spec import QuantSpec
+from kiln.quant.backends.llmcompressor import build_recipe
+from kiln.quant.calibration import load_texts, tokenize
+from kiln.quant.cpu_workarounds import llmcompressor_on_cpu
+from kiln.quant.schemes import resolve
+from kiln.quant.spec import QuantSpec
 from tests.quant.conftest import CALIBRATION
 
 pytestmark = pytest.mark.skipif(

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from quant import quantize
-from quant.calibration import load_texts
-from quant.report import quantization_report
-from quant.spec import QuantSpec
+from kiln.quant import quantize
+from kiln.quant.calibration import load_texts
+from kiln.quant.report import quantization_report
+from kiln.quant.spec import QuantSpec
 from tests.quant.conftest import CALIBRATION, HELD_OUT, Quantised
 
 

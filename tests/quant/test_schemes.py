@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from compiler.modelinfo import ModelInfo
-from quant.memory import estimate_calibration_bytes
-from quant.schemes import Problem, check, quantised_linears, resolve
-from quant.spec import CalibrationSpec, QuantSpec
-from runtime.errors import PreflightError
+from kiln.quant.memory import estimate_calibration_bytes
+from kiln.quant.schemes import Problem, check, quantised_linears, resolve
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.errors import PreflightError
+from kiln.runtime.model_info import ModelInfo
 
 # SmolLM2-135M's config.json, the fields ModelInfo reads.
 SMOLLM2 = ModelInfo.from_hf_config(

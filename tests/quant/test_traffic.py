@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.traffic import TrafficError, TrafficRecord, append_record, read_traffic
+from kiln.runtime.traffic import TrafficError, TrafficRecord, append_record, read_traffic
 
 
 def _chat(i: int) -> TrafficRecord:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runtime import Logprob
+from kiln.runtime import Logprob
 
 PROMPTS = [
     "Permission is hereby granted, free of charge, to any person obtaining a copy",

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from runtime import Engine, SamplingParams
+from kiln.runtime import Engine, SamplingParams
 
 BATCH = 16
 NEW_TOKENS = 24

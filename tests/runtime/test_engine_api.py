@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import AsyncEngine, Engine, SamplingParams
-from runtime.artifact import MODEL_DIR, Manifest, assemble
-from runtime.errors import ArtifactError, UsageError
+from kiln.runtime import AsyncEngine, Engine, SamplingParams
+from kiln.runtime.artifact import MODEL_DIR, Manifest, assemble
+from kiln.runtime.errors import ArtifactError, UsageError
 from tests.runtime.conftest import PROMPTS, prompt_ids
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import Engine, SamplingParams
-from runtime.kernels import Fp8Linear, Int8Linear
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.kernels import Fp8Linear, Int8Linear
 from tests.runtime.conftest import logprobs_of, prompt_ids
 
 pytestmark = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from runtime import Engine, SamplingParams
-from runtime.kv_cache import KVCacheManager, hash_block
-from runtime.sequence import Request
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.kv_cache import KVCacheManager, hash_block
+from kiln.runtime.sequence import Request
 
 
 def request(rid: str, tokens: list[int], salt: str | None = None) -> Request:

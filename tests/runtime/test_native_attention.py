@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import runtime.attention as attention
-from runtime import Engine, SamplingParams, native
+import kiln.runtime.attention as attention
+from kiln.runtime import Engine, SamplingParams, native
 from tests.runtime.test_batch_invariance import audit_prompts
 
 pytestmark = pytest.mark.skipif(

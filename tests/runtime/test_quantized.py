@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import Engine, SamplingParams
-from runtime.errors import ArtifactError
-from runtime.kernels import (
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.errors import ArtifactError
+from kiln.runtime.kernels import (
     Fp8Linear,
     Int4Linear,
     Int8GroupLinear,
@@ -29,8 +29,8 @@ from runtime.kernels import (
     Int8WeightLinear,
     make_linear,
 )
-from runtime.linear import LinearWeights, WeightScheme, dequantize
-from runtime.loader import unpack
+from kiln.runtime.linear import LinearWeights, WeightScheme, dequantize
+from kiln.runtime.loader import unpack
 from tests.runtime.conftest import PROMPTS, hf_greedy, hf_logprobs, hf_model, logprobs_of
 
 LAYERS = {

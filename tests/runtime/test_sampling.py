@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import Engine, SamplingParams
-from runtime.errors import UsageError
-from runtime.sampling import make_generator, sample
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.errors import UsageError
+from kiln.runtime.sampling import make_generator, sample
 from tests.runtime.conftest import prompt_ids
 
 

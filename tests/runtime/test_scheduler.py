@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from runtime import Engine, EngineConfig, SamplingParams
-from runtime.kv_cache import KVCacheManager
-from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.sequence import Request, RequestStatus
+from kiln.runtime import Engine, EngineConfig, SamplingParams
+from kiln.runtime.kv_cache import KVCacheManager
+from kiln.runtime.scheduler import Scheduler, SchedulerOutput
+from kiln.runtime.sequence import Request, RequestStatus
 from tests.runtime.conftest import logprobs_of, prompt_ids
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from runtime import Engine, SamplingParams
-from runtime.artifact import MODEL_DIR, Manifest, assemble, write_manifest
-from runtime.errors import UsageError
-from runtime.rejection import rejection_sample
-from runtime.sampling import probabilities
-from runtime.speculative import (
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.artifact import MODEL_DIR, Manifest, assemble, write_manifest
+from kiln.runtime.errors import UsageError
+from kiln.runtime.rejection import rejection_sample
+from kiln.runtime.sampling import probabilities
+from kiln.runtime.speculative import (
     SpeculativeConfig,
     choose_draft_len,
     expected_speedup,
@@ -335,7 +335,7 @@ def test_artifact_with_a_draft_speculates_by_default(
 
 
 def test_manifest_entry_that_does_not_pay_is_off_unless_asked(tmp_path: Path) -> None:
-    from runtime.speculative import from_manifest
+    from kiln.runtime.speculative import from_manifest
 
     slow = Manifest(name="t", extra={"speculative": {"draft": "draft", "max_draft_len": 2,
                                                      "pays": False}})  # fmt: skip

@@ -14,8 +14,8 @@ import pytest
 import torch
 import uvicorn
 
-from runtime import Engine
-from runtime.server import NativeBackend, ServerConfig, create_app
+from kiln.runtime import Engine
+from kiln.runtime.server import NativeBackend, ServerConfig, create_app
 
 MODEL = "tiny-llama"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
-from runtime.bench import (
+from kiln.compiler.cli import main
+from kiln.runtime.bench import (
     SLO,
     file_requests,
     parse_slo,
@@ -22,8 +22,8 @@ from runtime.bench import (
     summarize,
     synthetic_requests,
 )
-from runtime.client import OpenAIClient, StreamResult
-from runtime.errors import UsageError
+from kiln.runtime.client import OpenAIClient, StreamResult
+from kiln.runtime.errors import UsageError
 from tests.serve.conftest import LiveServer
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from runtime.server import NativeBackend, ServerConfig, create_app
+from kiln.runtime.server import NativeBackend, ServerConfig, create_app
 from tests.serve.conftest import MODEL, LiveServer, tiny_engine
 
 schemathesis = pytest.importorskip("schemathesis")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gates.lm_eval_adapter import KilnLM
-from gates.tasks import run_tasks
+from kiln.gates.lm_eval_adapter import KilnLM
+from kiln.gates.tasks import run_tasks
 from tests.serve.conftest import MODEL, LiveServer, tiny_engine
 
 pytest.importorskip("lm_eval")

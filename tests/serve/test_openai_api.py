@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runtime import Engine, SamplingParams
+from kiln.runtime import Engine, SamplingParams
 from tests.serve.conftest import MODEL, LiveServer
 
 PROMPT = "Permission is hereby granted, free of charge"

@@ -17,12 +17,12 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
-from compiler.serve_cli import choose_backend, parse_size, resolve_model
-from compiler.trtllm.build import ENGINE_STAMP, BuildEnvironment, GpuInfo
-from gates.registry import Registry
-from runtime.errors import UsageError
-from runtime.traffic import read_traffic
+from kiln.compiler.cli import main
+from kiln.compiler.serve_cli import choose_backend, parse_size, resolve_model
+from kiln.compiler.trtllm.build import ENGINE_STAMP, BuildEnvironment, GpuInfo
+from kiln.gates.registry import Registry
+from kiln.runtime.errors import UsageError
+from kiln.runtime.traffic import read_traffic
 from tests.gates.conftest import build_artifact
 from tests.serve.conftest import free_socket, wait_ready
 
@@ -121,7 +121,7 @@ def test_sigterm_drains_in_flight_requests(tiny_llama: Path, tmp_path: Path) -> 
     sock.close()
     record = tmp_path / "traffic.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "compiler.cli", "serve", str(tiny_llama), "--port", str(port),
+    cmd = [sys.executable, "-m", "kiln.compiler.cli", "serve", str(tiny_llama), "--port", str(port),
            "--max-model-len", "512", "--num-threads", "1", "--record", str(record),
            "--served-model-name", "tiny", "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)

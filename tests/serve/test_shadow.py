@@ -12,11 +12,11 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from compiler.cli import main
-from runtime import SamplingParams
-from runtime.artifact import load_manifest
-from runtime.server.shadow import ShadowJob, ShadowMirror
-from runtime.server.shadow_log import ShadowEntry, SideResult, read_shadow_log
+from kiln.compiler.cli import main
+from kiln.runtime import SamplingParams
+from kiln.runtime.artifact import load_manifest
+from kiln.runtime.server.shadow import ShadowJob, ShadowMirror
+from kiln.runtime.server.shadow_log import ShadowEntry, SideResult, read_shadow_log
 from tests.gates.conftest import build_artifact
 from tests.serve.conftest import MODEL, ServerFactory, tiny_engine
 
@@ -50,7 +50,7 @@ def artifacts(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def _mirrored(start_server: ServerFactory, primary: Path, candidate: Path, log: Path) -> Path:
-    from runtime import Engine
+    from kiln.runtime import Engine
 
     manifest = load_manifest(candidate)
     mirror = ShadowMirror(
@@ -122,7 +122,7 @@ def test_a_different_model_fails_and_a_wrong_artifact_is_refused(
 def test_redacted_prompts_by_default(
     start_server: ServerFactory, artifacts: dict[str, Path], tmp_path: Path
 ) -> None:
-    from runtime import Engine
+    from kiln.runtime import Engine
 
     log = tmp_path / "r.jsonl"
     mirror = ShadowMirror(Engine.from_artifact(artifacts["same"], max_model_len=128), log, 1.0,

@@ -18,11 +18,11 @@ import torch
 from compressed_tensors.compressors.pack_quantized import unpack_from_int32
 from safetensors.torch import load_file, save_file
 
-from compiler import sources
-from quant import imports, quantize
-from quant.imports import PreQuantized
-from quant.spec import CalibrationSpec, QuantSpec
-from runtime.errors import SourceError
+from kiln.compiler import sources
+from kiln.quant import prequantized, quantize
+from kiln.quant.prequantized import PreQuantized
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.errors import SourceError
 from tests.prequantized import (
     PreQuantizedCheckpoint,
     make_awq_checkpoint,
@@ -59,7 +59,7 @@ def checkpoints(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> A
             out = tmp_path_factory.mktemp(name)
             build = make_awq_checkpoint if kind == "awq" else make_gptq_checkpoint
             source = build(tiny_llama, out / "source", **args)
-            made[name] = (source, out / "ct", imports.convert(source.path, out / "ct"))
+            made[name] = (source, out / "ct", prequantized.convert(source.path, out / "ct"))
         return made[name]
 
     return get
@@ -103,7 +103,7 @@ def dequantised(ct_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_autoawq_gemm_config_is_detected(checkpoints: Any) -> None:
     source, _, _ = checkpoints("awq-g64")
-    pre = imports.detect(imports.read_config(source.path))
+    pre = prequantized.detect(prequantized.read_config(source.path))
     assert pre == PreQuantized(
         method="awq", bits=4, group_size=64, symmetric=False, format="gemm", producer="autoawq"
     )
@@ -121,7 +121,7 @@ def test_autoawq_gemm_config_is_detected(checkpoints: Any) -> None:
 def test_autogptq_and_gptqmodel_configs_are_detected(
     checkpoints: Any, variant: str, expected: tuple[Any, ...]
 ) -> None:
-    pre = imports.detect(imports.read_config(checkpoints(variant)[0].path))
+    pre = prequantized.detect(prequantized.read_config(checkpoints(variant)[0].path))
     assert pre is not None
     assert (pre.method, pre.bits, pre.group_size, pre.symmetric, pre.format, pre.producer) == (
         expected
@@ -133,7 +133,7 @@ def test_gptqmodel_gemm_export_labelled_gptq_is_an_awq_checkpoint() -> None:
     config = {"quantization_config": {"quant_method": "gptq", "format": "gemm", "bits": 4,
                                       "group_size": 64, "sym": False,
                                       "meta": {"quantizer": ["gptqmodel:7.6.0"]}}}  # fmt: skip
-    pre = imports.detect(config)
+    pre = prequantized.detect(config)
     assert pre is not None and (pre.method, pre.format, pre.producer) == (
         "awq",
         "gemm",
@@ -148,7 +148,7 @@ def test_autogptq_quantize_config_json_alone_is_read(checkpoints: Any, tmp_path:
     quantize_config.pop("quant_method")  # early AutoGPTQ wrote neither key
     (model / "config.json").write_text(json.dumps(config))
     (model / "quantize_config.json").write_text(json.dumps(quantize_config))
-    pre = imports.detect(imports.read_config(model))
+    pre = prequantized.detect(prequantized.read_config(model))
     assert pre is not None and (pre.method, pre.group_size, pre.symmetric) == ("gptq", 64, True)
 
 
@@ -158,7 +158,7 @@ def test_autogptq_quantize_config_json_alone_is_read(checkpoints: Any, tmp_path:
      {"quant_method": "bitsandbytes", "load_in_4bit": True}],
 )  # fmt: skip
 def test_float_and_other_quantised_configs_are_not_imports(quantization_config: Any) -> None:
-    assert imports.detect({"quantization_config": quantization_config}) is None
+    assert prequantized.detect({"quantization_config": quantization_config}) is None
 
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
@@ -187,14 +187,16 @@ def test_variants_that_cannot_be_imported_exactly_are_refused(
     config: dict[str, Any], key: str
 ) -> None:
     with pytest.raises(SourceError) as refused:
-        imports.detect({"quantization_config": config})
+        prequantized.detect({"quantization_config": config})
     message = refused.value.message
     assert f"config.json quantization_config.{key}" in message
-    assert f"kiln imports {imports.SUPPORTED} checkpoints" in message
+    assert f"kiln imports {prequantized.SUPPORTED} checkpoints" in message
 
 
 def test_desc_act_with_static_groups_is_imported() -> None:
-    pre = imports.detect({"quantization_config": {**GPTQ, "desc_act": True, "static_groups": True}})
+    pre = prequantized.detect(
+        {"quantization_config": {**GPTQ, "desc_act": True, "static_groups": True}}
+    )
     assert pre is not None and pre.desc_act
 
 
@@ -247,7 +249,7 @@ def test_qwen2_with_tied_embeddings_converts_exactly(tmp_path: Path) -> None:
 
     tiny = make_tiny_model(tmp_path / "float", arch="qwen2", tie_word_embeddings=True)
     source = make_awq_checkpoint(tiny, tmp_path / "awq")
-    record = imports.convert(source.path, tmp_path / "ct")
+    record = prequantized.convert(source.path, tmp_path / "ct")
     assert record["ignore"] == ["lm_head"]  # no lm_head tensor, but transformers builds a Linear
     loaded = AutoModelForCausalLM.from_pretrained(
         tmp_path / "ct",
@@ -319,7 +321,7 @@ def test_sharded_source_gives_a_sharded_checkpoint_with_an_index(checkpoints: An
 
 
 def test_tensorrt_llm_reader_sees_the_same_values(checkpoints: Any) -> None:
-    from compiler.trtllm.source import read_source
+    from kiln.compiler.trtllm.source import read_source
 
     source, ct_dir, record = checkpoints("awq-g64")
     read = read_source(ct_dir, record["trtllm_quant_algo"])
@@ -331,7 +333,7 @@ def test_tensorrt_llm_reader_sees_the_same_values(checkpoints: Any) -> None:
 def test_tensorrt_llm_checkpoint_exports_from_the_import(
     checkpoints: Any, tmp_path: Path, variant: str
 ) -> None:
-    from compiler.trtllm.export import export_checkpoint
+    from kiln.compiler.trtllm.export import export_checkpoint
 
     _, ct_dir, record = checkpoints(variant)
     exported = export_checkpoint(ct_dir, tmp_path / "trt", quant_algo=record["trtllm_quant_algo"])
@@ -342,8 +344,8 @@ def test_tensorrt_llm_checkpoint_exports_from_the_import(
 
 @pytest.mark.parametrize("variant", ["awq-g64", "autogptq-sym-g64"])
 def test_kiln_runtime_reads_the_same_values(checkpoints: Any, variant: str) -> None:
-    from runtime.linear import dequantize
-    from runtime.loader import Checkpoint, QuantConfig, load_model, read_config
+    from kiln.runtime.linear import dequantize
+    from kiln.runtime.loader import Checkpoint, QuantConfig, load_model, read_config
 
     source, ct_dir, _ = checkpoints(variant)
     quant = QuantConfig.from_hf(read_config(ct_dir).get("quantization_config"), str(ct_dir))
@@ -362,7 +364,7 @@ def test_permuted_g_idx_is_refused_even_when_the_config_hides_it(
     tensors[key] = tensors[key].flip(0).contiguous()  # act-order: groups out of column order
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(SourceError, match="down_proj: g_idx permutes input columns"):
-        imports.convert(model, tmp_path / "out")
+        prequantized.convert(model, tmp_path / "out")
 
 
 def test_v1_zero_point_overflow_is_refused(checkpoints: Any, tmp_path: Path) -> None:
@@ -372,7 +374,7 @@ def test_v1_zero_point_overflow_is_refused(checkpoints: Any, tmp_path: Path) -> 
     tensors[key] = tensors[key] | 0xF  # stored 15: a zero of 16 (AutoGPTQ's −1 overflow)
     save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(SourceError, match="k_proj: a gptq zero point of 16 does not fit 4 bits"):
-        imports.convert(model, tmp_path / "out")
+        prequantized.convert(model, tmp_path / "out")
 
 
 def test_sym_config_over_asymmetric_zero_points_is_refused(
@@ -380,7 +382,7 @@ def test_sym_config_over_asymmetric_zero_points_is_refused(
 ) -> None:
     model = copy_with_config(checkpoints("autogptq-asym-g32")[0].path, tmp_path / "m", sym=True)
     with pytest.raises(SourceError, match="says sym: true but the zero points are not all 8"):
-        imports.convert(model, tmp_path / "out")
+        prequantized.convert(model, tmp_path / "out")
 
 
 def test_config_that_disagrees_with_the_tensors_is_refused(
@@ -388,7 +390,7 @@ def test_config_that_disagrees_with_the_tensors_is_refused(
 ) -> None:
     model = copy_with_config(checkpoints("autogptq-sym-g64")[0].path, tmp_path / "m", bits=8)
     with pytest.raises(SourceError, match="quantization_config disagrees with the tensors"):
-        imports.convert(model, tmp_path / "out")
+        prequantized.convert(model, tmp_path / "out")
 
 
 def test_bin_only_checkpoint_is_refused_with_the_fix(checkpoints: Any, tmp_path: Path) -> None:
@@ -397,7 +399,7 @@ def test_bin_only_checkpoint_is_refused_with_the_fix(checkpoints: Any, tmp_path:
     (model / "model.safetensors").unlink()
     torch.save(tensors, model / "pytorch_model.bin")
     with pytest.raises(SourceError, match="from safetensors only"):
-        imports.convert(model, tmp_path / "out")
+        prequantized.convert(model, tmp_path / "out")
 
 
 # --- check_recipe -------------------------------------------------------------------------------
@@ -407,17 +409,17 @@ PRE = PreQuantized(method="awq", bits=4, group_size=128, symmetric=False, format
 
 
 def test_an_omitted_quantization_section_fits_any_import() -> None:
-    assert imports.check_recipe(QuantSpec(), PRE) == []
+    assert prequantized.check_recipe(QuantSpec(), PRE) == []
 
 
 def test_a_section_that_describes_the_checkpoint_fits() -> None:
     spec = QuantSpec(method="awq", weight_bits=4, group_size=128, symmetric=False)
-    assert imports.check_recipe(spec, PRE) == []
+    assert prequantized.check_recipe(spec, PRE) == []
 
 
 def test_a_section_asking_for_something_else_names_each_key() -> None:
     spec = QuantSpec(method="gptq", weight_bits=4, group_size=64, kv_cache="fp8")
-    problems = imports.check_recipe(spec, PRE)
+    problems = prequantized.check_recipe(spec, PRE)
     keys = [p.key for p in problems]
     assert keys == [
         "quantization.method",
@@ -464,7 +466,7 @@ def test_hub_cache_snapshot_of_an_awq_checkpoint_is_accepted(
     ref = sources.parse_source("hf:org/tiny-awq", base_dir=tmp_path)
     assert sources.check_architecture(sources.inspect_source(ref)) == []
     assert sources.materialize(ref, tmp_path / "cache") == snapshot
-    imports.convert(ref.path, tmp_path / "ct")
+    prequantized.convert(ref.path, tmp_path / "ct")
     assert dequantised(tmp_path / "ct").keys() == checkpoints("awq-g64")[0].reference.keys()
 
 
@@ -482,7 +484,7 @@ def test_other_quantised_checkpoints_are_refused_naming_what_is_imported(
     info = sources.inspect_source(sources.parse_source(str(ct_dir), base_dir=ct_dir))
     assert sources.check_architecture(info) == [
         "the checkpoint is already quantised (quantization_config.quant_method="
-        f"compressed-tensors); kiln imports only {imports.SUPPORTED} checkpoints — point "
+        f"compressed-tensors); kiln imports only {prequantized.SUPPORTED} checkpoints — point "
         "model.source at one of those or at the float checkpoint it was made from"
     ]
 

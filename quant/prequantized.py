@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quant.schemes import SCHEMES, Problem
-from quant.spec import QuantSpec
-from runtime.errors import SourceError
+from kiln.quant.schemes import SCHEMES, Problem
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.errors import SourceError
 
 if TYPE_CHECKING:
     import torch
@@ -418,7 +418,7 @@ def convert(model_dir: Path, out_dir: Path) -> dict[str, Any]:
 
 
 def _record(pre: PreQuantized, ignore: list[str], seconds: float) -> dict[str, Any]:
-    from quant import library_versions
+    from kiln.runtime.versions import versions
 
     definition = SCHEMES[pre.scheme]
     algo = dict(definition.trtllm)["none"]
@@ -437,7 +437,7 @@ def _record(pre: PreQuantized, ignore: list[str], seconds: float) -> dict[str, A
         "activations": "none",
         "kv_cache": "none",
         "ignore": ignore,
-        "versions": library_versions(("compressed-tensors", "safetensors")),
+        "versions": versions(("torch", "transformers", "compressed-tensors", "safetensors")),
         "calibration": None,
         "seconds": round(seconds, 3),
     }

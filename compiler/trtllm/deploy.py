@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiler.modelinfo import ModelInfo
-from compiler.planner import DeploySpec, Plan
-from compiler.targets import PROFILES, check_target
-from compiler.trtllm.build import BuildPlanError, DraftBuild, build_plan, run_build
-from compiler.trtllm.export import export_checkpoint
-from compiler.trtllm.serve_config import serve_options, write_serve_config
-from quant.spec import QuantSpec
-from runtime.artifact import MODEL_DIR, json_dumps
-from runtime.errors import KilnError
+from kiln.compiler.planner import DeploySpec, Plan
+from kiln.compiler.targets import PROFILES, check_target
+from kiln.compiler.trtllm.build import BuildPlanError, DraftBuild, build_plan, run_build
+from kiln.compiler.trtllm.export import export_checkpoint
+from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.artifact import MODEL_DIR, json_dumps
+from kiln.runtime.errors import KilnError
+from kiln.runtime.model_info import ModelInfo
 
 TRTLLM_DIR = "trtllm"
 ENGINES_DIR = "engines"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiler import sources
-from compiler.sources.sidecar import FileFacts
+from kiln.compiler import sources
+from kiln.compiler.sources.sidecar import FileFacts
 
 TOKENIZER_SIDECAR = "gguf-tokenizers.json"
 GGUF_CONTROL = 3  # llama.cpp token type of special (control) tokens

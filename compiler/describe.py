@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from runtime.artifact import QUANT_REPORT, Manifest
+from kiln.runtime.artifact import QUANT_REPORT, Manifest
 
 MIB = 1 << 20
 

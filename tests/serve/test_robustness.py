@@ -3,6 +3,8 @@ freeing its KV blocks (streaming and not)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.server import ServerConfig
+from kiln.runtime.server import ServerConfig
 from tests.serve.conftest import MODEL, LiveServer, ServerFactory, tiny_engine
 
 
@@ -153,16 +155,34 @@ def test_streaming_disconnect_aborts_and_frees_blocks(
     assert stats.generation_tokens_total < 300  # aborted, not run to the end
 
 
+@pytest.fixture
+def long_context_llama(tiny_llama: Path, tmp_path: Path) -> Path:
+    """The tiny model with room for 65,536 positions (its rotary tables extend to them)."""
+    model = shutil.copytree(tiny_llama, tmp_path / "long-context")
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+LONG_CONTEXT = 65536
+
+
 def test_non_streaming_disconnect_aborts_and_frees_blocks(
-    start_server: ServerFactory, tiny_llama: Path
+    start_server: ServerFactory, long_context_llama: Path
 ) -> None:
-    server = start_server(tiny_engine(tiny_llama, max_model_len=512))
-    body = {"prompt": "a b c", "max_tokens": 400, "ignore_eos": True}
+    # 65,000 tokens take tens of seconds at any speed a Python step loop reaches (one step
+    # per token), so only the abort can end this request before the test looks.
+    engine = tiny_engine(
+        long_context_llama, max_num_seqs=1, max_model_len=LONG_CONTEXT, num_blocks=4200
+    )
+    server = start_server(engine)
+    body = {"prompt": "a b c", "max_tokens": 65000, "ignore_eos": True}
     began = server.state.backend.stats().generation_tokens_total
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
     stats = _wait_idle(server)
-    assert stats.generation_tokens_total - began < 300
+    assert stats.generation_tokens_total - began < 65000  # aborted, not run to the end
 
 
 def test_health_and_requests_are_503_while_draining(start_server: ServerFactory) -> None:
@@ -180,7 +200,7 @@ def test_health_and_requests_are_503_while_draining(start_server: ServerFactory)
 def test_a_stream_whose_client_left_before_the_headers_still_releases_its_slot() -> None:
     import asyncio
 
-    from runtime.server.routes import _Once, _ReleasingStream
+    from kiln.runtime.server.routes import _Once, _ReleasingStream
 
     released: list[int] = []
     started: list[bool] = []

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from kiln.runtime.artifact import QUANT_REPORT, Manifest
+from kiln.runtime.artifact import QUANT_REPORT, Manifest, SpeculativeRecord
 
 MIB = 1 << 20
 
@@ -18,7 +17,7 @@ def _sizes_by_top(manifest: Manifest) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for rel, entry in manifest.files.items():
         top = rel.split("/", 1)[0]
-        sizes[top] = sizes.get(top, 0) + int(entry["size"])
+        sizes[top] = sizes.get(top, 0) + entry.size
     return sizes
 
 
@@ -29,15 +28,13 @@ def describe(manifest: Manifest, path: Path, console: Console) -> None:
     console.print(f"digest   sha256:{manifest.digest}")
     console.print(f"created  {manifest.created_at}")
     source = manifest.source
-    console.print(
-        f"source   {source.get('spec')} ({source.get('architecture')}, "
-        f"{source.get('parameters', 0) / 1e6:.1f}M parameters, "
-        f"sha256:{str(source.get('digest', ''))[:12]})"
-    )
-    console.print(
-        f"scheme   {scheme.get('scheme', scheme.get('name', '?'))} via "
-        f"{scheme.get('backend', '?')} ({scheme.get('format', '?')})"
-    )
+    if source is not None:
+        console.print(
+            f"source   {source.spec} ({source.architecture}, "
+            f"{source.parameters / 1e6:.1f}M parameters, sha256:{source.digest[:12]})"
+        )
+    if scheme is not None:
+        console.print(f"scheme   {scheme.label} via {scheme.backend} ({scheme.format})")
     console.print("tools    " + ", ".join(f"{k} {v}" for k, v in sorted(manifest.tools.items())))
 
     sizes = Table(title="files", title_justify="left")
@@ -50,8 +47,8 @@ def describe(manifest: Manifest, path: Path, console: Console) -> None:
     stages = Table(title="stages", title_justify="left")
     for column in ("stage", "status", "seconds"):
         stages.add_column(column)
-    for name, entry in manifest.stages.items():
-        stages.add_row(name, str(entry.get("status")), f"{float(entry.get('seconds', 0)):.1f}")
+    for name, stage in manifest.stages.items():
+        stages.add_row(name, stage.status, f"{stage.seconds:.1f}")
     console.print(stages)
 
     report_path = path / QUANT_REPORT
@@ -68,42 +65,41 @@ def describe(manifest: Manifest, path: Path, console: Console) -> None:
         targets = Table(title="targets (TensorRT-LLM)", title_justify="left")
         for column in ("target", "tp", "engine (1.2.x)", "pytorch backend"):
             targets.add_column(column)
-        for name, entry in manifest.targets.items():
-            targets.add_row(name, str(entry.get("tp_size", "")), str(entry.get("engine")),
-                            str(entry.get("pytorch")))  # fmt: skip
+        for name, target in manifest.targets.items():
+            targets.add_row(name, str(target.tp_size), target.engine, target.pytorch)
         console.print(targets)
-    speculative = manifest.extra.get("speculative")
-    if isinstance(speculative, dict):
-        describe_speculative(speculative, console)
-    if manifest.gate:
-        console.print(f"gate     {manifest.gate.get('verdict', manifest.gate)}")
+    if manifest.speculative is not None:
+        describe_speculative(manifest.speculative, console)
+    if manifest.gate is not None:
+        gate = manifest.gate
+        verdict = "PASS" if gate.passed else "FAIL (" + ", ".join(gate.failed_checks) + ")"
+        console.print(f"gate     {verdict} against {gate.baseline.get('name')}; {gate.reports}")
 
 
-def describe_speculative(section: dict[str, Any], console: Console) -> None:
+def describe_speculative(section: SpeculativeRecord, console: Console) -> None:
     """The manifest's `speculative` section: method, draft, K and how it was chosen."""
-    k = section.get("max_draft_len")
-    if section.get("method") == "ngram":
+    k = section.max_draft_len
+    if section.method == "ngram":
         console.print(
             f"speculative  ngram (prompt lookup), K={k}, "
-            f"max_matching_ngram_size {section.get('max_matching_ngram_size')}"
+            f"max_matching_ngram_size {section.max_matching_ngram_size}"
         )
         return
     console.print(
-        f"speculative  draft {section.get('draft')}/ ({section.get('draft_source')}, "
-        f"{section.get('draft_scheme')}, sha256:{str(section.get('draft_digest'))[:12]}), "
-        f"K={k} ({section.get('chosen_by')})"
+        f"speculative  draft {section.draft}/ ({section.draft_source}, {section.draft_scheme}, "
+        f"sha256:{str(section.draft_digest)[:12]}), K={k} ({section.chosen_by})"
     )
-    if section.get("alpha") is not None:
-        per_position = ", ".join(f"{a:.2f}" for a in section.get("alpha_per_position") or [])
-        where = section.get("measured_on") or {}
+    if section.alpha is not None:
+        per_position = ", ".join(f"{a:.2f}" for a in section.alpha_per_position)
+        where = section.measured_on
         console.print(
-            f"             alpha {section['alpha']:.3f} (per position: {per_position}), "
-            f"cost ratio c {section.get('cost_ratio', 0):.3f}, expected speedup "
-            f"{section.get('expected_speedup', 0):.2f}x, measured on "
+            f"             alpha {section.alpha:.3f} (per position: {per_position}), "
+            f"cost ratio c {section.cost_ratio or 0:.3f}, expected speedup "
+            f"{section.expected_speedup or 0:.2f}x, measured on "
             f"{where.get('device', '?')} ({where.get('name', '?')}, "
             f"{where.get('threads', '?')} threads)"
         )
-        if section.get("pays") is False:
+        if section.pays is False:
             console.print(
                 "             [bold]speculation does not pay on that device[/]: no K "
                 "beats plain decoding at this acceptance and cost ratio"

@@ -32,6 +32,7 @@ from kiln.gates.config import GatesSection
 from kiln.gates.registry import Registry
 from kiln.gates.sides import SideSpec, resolve_side
 from kiln.runtime import artifact
+from kiln.runtime.artifact import GateRecord
 from kiln.runtime.errors import UsageError
 
 GATE_REPORTS_DIR = "gate-reports"
@@ -112,8 +113,8 @@ def gate_compiled(
     key = input_key("gate", manifest.digest, base.digest, gates.model_dump(), traffic)
     out_dir = path.parent / GATE_REPORTS_DIR / _safe(f"{manifest.name}-{manifest.digest[:12]}")
     gate_json = out_dir / GATE_JSON
-    recorded = manifest.gate or {}
-    if not force and recorded.get("key") == key and gate_json.is_file():
+    recorded = manifest.gate
+    if not force and recorded is not None and recorded.key == key and gate_json.is_file():
         verdict = json.loads(gate_json.read_text())
         run_id = _ensure_recorded(registry, verdict, path)
         step = GateStep(verdict, out_dir, base, True, run_id)
@@ -124,15 +125,15 @@ def gate_compiled(
             progress=say,
         )  # fmt: skip
         step = GateStep(outcome.verdict.to_dict(), out_dir, base, False, outcome.run_id)
-        manifest.gate = {
-            "key": key,
-            "passed": step.passed,
-            "baseline": base.to_dict(),
-            "failed_checks": step.failed_checks,
-            "reports": str(out_dir),
-            "seconds": step.verdict.get("seconds"),
-            "run_id": step.run_id,
-        }
+        manifest.gate = GateRecord(
+            key=key,
+            passed=step.passed,
+            baseline=base.to_dict(),
+            failed_checks=step.failed_checks,
+            reports=str(out_dir),
+            seconds=step.verdict.get("seconds"),
+            run_id=step.run_id,
+        )
         artifact.write_manifest(path, manifest)
     if promote is not None and step.passed:
         state = registry.channel(promote)
@@ -172,13 +173,12 @@ def _baseline(
         if "://" not in spec and not Path(spec).expanduser().is_absolute():
             spec = str(recipe.base_dir("gates.baseline") / spec)
         return spec
-    source = next((s for s in result.stages if s.name == "source"), None)
-    if source is None or not Path(source.record.get("model_dir", "")).is_dir():
+    if result.source_model is None or not result.source_model.is_dir():
         raise UsageError(
             f"{recipe.path}: gates.baseline is `source` but the source model is not "
             "materialised; re-run `kiln compile` (or set gates.baseline to a model directory)"
         )
-    return str(source.record["model_dir"])
+    return str(result.source_model)
 
 
 def _traffic(gates: GatesSection, base_dir: Path) -> str | None:

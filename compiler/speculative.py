@@ -25,22 +25,30 @@ The tokenizer comparison itself is compiler/tokenizer_match.py.
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.compiler import sources
+from kiln.compiler.pipeline import (
+    ModelBuild,
+    ModelJob,
+    Progress,
+    build_model,
+    fill_artifact,
+    link_tree,
+)
 from kiln.compiler.recipe import Recipe
 from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.targets import PROFILES, check_target
 from kiln.compiler.tokenizer_match import tokenizer_differences, tokenizer_facts
-from kiln.compiler.trtllm.deploy import SpeculativeTarget, checkpoint_dir, export_for
-from kiln.quant import calibration, schemes
+from kiln.compiler.trtllm.deploy import SpeculativeTarget
+from kiln.quant import calibration, prequantized, schemes
+from kiln.quant.prequantized import PreQuantized
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime import artifact
+from kiln.runtime.artifact import SpeculativeRecord
 from kiln.runtime.errors import SourceError
 from kiln.runtime.model_info import ModelInfo
 
@@ -63,6 +71,7 @@ class SpeculativePlan:
     source: sources.SourceRef | None = None  # the draft's
     info: ModelInfo | None = None
     spec: QuantSpec = field(default_factory=QuantSpec)
+    imported: PreQuantized | None = None  # a pre-quantised AWQ/GPTQ draft, converted as is
 
 
 def check_speculative(
@@ -93,14 +102,26 @@ def check_speculative(
         # Its message names `model.source` (the key it was written for); this is the draft's.
         return out, [recipe.problem(key, exc.message.removeprefix("model.source "))]
     info = out.info
-    problems += [recipe.problem(key, p) for p in sources.check_architecture(info)]
+    arch_problems = sources.check_architecture(info)
+    problems += [recipe.problem(key, p) for p in arch_problems]
     quant_key = "speculative.draft.quantization"
+    out.imported = None if arch_problems else prequantized.detect(info.config)
+    if out.imported is not None:  # a published AWQ/GPTQ draft ships its own scheme
+        problems += [
+            recipe.problem(quant_key + p.key.removeprefix("quantization"), p.problem, p.allowed)
+            for p in prequantized.check_recipe(draft_spec, out.imported)
+        ]
+        draft_spec = out.spec = out.imported.to_spec()
     scheme_problems = schemes.check(draft_spec, info)
     problems += [
         recipe.problem(quant_key + p.key.removeprefix("quantization"), p.problem, p.allowed)
         for p in scheme_problems
     ]
-    if not scheme_problems and schemes.resolve(draft_spec).needs_calibration:
+    if (
+        out.imported is None
+        and not scheme_problems
+        and schemes.resolve(draft_spec).needs_calibration
+    ):
         problems += [
             recipe.problem(p.key, p.problem, p.allowed)
             for p in calibration.check(recipe.calibration_spec())
@@ -148,22 +169,14 @@ class Speculation:
 
     stages: list[StageResult]
     key: str  # everything the section and the nested artifact depend on
-    section: dict[str, Any]  # manifest.json `speculative`
+    section: SpeculativeRecord  # manifest.json `speculative`
     target: SpeculativeTarget  # what engine plans and serve options need
     draft_artifact: Path | None = None
 
     def install(self, staging: Path) -> None:
         """Hard-link the nested draft artifact into an artifact being assembled."""
-        if self.draft_artifact is None:
-            return
-
-        def link_or_copy(a: str, b: str) -> None:
-            try:
-                os.link(a, b)
-            except OSError:
-                shutil.copy2(a, b)
-
-        shutil.copytree(self.draft_artifact, staging / DRAFT_DIR, copy_function=link_or_copy)
+        if self.draft_artifact is not None:
+            link_tree(self.draft_artifact, staging / DRAFT_DIR)
 
 
 def device_facts() -> dict[str, Any]:
@@ -186,146 +199,95 @@ def device_facts() -> dict[str, Any]:
     }
 
 
+def draft_job(plan: SpeculativePlan, recipe: Recipe, tps: tuple[int, ...]) -> ModelJob:
+    """The draft as a model to compile: its own source and scheme, the recipe's data."""
+    assert plan.source is not None and plan.info is not None  # preflight resolved both
+    draft_section = (recipe.resolved().get("speculative") or {}).get("draft", {})
+    return ModelJob(
+        role="draft",
+        name=f"{recipe.name}-draft",
+        source=plan.source,
+        info=plan.info,
+        spec=plan.spec,
+        calibration=recipe.calibration_spec(),
+        report=None,
+        imported=plan.imported,
+        tps=tps,
+        recipe={"speculative": {"draft": draft_section}, "target": recipe.name},
+    )
+
+
 def compile_draft(
     plan: SpeculativePlan,
     recipe: Recipe,
+    target: ModelBuild,
     cache: StageCache,
-    sources_dir: Path,
-    target_model: Path,
-    target_key: str,
-    tps: list[int],
     tools: dict[str, str],
-    force: bool,
-    progress: Any,
+    *,
+    force: bool = False,
+    progress: Progress = lambda _msg: None,
 ) -> Speculation:
-    """Run the draft's stages and, for auto, the acceptance measurement; see module doc."""
+    """Run the draft's stages (the model's pipeline) and, for auto, measure K; see module doc."""
     if plan.method == "ngram":
         k = int(plan.max_draft_len or 1)
-        entry: dict[str, Any] = {
-            "method": "ngram",
-            "max_draft_len": k,
-            "chosen_by": "recipe",
-            "max_matching_ngram_size": plan.max_matching_ngram_size,
-        }
-        target = SpeculativeTarget("ngram", k, ngram_size=plan.max_matching_ngram_size)
-        return Speculation([], input_key("speculative", entry), entry, target)
-    ref, info = plan.source, plan.info
-    assert ref is not None and info is not None  # preflight resolved both
-    stages: list[StageResult] = []
-    digest = sources.source_digest(ref)
-
-    def materialize(out: Path) -> dict[str, Any]:
-        return {"model_dir": str(sources.materialize(ref, sources_dir))}
-
-    progress(f"draft: materialising {ref.spec}")
-    src = cache.run("draft-source", input_key("source", digest), materialize, force)
-    stages.append(src)
-    model_dir = Path(src.record["model_dir"])
-
-    calib = recipe.calibration_spec()
-    needs_data = schemes.resolve(plan.spec).needs_calibration
-    calib_inputs = {
-        **dataclasses.asdict(calib),
-        "base_dir": None,
-        "digest": calibration.dataset_digest(calib) if needs_data else None,
-    }
-    quant_key = input_key("quantize", digest, dataclasses.asdict(plan.spec), calib_inputs, tools)
-
-    def quantize(out: Path) -> dict[str, Any]:
-        from kiln import quant
-
-        (out / "model").mkdir()
-        return quant.quantize(model_dir, plan.spec, calib, out / "model", progress=progress)
-
-    progress(f"draft: {schemes.resolve(plan.spec).name}")
-    quantized = cache.run("draft-quantize", quant_key, quantize, force)
-    stages.append(quantized)
-
-    exports: dict[int, StageResult] = {}
-    for tp in tps:
-
-        def export(out: Path, tp: int = tp) -> dict[str, Any]:
-            algo = quantized.record.get("trtllm_quant_algo")
-            return export_for(quantized.path / "model", tp, algo, out / "checkpoint")
-
-        exports[tp] = cache.run(f"draft-export-tp{tp}", input_key("export", quant_key, tp),
-                                export, force)  # fmt: skip
-        stages.append(exports[tp])
-
-    draft_section = (recipe.resolved().get("speculative") or {}).get("draft", {})
-    package_key = input_key(
-        "draft-package", quant_key, [exports[t].key for t in tps], draft_section, tools
-    )
-    name = f"{recipe.name}-draft"
-    scheme = {k: v for k, v in quantized.record.items() if k not in ("stage", "key")}
+        ngram = SpeculativeRecord(method="ngram", max_draft_len=k, chosen_by="recipe",
+                                  max_matching_ngram_size=plan.max_matching_ngram_size)  # fmt: skip
+        spec_target = SpeculativeTarget("ngram", k, ngram_size=plan.max_matching_ngram_size)
+        return Speculation([], input_key("speculative", ngram.to_dict()), ngram, spec_target)
+    job = draft_job(plan, recipe, tuple(sorted(target.exports)))
+    draft = build_model(job, cache, tools, force=force, progress=progress)
+    stages = list(draft.stages)
+    package_key = input_key("draft-package", draft.quant_key,
+                            [draft.exports[t].key for t in job.tps], job.recipe, tools)  # fmt: skip
 
     def package(out: Path) -> dict[str, Any]:
-        manifest = artifact.Manifest(
-            name=name,
-            recipe={"speculative": {"draft": draft_section}, "target": recipe.name},
-            source={
-                "spec": ref.spec,
-                "kind": ref.kind,
-                "digest": digest,
-                "architecture": info.architecture,
-                "parameters": info.num_parameters,
-            },
-            scheme=scheme,
-            tools=tools,
-            stages={s.name: {"status": s.status, "key": s.key} for s in stages},
-        )
-        with artifact.assemble(out, manifest) as staging:
-            shutil.copytree(quantized.path / "model", staging.dir / artifact.MODEL_DIR)
-            for tp, exported in exports.items():
-                if (exported.path / "checkpoint").is_dir():
-                    shutil.copytree(exported.path / "checkpoint", staging.dir / checkpoint_dir(tp))
+        manifest = draft.manifest(tools)
+        # No time stamp: the nested manifest is one of the target's files, hashed into its digest.
+        with artifact.assemble(out, manifest, stamp=False) as staging:
+            fill_artifact(draft, staging.dir)
         assert staging.path is not None
         return {"name": staging.path.name, "digest": manifest.digest}
 
     progress("draft: packaging the nested artifact")
-    packaged = cache.run("draft-package", package_key, package, force)
+    packaged = cache.run(job.stage("package"), package_key, package, force)
     stages.append(packaged)
 
-    section: dict[str, Any] = {
-        "method": "draft",
-        "draft": DRAFT_DIR,
-        "draft_digest": packaged.record["digest"],
-        "draft_source": ref.spec,
-        "draft_scheme": scheme.get("scheme"),
-        "max_draft_len": plan.max_draft_len,
-        "chosen_by": "recipe",
-    }
-    key = input_key("speculative", package_key, section)
+    section = SpeculativeRecord(
+        method="draft",
+        max_draft_len=plan.max_draft_len,
+        chosen_by="recipe",
+        draft=DRAFT_DIR,
+        draft_digest=packaged.record["digest"],
+        draft_source=job.source.spec,
+        draft_scheme=draft.scheme.scheme,
+    )
+    key = input_key("speculative", package_key, section.to_dict())
     if plan.max_draft_len is None:
-        measured = _measure(
-            plan, calib, cache, target_model, target_key, quantized, force, progress
-        )
+        measured = _measure(plan, job.calibration, cache, target, draft, force, progress)
         stages.append(measured)
-        section.update(
-            {k: v for k, v in measured.record.items() if k not in ("stage", "key", "seconds")}
+        section = SpeculativeRecord.from_dict(
+            {**section.to_dict(), **measured.record, "chosen_by": "auto"}
         )
-        section["chosen_by"] = "auto"
         key = input_key("speculative", key, measured.key)
-    target = SpeculativeTarget(
+    spec_target = SpeculativeTarget(
         "draft",
-        int(section["max_draft_len"]),
+        int(section.max_draft_len or 1),
         draft_dir=DRAFT_DIR,
         spec=plan.spec,
         info=plan.info,
-        exports={tp: e.record for tp, e in exports.items()},
+        exports={tp: draft.export(tp) for tp in job.tps},
     )
-    return Speculation(stages, key, section, target, packaged.path / packaged.record["name"])
+    return Speculation(stages, key, section, spec_target, packaged.path / packaged.record["name"])
 
 
 def _measure(
     plan: SpeculativePlan,
     calib: CalibrationSpec,
     cache: StageCache,
-    target_model: Path,
-    target_key: str,
-    draft: StageResult,
+    target: ModelBuild,
+    draft: ModelBuild,
     force: bool,
-    progress: Any,
+    progress: Progress,
 ) -> StageResult:
     """max_draft_len auto: α per position and c on this device, then the best K."""
     device = device_facts()
@@ -337,8 +299,8 @@ def _measure(
     prompts_spec = dataclasses.replace(calib, num_samples=plan.auto_prompts)
     key = input_key(
         "acceptance",
-        target_key,
-        draft.key,
+        target.quant_key,
+        draft.quant_key,
         settings,
         device,
         {
@@ -353,7 +315,7 @@ def _measure(
 
         from kiln.runtime.speculative import choose_draft_len, expected_speedup, measure_acceptance
 
-        tokenizer = AutoTokenizer.from_pretrained(target_model)
+        tokenizer = AutoTokenizer.from_pretrained(target.model)
         # Calibration passages cut to a prompt's length: the text the deployment expects.
         texts = calibration.load_texts(prompts_spec, tokenizer)
         prompts = [
@@ -362,8 +324,8 @@ def _measure(
         ]
         progress(f"draft: measuring acceptance on {len(prompts)} calibration prompts")
         profile = measure_acceptance(
-            str(target_model),
-            str(draft.path / "model"),
+            str(target.model),
+            str(draft.model),
             prompts,
             max_k=plan.auto_max_k,
             max_tokens=plan.auto_max_tokens,

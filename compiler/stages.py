@@ -1,7 +1,8 @@
 """Stages as pure functions of their inputs, cached by a hash of those inputs.
 
 A stage writes into a fresh hidden directory; only when its function returns is the
-directory renamed to `<cache>/<stage>/<key>/` with a `stage.json` beside the outputs. So an
+directory renamed to `<cache>/<stage>/<key>/` with a `stage.json` beside the outputs
+(`{stage, key, seconds, output}`: the function's record, and the cache's bookkeeping apart). So an
 unchanged re-run finds every stage done, and a run killed mid-way resumes at the first
 stage whose directory is missing. Partial directories of a killed run are swept at start
 under the output directory's lock.
@@ -36,7 +37,8 @@ def input_key(*parts: Any) -> str:
 
 @dataclass
 class StageResult:
-    """What a stage produced: where, whether it ran now, how long it took, and its record."""
+    """What a stage produced: where, whether it ran now, how long it took, and its output
+    record (what the stage function returned; the cache's own bookkeeping is kept apart)."""
 
     name: str
     key: str
@@ -60,8 +62,10 @@ class StageCache:
         record_path = path / STAGE_RECORD
         if not record_path.is_file():
             return None
-        record = json.loads(record_path.read_text())
-        return StageResult(name, key, path, "cached", float(record.get("seconds", 0.0)), record)
+        stored = json.loads(record_path.read_text())
+        if stored.get("key") != key or not isinstance(stored.get("output"), dict):
+            return None  # another layout, or a prefix collision: run the stage again
+        return StageResult(name, key, path, "cached", float(stored["seconds"]), stored["output"])
 
     def run(
         self,
@@ -92,8 +96,8 @@ class StageCache:
             shutil.rmtree(work, ignore_errors=True)
             raise
         seconds = time.perf_counter() - start
-        record = {**record, "stage": name, "key": key, "seconds": round(seconds, 3)}
-        (work / STAGE_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+        stored = {"stage": name, "key": key, "seconds": round(seconds, 3), "output": record}
+        (work / STAGE_RECORD).write_text(json.dumps(stored, indent=2, sort_keys=True, default=str))
         if final.exists():
             shutil.rmtree(final)
         os.replace(work, final)

@@ -11,12 +11,12 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kiln.quant import calibration as calib_data
 from kiln.quant.memory import calibration_dtype
 from kiln.quant.schemes import SCHEMES, Problem, Scheme, check, resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.artifact import CalibrationRecord, SchemeRecord
 from kiln.runtime.errors import CalibrationDataError, PreflightError, StageFailure
 from kiln.runtime.versions import versions
 
@@ -39,11 +39,11 @@ def quantize(
     out_dir: Path,
     *,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> SchemeRecord:
     """Quantise the float checkpoint in `model_dir` into the empty directory `out_dir`.
 
     Returns the manifest's `scheme` record: scheme, backend, format, TensorRT-LLM algorithm
-    names, calibration digest, library versions and seconds taken. Raises PreflightError or
+    names, calibration data, library versions and seconds taken. Raises PreflightError or
     CalibrationDataError for a spec or data that cannot work (before loading the model) and
     StageFailure when the quantisation library fails.
     """
@@ -59,26 +59,26 @@ def quantize(
         raise PreflightError("\n".join(str(p) for p in problems))
     scheme = resolve(spec)
     backend = BACKENDS[spec.backend]
-    record: dict[str, Any] = {
-        "scheme": scheme.name,
-        "label": scheme.label,
-        "backend": backend.name,
-        "format": backend.format if scheme.name != "NO_QUANT" else "float",
-        "trtllm_quant_algo": scheme.trtllm_quant_algo,
-        "trtllm_kv_cache_quant_algo": scheme.trtllm_kv_cache_quant_algo,
-        "group_size": scheme.group_size,
-        "symmetric": scheme.symmetric,
-        "activations": scheme.activations,
-        "kv_cache": scheme.kv_cache,
-        "ignore": list(spec.ignore),
-        "versions": versions(
-            ("torch", "transformers", *(backend.packages if scheme.name != "NO_QUANT" else ()))
-        ),
-    }
-    if scheme.name == "NO_QUANT":
+    quantised = scheme.name != "NO_QUANT"
+    record = SchemeRecord(
+        scheme=scheme.name,
+        label=scheme.label,
+        backend=backend.name,
+        format=backend.format if quantised else "float",
+        trtllm_quant_algo=scheme.trtllm_quant_algo,
+        trtllm_kv_cache_quant_algo=scheme.trtllm_kv_cache_quant_algo,
+        group_size=scheme.group_size,
+        symmetric=scheme.symmetric,
+        activations=scheme.activations,
+        kv_cache=scheme.kv_cache,
+        ignore=list(spec.ignore),
+        versions=versions(("torch", "transformers", *(backend.packages if quantised else ()))),
+    )
+    if not quantised:
         say("method none: copying the float checkpoint")
         shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
-        return {**record, "calibration": None, "seconds": round(time.perf_counter() - start, 3)}
+        record.seconds = round(time.perf_counter() - start, 3)
+        return record
 
     if scheme.needs_calibration:
         problems = calib_data.check(calibration)
@@ -94,18 +94,17 @@ def quantize(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     samples: list[list[int]] = []
-    calib_record = None
     if scheme.needs_calibration:
         texts = calib_data.load_texts(calibration, tokenizer)
         samples = calib_data.tokenize(texts, tokenizer, calibration.max_seq_len)
-        calib_record = {
-            "dataset": calibration.dataset,
-            "digest": calib_data.dataset_digest(calibration),
-            "num_samples": len(samples),
-            "tokens": sum(map(len, samples)),
-            "max_seq_len": calibration.max_seq_len,
-            "seed": calibration.seed,
-        }
+        record.calibration = CalibrationRecord(
+            dataset=calibration.dataset,
+            digest=calib_data.dataset_digest(calibration),
+            num_samples=len(samples),
+            tokens=sum(map(len, samples)),
+            max_seq_len=calibration.max_seq_len,
+            seed=calibration.seed,
+        )
         say(f"calibrating {scheme.label} with {backend.name} on {len(samples)} samples")
     else:
         say(f"quantising {scheme.label} with {backend.name} (no calibration data needed)")
@@ -121,4 +120,5 @@ def quantize(
     source_generation = model_dir / "generation_config.json"
     if source_generation.is_file() and not (out_dir / "generation_config.json").exists():
         shutil.copy2(source_generation, out_dir / "generation_config.json")
-    return {**record, "calibration": calib_record, "seconds": round(time.perf_counter() - start, 3)}
+    record.seconds = round(time.perf_counter() - start, 3)
+    return record

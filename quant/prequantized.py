@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.quant.schemes import SCHEMES, Problem
 from kiln.quant.spec import QuantSpec
+from kiln.runtime.artifact import SchemeRecord
 from kiln.runtime.errors import SourceError
 
 if TYPE_CHECKING:
@@ -353,7 +354,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def convert(model_dir: Path, out_dir: Path) -> dict[str, Any]:
+def convert(model_dir: Path, out_dir: Path) -> SchemeRecord:
     """Write the AWQ/GPTQ checkpoint in `model_dir` as compressed-tensors into `out_dir`.
 
     Codes, zero points and scales are carried over exactly; embeddings, norms, biases and
@@ -417,27 +418,27 @@ def convert(model_dir: Path, out_dir: Path) -> dict[str, Any]:
     return _record(pre, ignore, time.perf_counter() - start)
 
 
-def _record(pre: PreQuantized, ignore: list[str], seconds: float) -> dict[str, Any]:
+def _record(pre: PreQuantized, ignore: list[str], seconds: float) -> SchemeRecord:
     from kiln.runtime.versions import versions
 
     definition = SCHEMES[pre.scheme]
     algo = dict(definition.trtllm)["none"]
     if pre.group_size is None and definition.trtllm_per_channel:
         algo = definition.trtllm_per_channel
-    return {
-        "scheme": pre.scheme,
-        "label": pre.scheme,
-        "backend": "import",
-        "format": "compressed-tensors",
-        "source_format": f"{pre.producer}-{pre.format}",
-        "trtllm_quant_algo": algo,
-        "trtllm_kv_cache_quant_algo": None,
-        "group_size": pre.group_size,
-        "symmetric": pre.symmetric,
-        "activations": "none",
-        "kv_cache": "none",
-        "ignore": ignore,
-        "versions": versions(("torch", "transformers", "compressed-tensors", "safetensors")),
-        "calibration": None,
-        "seconds": round(seconds, 3),
-    }
+    return SchemeRecord(
+        scheme=pre.scheme,
+        label=pre.scheme,
+        backend="import",
+        format="compressed-tensors",
+        source_format=f"{pre.producer}-{pre.format}",
+        trtllm_quant_algo=algo,
+        trtllm_kv_cache_quant_algo=None,
+        group_size=pre.group_size,
+        symmetric=pre.symmetric,
+        activations="none",
+        kv_cache="none",
+        ignore=ignore,
+        versions=versions(("torch", "transformers", "compressed-tensors", "safetensors")),
+        calibration=None,
+        seconds=round(seconds, 3),
+    )

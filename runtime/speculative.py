@@ -110,22 +110,19 @@ def from_manifest(
     "max_draft_len": K, ...}`, the draft a nested artifact), or None when it has none."""
     if isinstance(speculative, SpeculativeConfig) or speculative is False:
         return speculative or None
-    entry = manifest.extra.get("speculative")
-    if not entry:
+    entry = manifest.speculative
+    if entry is None:
         return None
     # `kiln compile` measured this draft on its build machine and found it slower than plain
     # decoding: off unless the caller asks for it (speculative=True).
-    if entry.get("pays") is False and speculative is not True:
+    if entry.pays is False and speculative is not True:
         return None
-    draft = entry.get("draft")
-    k = entry.get("max_draft_len", entry.get("num_speculative_tokens"))
-    ngram = entry.get("max_matching_ngram_size")
     return SpeculativeConfig(
-        method=str(entry.get("method", "draft")),
-        draft=artifact / str(draft) if draft is not None else None,
-        num_speculative_tokens=k if isinstance(k, int) else 4,
-        ngram_max=ngram if isinstance(ngram, int) else 4,
-        disable_by_batch_size=entry.get("disable_by_batch_size"),
+        method=entry.method,
+        draft=artifact / entry.draft if entry.draft is not None else None,
+        num_speculative_tokens=entry.max_draft_len or 4,
+        ngram_max=entry.max_matching_ngram_size or 4,
+        disable_by_batch_size=entry.disable_by_batch_size,
     )
 
 

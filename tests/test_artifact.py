@@ -68,3 +68,41 @@ def test_a_newer_format_version_is_refused_with_the_fix(tmp_path: Path) -> None:
     (path / artifact.MANIFEST).write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match="upgrade kiln"):
         artifact.load_manifest(path)
+
+
+def test_a_format_version_1_manifest_still_reads(tmp_path: Path) -> None:
+    path = build(tmp_path)
+    data = json.loads((path / artifact.MANIFEST).read_text())
+    data.update(
+        format_version=1,
+        stages={"draft-package": {"status": "ran", "key": "k"}},  # v1 drafts had no timings
+        scheme={"scheme": "FP8", "label": "FP8", "backend": "llmcompressor",
+                "format": "compressed-tensors", "trtllm_quant_algo": "FP8",
+                "trtllm_kv_cache_quant_algo": None, "group_size": None, "symmetric": True,
+                "activations": "fp8_static", "kv_cache": "none", "calibration": None},
+        speculative={"method": "ngram", "max_draft_len": 3, "chosen_by": "recipe",
+                     "max_matching_ngram_size": 2},
+    )  # fmt: skip
+    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    manifest = artifact.load_manifest(path)
+    assert manifest.scheme is not None and manifest.scheme.trtllm_quant_algo == "FP8"
+    assert manifest.stages["draft-package"].seconds == 0.0
+    assert manifest.speculative is not None and manifest.speculative.max_draft_len == 3
+
+
+def test_a_manifest_field_of_the_wrong_type_is_refused_naming_it(tmp_path: Path) -> None:
+    path = build(tmp_path)
+    data = json.loads((path / artifact.MANIFEST).read_text())
+    data["files"]["model/w.bin"]["size"] = "big"
+    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match=r"manifest.json: files\.model/w\.bin\.size: "):
+        artifact.load_manifest(path)
+
+
+def test_an_unknown_format_version_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = build(tmp_path)
+    data = json.loads((path / artifact.MANIFEST).read_text())
+    data["format_version"] = 0
+    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="recompile the artifact"):
+        artifact.load_manifest(path)

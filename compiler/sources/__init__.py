@@ -9,12 +9,13 @@ Four kinds of source:
 
 `parse_source` (spec.py) and `inspect_source` (metadata.py) read paths and metadata, never
 weights, so a recipe is checked before anything heavy runs. `source_digest` (digest.py) names the
-source's content. `materialize` (checkpoint.py) is the one step that loads weights; it writes a
-content-addressed cache entry through a temporary directory and a rename. File hashes and GGUF
-metadata are remembered per user in $XDG_CACHE_HOME/kiln/ (sidecar.py).
+source's content. `float_checkpoint` (checkpoint.py) is the one step that loads weights: it
+converts a source into a directory it is given (a compile stage's own); `materialize` keeps
+such conversions in a content-addressed cache of their own, for tools outside a compile. File
+hashes and GGUF metadata are remembered per user in $XDG_CACHE_HOME/kiln/ (sidecar.py).
 """
 
-from kiln.compiler.sources.checkpoint import PROVENANCE_FILE, materialize
+from kiln.compiler.sources.checkpoint import PROVENANCE_FILE, float_checkpoint, materialize
 from kiln.compiler.sources.digest import CHECKPOINT_FILES, checkpoint_files, source_digest
 from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, check_architecture, inspect_source
 from kiln.compiler.sources.spec import (
@@ -42,6 +43,7 @@ __all__ = [
     "SourceRef",
     "check_architecture",
     "checkpoint_files",
+    "float_checkpoint",
     "hub_cache_dir",
     "inspect_source",
     "materialize",

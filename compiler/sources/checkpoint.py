@@ -1,8 +1,10 @@
 """Materialising a source: a local float Hugging Face checkpoint directory the quantisers load.
 
 A directory that already has safetensors weights is used in place. A GGUF is dequantised to
-float32 and a pytorch_model.bin checkpoint re-saved as safetensors, once, into a content-addressed
-cache entry `cache_dir/<kind>-<digest[:16]>/` written through a temporary directory and a rename.
+float32 and a pytorch_model.bin checkpoint re-saved as safetensors: into a compile stage's own
+directory (`float_checkpoint`), or once into a content-addressed cache entry
+`cache_dir/<kind>-<digest[:16]>/` written through a temporary directory and a rename
+(`materialize`).
 """
 
 from __future__ import annotations
@@ -24,47 +26,66 @@ PROVENANCE_FILE = "kiln_source.json"
 _STALE_TEMP_S = 24 * 3600
 
 
-def materialize(ref: SourceRef, cache_dir: Path) -> Path:
-    """A local float HF directory (config, safetensors, tokenizer, generation_config) for `ref`.
+def float_checkpoint(ref: SourceRef, out: Path) -> Path:
+    """The local float HF directory for `ref`: `ref.path` itself, or a conversion into `out`.
 
     A directory with safetensors weights, or a pre-quantised AWQ/GPTQ one (not float: the
-    quantise stage converts it with quant.prequantized), is returned as is. Anything else is
-    converted once into `cache_dir/<kind>-<digest[:16]>/`; an interrupted run leaves no
-    half-written entry, and a second call returns the entry at once.
+    quantise stage converts it with quant.prequantized), is used in place and `out` is not
+    created. A GGUF is dequantised and a pytorch_model.bin checkpoint re-saved as
+    safetensors into `out` (created here; the caller makes that atomic: a compile stage's
+    own directory, or `materialize`'s temporary entry).
     """
-    if ref.kind in (HF_DIR, HUB_CACHE) and (
-        any(ref.path.glob("*.safetensors")) or _pre_quantised(ref.path)
-    ):
-        return ref.path  # an AWQ/GPTQ import is converted by the quantise stage, not here
-    digest = source_digest(ref)
-    entry = cache_dir / f"{ref.kind}-{digest[:16]}"
+    if used_in_place(ref):
+        return ref.path
+    out.mkdir(parents=True)
+    if ref.kind in (GGUF, BUILTIN):
+        _dequantise_gguf(ref, out)
+    else:
+        _convert_to_safetensors(ref, out)
+    provenance = {"spec": ref.spec, "kind": ref.kind, "path": str(ref.path),
+                  "digest": source_digest(ref)}  # fmt: skip
+    (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    # mkdtemp makes directories owner-only (and safetensors its file); a converted checkpoint
+    # is read by whoever runs kiln next, so give it a checkpoint's usual modes.
+    out.chmod(0o755)
+    for file in out.iterdir():
+        file.chmod(0o644)
+    return out
+
+
+def materialize(ref: SourceRef, cache_dir: Path) -> Path:
+    """`float_checkpoint` through a content-addressed cache of its own (for `kiln draft`).
+
+    A source used in place is returned as is. Anything else is converted once into
+    `cache_dir/<kind>-<digest[:16]>/`; an interrupted run leaves no half-written entry, and
+    a second call returns the entry at once.
+    """
+    if used_in_place(ref):
+        return ref.path
+    entry = cache_dir / f"{ref.kind}-{source_digest(ref)[:16]}"
     if entry.is_dir():
         return entry
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(cache_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=cache_dir))
     try:
-        if ref.kind in (GGUF, BUILTIN):
-            _dequantise_gguf(ref, tmp)
-        else:
-            _convert_to_safetensors(ref, tmp)
-        provenance = {"spec": ref.spec, "kind": ref.kind, "path": str(ref.path), "digest": digest}
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        # mkdtemp makes the directory owner-only (and safetensors its file); an entry is read by
-        # whoever runs kiln next, so give it a checkpoint's usual modes.
-        tmp.chmod(0o755)
-        for file in tmp.iterdir():
-            file.chmod(0o644)
+        converted = float_checkpoint(ref, tmp / "model")
         try:
-            os.rename(tmp, entry)  # atomic within one filesystem
+            os.rename(converted, entry)  # atomic within one filesystem
         except OSError:
             if not entry.is_dir():
                 raise
-            shutil.rmtree(tmp)  # another run finished the same entry first; theirs is identical
-    except BaseException:
+            # another run finished the same entry first; theirs is identical
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return entry
+
+
+def used_in_place(ref: SourceRef) -> bool:
+    """Whether `ref` is already a checkpoint the quantisers read (safetensors, or AWQ/GPTQ)."""
+    return ref.kind in (HF_DIR, HUB_CACHE) and (
+        any(ref.path.glob("*.safetensors")) or _pre_quantised(ref.path)
+    )
 
 
 def _pre_quantised(path: Path) -> bool:

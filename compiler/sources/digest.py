@@ -50,7 +50,7 @@ def source_digest(ref: SourceRef) -> str:
             f"model.source {ref.spec!r}: {ref.path} holds no config, weight or tokenizer files"
         )
     digests = sha256_files([ref.path / rel for rel in files])
-    return content_digest({rel: {"sha256": digests[ref.path / rel]} for rel in files})
+    return content_digest({rel: digests[ref.path / rel] for rel in files})
 
 
 def checkpoint_files(root: Path) -> list[str]:

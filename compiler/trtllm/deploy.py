@@ -27,7 +27,14 @@ from kiln.compiler.trtllm.build import BuildPlanError, DraftBuild, build_plan, r
 from kiln.compiler.trtllm.export import export_checkpoint
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.artifact import MODEL_DIR, json_dumps
+from kiln.runtime.artifact import (
+    MODEL_DIR,
+    BuildRecord,
+    ExportRecord,
+    TargetRecord,
+    TargetSpeculation,
+    json_dumps,
+)
 from kiln.runtime.errors import KilnError
 from kiln.runtime.model_info import ModelInfo
 
@@ -50,88 +57,76 @@ class SpeculativeTarget:
     draft_dir: str | None = None  # artifact-relative nested draft artifact (method draft)
     spec: QuantSpec = field(default_factory=QuantSpec)  # the draft's scheme
     info: ModelInfo | None = None  # the draft's shapes
-    exports: dict[int, dict[str, Any]] = field(default_factory=dict)  # the draft's, per tp
+    exports: dict[int, ExportRecord] = field(default_factory=dict)  # the draft's, per tp
     ngram_size: int = 3  # method ngram: max_matching_ngram_size
 
 
-@dataclass
-class TargetOutcome:
-    """What the artifact holds for one target: per-path status and the files written."""
+@dataclass(frozen=True)
+class TargetContext:
+    """What every target of one artifact shares: the model, its scheme, how it is deployed."""
 
-    name: str
-    engine: str  # built | planned | failed | unsupported: <reason>
-    pytorch: str  # ready | unsupported: <reason>
-    record: dict[str, Any] = field(default_factory=dict)
+    info: ModelInfo
+    spec: QuantSpec
+    deploy: DeploySpec
+    path: str = "both"  # the recipe's deploy.trtllm_path: both | engine | pytorch
+    exports: dict[int, ExportRecord] = field(default_factory=dict)  # `trtllm/tp<N>/`, per tp
+    speculative: SpeculativeTarget | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "pytorch": self.pytorch, **self.record}
 
-
-def export_for(quantized_model: Path, tp: int, quant_algo: str | None, out: Path) -> dict[str, Any]:
+def export_for(quantized_model: Path, tp: int, quant_algo: str | None, out: Path) -> ExportRecord:
     """Export the quantised checkpoint for `tp`, or record why this mode has no export."""
     try:
-        return export_checkpoint(
+        written = export_checkpoint(
             quantized_model, out, tp_size=tp, dtype=CHECKPOINT_DTYPE, quant_algo=quant_algo
         )
     except KilnError as exc:
         shutil.rmtree(out, ignore_errors=True)
-        return {"unsupported": exc.message}
+        return ExportRecord(tp_size=tp, unsupported=exc.message)
+    return ExportRecord.from_dict(written, str(out))
 
 
 def _unsupported(problems: list[Any]) -> str:
     return "unsupported: " + "; ".join(f"{p.problem} (use {p.allowed})" for p in problems)
 
 
-def write_target(
-    root: Path,
-    name: str,
-    info: ModelInfo,
-    spec: QuantSpec,
-    deploy: DeploySpec,
-    plan: Plan,
-    export: dict[str, Any],
-    path: str = "both",
-    speculative: SpeculativeTarget | None = None,
-) -> TargetOutcome:
-    """Fill `root/engines/<name>/` (root is the artifact being assembled) and say what it holds.
-
-    `export` is the record of `trtllm/tp<N>/` from `export_for`; `path` is the recipe's
-    `deploy.trtllm_path` (both, engine or pytorch); `speculative` adds the draft.
-    """
+def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> TargetRecord:
+    """Fill `root/engines/<name>/` (root is the artifact being assembled) and say what it holds."""
     engine_dir = root / ENGINES_DIR / name
     engine_dir.mkdir(parents=True)
     (engine_dir / "plan.json").write_text(json_dumps(plan.to_dict()))
-    record: dict[str, Any] = {"plan": f"{ENGINES_DIR}/{name}/plan.json", "tp_size": plan.tp_size}
+    speculative = ctx.speculative
+    export = ctx.exports[plan.tp_size]
+    record = TargetRecord(engine="", pytorch="", plan=f"{ENGINES_DIR}/{name}/plan.json",
+                          tp_size=plan.tp_size, export=export)  # fmt: skip
     if speculative is not None:
-        record["speculative"] = {"method": speculative.method,
-                                 "max_draft_len": speculative.max_draft_len}  # fmt: skip
+        record.speculative = TargetSpeculation(speculative.method, speculative.max_draft_len)
 
-    engine_problems = check_target(spec, name, path="engine")
-    if path == "pytorch":
-        engine = "skipped: deploy.trtllm_path is pytorch"
+    engine_problems = check_target(ctx.spec, name, path="engine")
+    if ctx.path == "pytorch":
+        record.engine = "skipped: deploy.trtllm_path is pytorch"
     elif engine_problems:
-        engine = _unsupported(engine_problems)
-    elif "unsupported" in export:
-        engine = f"unsupported: {export['unsupported']}"
+        record.engine = _unsupported(engine_problems)
+    elif export.unsupported is not None:
+        record.engine = f"unsupported: {export.unsupported}"
     else:
-        engine = _build(root, name, info, spec, deploy, plan, record, speculative)
+        record.engine = _build(root, name, plan, ctx, record)
 
-    pytorch_problems = check_target(spec, name, path="pytorch")
-    if path == "engine":
-        pytorch = "skipped: deploy.trtllm_path is engine"
+    pytorch_problems = check_target(ctx.spec, name, path="pytorch")
+    if ctx.path == "engine":
+        record.pytorch = "skipped: deploy.trtllm_path is engine"
     elif pytorch_problems:
-        pytorch = _unsupported(pytorch_problems)
+        record.pytorch = _unsupported(pytorch_problems)
     else:
-        options = serve_options(spec, deploy, plan, **_serve_speculation(speculative))
+        options = serve_options(ctx.spec, ctx.deploy, plan, **_serve_speculation(speculative))
         # A draft is named by its path inside the artifact: serve from the artifact root.
         header = ""
         if speculative is not None:
             header = (f"from the artifact directory: trtllm-serve {MODEL_DIR} --backend "
                       f"pytorch --config {ENGINES_DIR}/{name}/trtllm-serve.yaml")  # fmt: skip
         write_serve_config(engine_dir / "trtllm-serve.yaml", options, header)
-        record["serve_config"] = f"{ENGINES_DIR}/{name}/trtllm-serve.yaml"
-        pytorch = "ready"
-    return TargetOutcome(name, engine, pytorch, record)
+        record.serve_config = f"{ENGINES_DIR}/{name}/trtllm-serve.yaml"
+        record.pytorch = "ready"
+    return record
 
 
 def _serve_speculation(speculative: SpeculativeTarget | None) -> dict[str, Any]:
@@ -157,30 +152,23 @@ def _draft_build(root: Path, name: str, plan: Plan, speculative: SpeculativeTarg
     )
 
 
-def _build(
-    root: Path,
-    name: str,
-    info: ModelInfo,
-    spec: QuantSpec,
-    deploy: DeploySpec,
-    plan: Plan,
-    record: dict[str, Any],
-    speculative: SpeculativeTarget | None = None,
-) -> str:
+def _build(root: Path, name: str, plan: Plan, ctx: TargetContext, record: TargetRecord) -> str:
     """Plan the engine build, run it where this machine can, and record the outcome."""
     engine_dir = root / ENGINES_DIR / name / "engine"
+    speculative = ctx.speculative
     draft: DraftBuild | None = None
     extra: dict[str, str | None] | None = None
     if speculative is not None and speculative.method == "draft":
-        draft_export = speculative.exports.get(plan.tp_size, {})
-        if "unsupported" in draft_export:
-            return f"unsupported: the draft: {draft_export['unsupported']}"
+        draft_export = speculative.exports.get(plan.tp_size)
+        if draft_export is None or draft_export.unsupported is not None:
+            reason = draft_export.unsupported if draft_export else f"no tp={plan.tp_size} export"
+            return f"unsupported: the draft: {reason}"
         draft = _draft_build(root, name, plan, speculative)
     elif speculative is not None:  # prompt lookup: the target alone takes external drafts
         extra = {"--speculative_decoding_mode": "draft_tokens_external",
                  "--max_draft_len": str(speculative.max_draft_len)}  # fmt: skip
     try:
-        build = build_plan(info, spec, PROFILES[name], deploy, plan,
+        build = build_plan(ctx.info, ctx.spec, PROFILES[name], ctx.deploy, plan,
                            root / checkpoint_dir(plan.tp_size), engine_dir, draft=draft,
                            extra_args=extra)  # fmt: skip
     except BuildPlanError as exc:
@@ -191,12 +179,12 @@ def _build(
     script = root / ENGINES_DIR / name / "build.sh"
     relative.write_script(script, cd="../..")
     outcome = run_build(build, script_path=script, write_script=False)
-    record["build"] = {
+    record.build = BuildRecord.from_dict({
         **outcome.to_dict(),
         "commands": [p.command for p in relative.plans()],
         "script": str(script.relative_to(root)),
         "stamps": [str(s.relative_to(root)) for s in outcome.stamps],
-    }
+    })  # fmt: skip
     if outcome.status == "built":
         return "built"
     shutil.rmtree(engine_dir, ignore_errors=True)  # a failed build leaves no half engine

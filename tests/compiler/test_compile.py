@@ -77,7 +77,7 @@ def test_compile_publishes_a_content_addressed_artifact(compiled: tuple[Path, di
     assert all(stage["status"] == "ran" for stage in result["stages"].values())
     assert "model/config.json" in manifest.files and "reports/quantization.json" in manifest.files
     assert manifest.recipe["quantization"]["weight_bits"] == 4
-    assert manifest.source["architecture"] == "LlamaForCausalLM"
+    assert manifest.source.architecture == "LlamaForCausalLM"
     assert {"torch", "transformers", "llmcompressor"} <= set(manifest.tools)
     assert artifact.verify(path) == []
     config = json.loads((path / "model" / "config.json").read_text())
@@ -181,11 +181,11 @@ def test_a_published_awq_checkpoint_compiles_without_recalibration(
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 0, stderr
     manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
-    assert manifest.scheme["scheme"] == "W4A16_AWQ"
-    assert manifest.scheme["backend"] == "import"
-    assert manifest.scheme["calibration"] is None
+    assert manifest.scheme.scheme == "W4A16_AWQ"
+    assert manifest.scheme.backend == "import"
+    assert manifest.scheme.calibration is None
     assert "trtllm/tp1/rank0.safetensors" in manifest.files
-    assert manifest.targets["l40s"]["engine"] == "planned"
+    assert manifest.targets["l40s"].engine == "planned"
 
 
 def test_a_recipe_that_contradicts_an_imported_checkpoint_is_refused(
@@ -211,5 +211,5 @@ def test_tied_embeddings_export_to_tensorrt_llm(tmp_path: Path) -> None:
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 0, stderr
     manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
-    assert manifest.targets["l40s"]["engine"] == "planned"
+    assert manifest.targets["l40s"].engine == "planned"
     assert "trtllm/tp1/rank0.safetensors" in manifest.files

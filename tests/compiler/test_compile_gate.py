@@ -63,7 +63,7 @@ def test_a_passing_gate_promotes_and_is_recorded_outside_the_digest(
     assert gate["passed"] and not gate["cached"] and gate["baseline"]["kind"] == "source"
     path = Path(result["artifact"])
     manifest = artifact.load_manifest(path)
-    assert manifest.gate is not None and manifest.gate["passed"] is True
+    assert manifest.gate is not None and manifest.gate.passed is True
     assert artifact.verify(path) == []  # the verdict lives in the manifest, not in the files
     reports = Path(gate["reports"])
     assert {"gate.json", "gate.md", "gate.html"} <= {p.name for p in reports.iterdir()}
@@ -95,7 +95,7 @@ def test_a_failing_gate_exits_1_and_promotes_nothing(tiny_llama: Path, tmp_path:
     (path,) = [p for p in published(tmp_path / "out") if (p / artifact.MANIFEST).is_file()]
     assert artifact.verify(path) == []
     gate = artifact.load_manifest(path).gate
-    assert gate is not None and gate["passed"] is False
+    assert gate is not None and gate.passed is False
     with Registry(db) as registry:
         state = registry.channel("prod")
         assert state is None or state.current_digest is None

@@ -316,9 +316,9 @@ def test_the_draft_is_a_nested_artifact_that_verifies(
     assert artifact.verify(path / "draft") == []
     nested = artifact.load_manifest(path / "draft")
     assert "draft/model/config.json" in artifact.load_manifest(path).files
-    assert nested.scheme["scheme"] == "NO_QUANT"
+    assert nested.scheme.scheme == "NO_QUANT"
     assert (path / "draft" / "trtllm" / "tp1" / "config.json").is_file()
-    section = artifact.load_manifest(path).extra["speculative"]
+    section = artifact.load_manifest(path).speculative.to_dict()
     assert (section["method"], section["draft"], section["draft_digest"]) == (
         "draft",
         "draft",
@@ -326,10 +326,38 @@ def test_the_draft_is_a_nested_artifact_that_verifies(
     )
 
 
+def test_the_draft_goes_through_the_models_own_pipeline(
+    compiled: tuple[Path, Path, dict[str, Any]],
+) -> None:
+    _, path, _ = compiled
+    nested = artifact.load_manifest(path / "draft")
+    # Stage timings, as the model's own stages have them.
+    assert nested.stages["draft-quantize"].seconds > 0
+    # Hard links into the cache, as the model's own files are: the draft is not copied.
+    quantize_key = nested.stages["draft-quantize"].key
+    cached = path.parent / ".kiln-cache" / "draft-quantize" / quantize_key[:24] / "model"
+    shipped = path / "draft" / "model" / "model.safetensors"
+    assert shipped.samefile(cached / "model.safetensors")
+
+
+def test_a_pre_quantised_draft_is_converted_as_it_is(
+    tmp_path: Path, tiny_llama: Path, made_draft: tuple[Path, dict]
+) -> None:
+    from tests.prequantized import make_awq_checkpoint
+
+    awq = make_awq_checkpoint(made_draft[0], tmp_path / "awq-draft")
+    recipe = recipe_file(tmp_path, tiny_llama, f"  draft: {awq.path}\n  max_draft_len: 2\n")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    nested = artifact.load_manifest(Path(json.loads(stdout)["artifact"]) / "draft")
+    assert nested.scheme is not None
+    assert (nested.scheme.scheme, nested.scheme.backend) == ("W4A16_AWQ", "import")
+
+
 def test_auto_measures_alpha_and_c_and_records_the_optimal_k(
     compiled: tuple[Path, Path, dict[str, Any]],
 ) -> None:
-    section = artifact.load_manifest(compiled[1]).extra["speculative"]
+    section = artifact.load_manifest(compiled[1]).speculative.to_dict()
     assert section["chosen_by"] == "auto"
     assert 0.0 <= section["alpha"] <= 1.0 and len(section["alpha_per_position"]) == 4
     assert section["cost_ratio"] > 0 and section["num_drafts"] > 0
@@ -343,8 +371,8 @@ def test_build_plan_and_serve_yaml_carry_the_draft_and_k(
 ) -> None:
     path = compiled[1]
     manifest = artifact.load_manifest(path)
-    k = manifest.extra["speculative"]["max_draft_len"]
-    target, draft = manifest.targets["h100-sxm"]["build"]["commands"]
+    k = manifest.speculative.to_dict()["max_draft_len"]
+    target, draft = manifest.targets["h100-sxm"].build.commands
     assert target.endswith(f"--speculative_decoding_mode draft_tokens_external --max_draft_len {k}")
     assert "--checkpoint_dir draft/trtllm/tp1 --output_dir engines/h100-sxm/draft-engine" in draft
     assert "--speculative_decoding_mode" not in draft
@@ -363,7 +391,7 @@ def test_build_plan_and_serve_yaml_carry_the_draft_and_k(
 
 def test_inspect_shows_the_speculative_section(compiled: tuple[Path, Path, dict[str, Any]]) -> None:
     path = compiled[1]
-    k = artifact.load_manifest(path).extra["speculative"]["max_draft_len"]
+    k = artifact.load_manifest(path).speculative.to_dict()["max_draft_len"]
     code, stdout, _ = kiln("inspect", str(path))
     assert code == 0
     assert f"K={k} (auto)" in stdout and "cost ratio c" in stdout
@@ -385,7 +413,7 @@ def test_the_runtime_turns_speculation_on_from_the_artifact(
     from kiln.runtime.engine import Engine
 
     path = compiled[1]
-    entry = artifact.load_manifest(path).extra["speculative"]
+    entry = artifact.load_manifest(path).speculative.to_dict()
     # A draft measured slower than plain decoding stays off unless asked for.
     default = Engine.from_artifact(path)
     assert (default.speculator is not None) == entry["pays"]
@@ -403,14 +431,14 @@ def test_ngram_speculation_builds_only_the_target_and_serves_ngram(
     assert code == 0, stderr
     path = Path(json.loads(stdout)["artifact"])
     manifest = artifact.load_manifest(path)
-    assert manifest.extra["speculative"] == {
+    assert manifest.speculative.to_dict() == {
         "method": "ngram",
         "max_draft_len": 3,
         "chosen_by": "recipe",
         "max_matching_ngram_size": 2,
     }
     assert not (path / "draft").exists()
-    (command,) = manifest.targets["h100-sxm"]["build"]["commands"]
+    (command,) = manifest.targets["h100-sxm"].build.commands
     assert command.endswith("--speculative_decoding_mode draft_tokens_external --max_draft_len 3")
     options = yaml.safe_load((path / "engines" / "h100-sxm" / "trtllm-serve.yaml").read_text())
     assert options["speculative_config"] == {

@@ -56,12 +56,12 @@ def test_quantize_writes_a_complete_checkpoint(quantised: Quantised, key: str) -
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (out / name).is_file(), name
     scheme, _, _, _, _ = EXPECTED[key]
-    assert record["scheme"] == scheme
-    assert record["backend"] == SPECS[key].backend
-    assert record["format"] == BACKENDS[SPECS[key].backend].format
-    assert record["seconds"] > 0
-    assert "torch" in record["versions"] and "transformers" in record["versions"]
-    json.dumps(record)  # goes into the manifest as is
+    assert record.scheme == scheme
+    assert record.backend == SPECS[key].backend
+    assert record.format == BACKENDS[SPECS[key].backend].format
+    assert record.seconds > 0
+    assert "torch" in record.versions and "transformers" in record.versions
+    json.dumps(record.to_dict())  # goes into the manifest as is
 
 
 @pytest.mark.parametrize("key", [k for k in SPECS if k.startswith("llmcompressor")])
@@ -127,7 +127,7 @@ def test_ignored_linears_stay_float(tiny_llama: Path, tmp_path: Path, backend: s
 
 def test_method_none_copies_the_float_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
     record = quantize(tiny_llama, QuantSpec(), CALIBRATION, tmp_path)
-    assert record["scheme"] == "NO_QUANT" and record["format"] == "float"
+    assert record.scheme == "NO_QUANT" and record.format == "float"
     for src in tiny_llama.iterdir():
         assert (tmp_path / src.name).read_bytes() == src.read_bytes()
 

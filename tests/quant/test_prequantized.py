@@ -250,7 +250,7 @@ def test_qwen2_with_tied_embeddings_converts_exactly(tmp_path: Path) -> None:
     tiny = make_tiny_model(tmp_path / "float", arch="qwen2", tie_word_embeddings=True)
     source = make_awq_checkpoint(tiny, tmp_path / "awq")
     record = prequantized.convert(source.path, tmp_path / "ct")
-    assert record["ignore"] == ["lm_head"]  # no lm_head tensor, but transformers builds a Linear
+    assert record.ignore == ["lm_head"]  # no lm_head tensor, but transformers builds a Linear
     loaded = AutoModelForCausalLM.from_pretrained(
         tmp_path / "ct",
         dtype=torch.float32,
@@ -294,15 +294,15 @@ def test_config_and_tensors_are_laid_out_as_llm_compressor_writes_them(
 
 def test_record_reads_like_a_quantize_record(checkpoints: Any) -> None:
     _, _, record = checkpoints("awq-g64")
-    assert {k: record[k] for k in ("scheme", "backend", "format", "source_format")} == {
+    assert {k: record.to_dict()[k] for k in ("scheme", "backend", "format", "source_format")} == {
         "scheme": "W4A16_AWQ",
         "backend": "import",
         "format": "compressed-tensors",
         "source_format": "autoawq-gemm",
     }
-    assert record["trtllm_quant_algo"] == "W4A16_AWQ" and record["calibration"] is None
-    assert (record["group_size"], record["symmetric"], record["ignore"]) == (64, False, ["lm_head"])
-    assert checkpoints("autogptq-w8-per-channel")[2]["trtllm_quant_algo"] == "W8A16"
+    assert record.trtllm_quant_algo == "W4A16_AWQ" and record.calibration is None
+    assert (record.group_size, record.symmetric, record.ignore) == (64, False, ["lm_head"])
+    assert checkpoints("autogptq-w8-per-channel")[2].trtllm_quant_algo == "W8A16"
 
 
 def test_tokenizer_and_generation_config_come_along(checkpoints: Any) -> None:
@@ -324,7 +324,7 @@ def test_tensorrt_llm_reader_sees_the_same_values(checkpoints: Any) -> None:
     from kiln.compiler.trtllm.source import read_source
 
     source, ct_dir, record = checkpoints("awq-g64")
-    read = read_source(ct_dir, record["trtllm_quant_algo"])
+    read = read_source(ct_dir, record.trtllm_quant_algo)
     for name, reference in source.reference.items():
         assert torch.equal(read.linears[name].dequantize(), reference), name
 
@@ -336,7 +336,7 @@ def test_tensorrt_llm_checkpoint_exports_from_the_import(
     from kiln.compiler.trtllm.export import export_checkpoint
 
     _, ct_dir, record = checkpoints(variant)
-    exported = export_checkpoint(ct_dir, tmp_path / "trt", quant_algo=record["trtllm_quant_algo"])
+    exported = export_checkpoint(ct_dir, tmp_path / "trt", quant_algo=record.trtllm_quant_algo)
     config = json.loads((tmp_path / "trt" / "config.json").read_text())
     assert config["quantization"]["quant_algo"] == "W4A16_AWQ"  # GPTQ shares AWQ's kernel
     assert (tmp_path / "trt" / "rank0.safetensors").is_file() and exported

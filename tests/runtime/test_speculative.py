@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from kiln.runtime import Engine, SamplingParams
-from kiln.runtime.artifact import MODEL_DIR, Manifest, assemble, write_manifest
+from kiln.runtime.artifact import MODEL_DIR, Manifest, SpeculativeRecord, assemble, write_manifest
 from kiln.runtime.errors import UsageError
 from kiln.runtime.rejection import rejection_sample
 from kiln.runtime.sampling import probabilities
@@ -315,8 +315,8 @@ def test_measure_acceptance_profiles_a_draft(tiny_llama: Path, shallow_draft: Pa
 def test_artifact_with_a_draft_speculates_by_default(
     tiny_llama: Path, shallow_draft: Path, tmp_path: Path
 ) -> None:
-    entry = {"draft": "draft", "max_draft_len": 3}
-    with assemble(tmp_path, Manifest(name="tiny", extra={"speculative": entry})) as staging:
+    entry = SpeculativeRecord(draft="draft", max_draft_len=3)
+    with assemble(tmp_path, Manifest(name="tiny", speculative=entry)) as staging:
         shutil.copytree(tiny_llama, staging.dir / MODEL_DIR)
         nested = staging.dir / "draft"
         shutil.copytree(shallow_draft, nested / MODEL_DIR)
@@ -337,13 +337,14 @@ def test_artifact_with_a_draft_speculates_by_default(
 def test_manifest_entry_that_does_not_pay_is_off_unless_asked(tmp_path: Path) -> None:
     from kiln.runtime.speculative import from_manifest
 
-    slow = Manifest(name="t", extra={"speculative": {"draft": "draft", "max_draft_len": 2,
-                                                     "pays": False}})  # fmt: skip
+    slow = Manifest(
+        name="t", speculative=SpeculativeRecord(draft="draft", max_draft_len=2, pays=False)
+    )
     assert from_manifest(slow, tmp_path, None) is None
     forced = from_manifest(slow, tmp_path, True)
     assert forced is not None and forced.num_speculative_tokens == 2
-    ngram = Manifest(name="t", extra={"speculative": {"method": "ngram", "max_draft_len": 5,
-                                                      "max_matching_ngram_size": 2}})  # fmt: skip
+    ngram_entry = SpeculativeRecord(method="ngram", max_draft_len=5, max_matching_ngram_size=2)
+    ngram = Manifest(name="t", speculative=ngram_entry)
     config = from_manifest(ngram, tmp_path, None)
     assert config is not None and config.method == "ngram" and config.ngram_max == 2
 

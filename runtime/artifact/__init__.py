@@ -23,14 +23,60 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.artifact.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    BuildRecord,
+    CalibrationRecord,
+    ExportRecord,
+    FileEntry,
+    GateRecord,
+    Manifest,
+    SchemeRecord,
+    SourceRecord,
+    SpeculativeRecord,
+    StageRecord,
+    TargetRecord,
+    TargetSpeculation,
+)
 from kiln.runtime.errors import ArtifactError
 
-FORMAT = "kiln-artifact"
-FORMAT_VERSION = 1
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MODEL_DIR",
+    "QUANT_REPORT",
+    "READABLE_VERSIONS",
+    "REPORTS_DIR",
+    "BuildRecord",
+    "CalibrationRecord",
+    "ExportRecord",
+    "FileEntry",
+    "GateRecord",
+    "Manifest",
+    "SchemeRecord",
+    "SourceRecord",
+    "SpeculativeRecord",
+    "StageRecord",
+    "Staging",
+    "TargetRecord",
+    "TargetSpeculation",
+    "assemble",
+    "content_digest",
+    "file_digests",
+    "json_dumps",
+    "load_manifest",
+    "sha256_file",
+    "verify",
+    "write_manifest",
+]
+
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"
 REPORTS_DIR = "reports"
@@ -47,53 +93,23 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_digests(root: Path) -> dict[str, dict[str, Any]]:
-    """{relative path: {sha256, size}} for every file under root except the manifest."""
-    out: dict[str, dict[str, Any]] = {}
+def file_digests(root: Path) -> dict[str, FileEntry]:
+    """{relative path: (sha256, size)} for every file under root except the manifest."""
+    out: dict[str, FileEntry] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
         if rel == MANIFEST:
             continue
-        out[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+        out[rel] = FileEntry(sha256_file(path), path.stat().st_size)
     return out
 
 
-def content_digest(files: dict[str, dict[str, Any]]) -> str:
-    """The artifact digest: sha256 over the sorted `sha256  path` lines of its files."""
-    lines = "".join(f"{files[rel]['sha256']}  {rel}\n" for rel in sorted(files))
+def content_digest(files: dict[str, FileEntry] | dict[str, str]) -> str:
+    """The artifact digest: sha256 over the sorted `sha256  path` lines of its files (given
+    as file entries, or as their sha256s)."""
+    sha256s = {rel: e if isinstance(e, str) else e.sha256 for rel, e in files.items()}
+    lines = "".join(f"{sha256s[rel]}  {rel}\n" for rel in sorted(sha256s))
     return hashlib.sha256(lines.encode()).hexdigest()
-
-
-@dataclass
-class Manifest:
-    """manifest.json, as a typed record. Unknown keys survive a load/save round trip."""
-
-    name: str
-    digest: str = ""
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    recipe: dict[str, Any] = field(default_factory=dict)
-    source: dict[str, Any] = field(default_factory=dict)
-    scheme: dict[str, Any] = field(default_factory=dict)
-    tools: dict[str, str] = field(default_factory=dict)
-    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
-    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
-    gate: dict[str, Any] | None = None
-    created_at: str = ""
-    format: str = FORMAT
-    format_version: int = FORMAT_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(data.pop("extra"))
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kwargs = {k: v for k, v in data.items() if k in known}
-        extra = {k: v for k, v in data.items() if k not in known}
-        return cls(**kwargs, extra=extra)
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -111,16 +127,23 @@ def load_manifest(path: str | Path) -> Manifest:
         raise ArtifactError(
             f"{manifest_path}: invalid JSON ({exc}); the artifact is damaged"
         ) from exc
-    if data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ArtifactError(
-            f"{manifest_path}: format is {data.get('format')!r}, expected {FORMAT!r}"
+            f"{manifest_path}: not a kiln manifest (format is "
+            f"{data.get('format') if isinstance(data, dict) else data!r}, expected {FORMAT!r})"
         )
-    if data.get("format_version", 0) > FORMAT_VERSION:
+    version = data.get("format_version", 0)
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise ArtifactError(
-            f"{manifest_path}: format_version {data['format_version']} is newer than this kiln "
-            f"reads ({FORMAT_VERSION}); upgrade kiln"
+            f"{manifest_path}: format_version {version} is newer than this kiln reads "
+            f"({FORMAT_VERSION}); upgrade kiln"
         )
-    return Manifest.from_dict(data)
+    if version not in READABLE_VERSIONS:
+        raise ArtifactError(
+            f"{manifest_path}: format_version {version!r} is not one this kiln reads "
+            f"({', '.join(map(str, READABLE_VERSIONS))}); recompile the artifact"
+        )
+    return Manifest.from_dict(data, str(manifest_path))
 
 
 def verify(path: str | Path) -> list[str]:
@@ -133,10 +156,8 @@ def verify(path: str | Path) -> list[str]:
         got = actual.get(rel)
         if got is None:
             problems.append(f"{rel}: missing")
-        elif got["sha256"] != want["sha256"]:
-            problems.append(
-                f"{rel}: sha256 {got['sha256'][:12]}… != recorded {want['sha256'][:12]}…"
-            )
+        elif got.sha256 != want.sha256:
+            problems.append(f"{rel}: sha256 {got.sha256[:12]}… != recorded {want.sha256[:12]}…")
     for rel in sorted(set(actual) - set(manifest.files)):
         problems.append(f"{rel}: not recorded in the manifest")
     if not problems and content_digest(manifest.files) != manifest.digest:
@@ -166,12 +187,14 @@ class Staging:
 
 
 @contextmanager
-def assemble(parent: str | Path, manifest: Manifest) -> Iterator[Staging]:
+def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> Iterator[Staging]:
     """Yield a hidden staging directory; on success hash it and rename it into place.
 
     The caller fills `staging.dir`; `manifest.digest`, `files` and `created_at` are set here
     and `staging.path` receives the final directory. On any exception the staging directory
-    is removed, so nothing half-written is ever visible.
+    is removed, so nothing half-written is ever visible. `stamp=False` leaves `created_at`
+    empty: a nested artifact's manifest is one of its parent's files, and a time in it would
+    change the parent's digest on every rebuild.
     """
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +204,8 @@ def assemble(parent: str | Path, manifest: Manifest) -> Iterator[Staging]:
         yield handle
         manifest.files = file_digests(staging)
         manifest.digest = content_digest(manifest.files)
-        manifest.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if stamp:
+            manifest.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_manifest(staging, manifest)
         final = parent / f"{manifest.name}-{manifest.digest[:12]}"
         if final.exists():

@@ -1,0 +1,231 @@
+"""One model through the compile stages: source → quantise → report → export → package.
+
+`kiln compile` runs this for the recipe's model and, with `speculative:`, for its draft:
+one function, so both get the same behaviour (pre-quantised sources converted as they are,
+stage timings, hard-linked outputs, a cached source whose files were deleted rebuilt). A
+stage writes only into its own cache directory (compiler/stages.py); the package step
+publishes an artifact (runtime/artifact) and returns where it landed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.compiler import sources
+from kiln.compiler.stages import StageCache, StageResult, input_key
+from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for
+from kiln.quant import calibration, prequantized, schemes
+from kiln.quant.prequantized import PreQuantized
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime import artifact
+from kiln.runtime.artifact import (
+    ExportRecord,
+    Manifest,
+    SchemeRecord,
+    SourceRecord,
+    StageRecord,
+)
+from kiln.runtime.model_info import ModelInfo
+
+Progress = Callable[[str], None]
+REPORT_FILE = "quantization.json"
+
+
+@dataclass(frozen=True)
+class ModelJob:
+    """One model to compile: the recipe's model (role "") or its speculative draft."""
+
+    role: str  # "" for the model, "draft" for the draft; prefixes the stage names
+    name: str  # the artifact's name
+    source: sources.SourceRef
+    info: ModelInfo
+    spec: QuantSpec
+    calibration: CalibrationSpec
+    report: CalibrationSpec | None  # held-out text for the quality report; None: no report
+    imported: PreQuantized | None  # a published AWQ/GPTQ checkpoint, converted as it is
+    tps: tuple[int, ...]  # tensor-parallel sizes to export for TensorRT-LLM
+    recipe: dict[str, Any]  # what the manifest records as the recipe
+
+    def stage(self, name: str) -> str:
+        return f"{self.role}-{name}" if self.role else name
+
+
+@dataclass
+class ModelBuild:
+    """A model's finished stages: where its float source and quantised checkpoint are."""
+
+    job: ModelJob
+    source_digest: str
+    source_model: Path  # the float checkpoint the quantiser read
+    quantized: StageResult  # `model/` inside it is the quantised checkpoint
+    quant_key: str  # the hash everything downstream of quantisation depends on
+    report: StageResult | None = None
+    exports: dict[int, StageResult] = field(default_factory=dict)
+    stages: list[StageResult] = field(default_factory=list)
+
+    @property
+    def model(self) -> Path:
+        return self.quantized.path / "model"
+
+    @property
+    def scheme(self) -> SchemeRecord:
+        return SchemeRecord.from_dict(self.quantized.record, str(self.quantized.path))
+
+    def export(self, tp: int) -> ExportRecord:
+        return ExportRecord.from_dict(self.exports[tp].record, str(self.exports[tp].path))
+
+    def source_record(self) -> SourceRecord:
+        job = self.job
+        return SourceRecord(job.source.spec, job.source.kind, self.source_digest,
+                            job.info.architecture, job.info.num_parameters)  # fmt: skip
+
+    def manifest(self, tools: dict[str, str], **sections: Any) -> Manifest:
+        """The manifest of this model's artifact (`sections`: targets, speculative, ...)."""
+        return Manifest(
+            name=self.job.name,
+            recipe=self.job.recipe,
+            source=self.source_record(),
+            scheme=self.scheme,
+            tools=tools,
+            stages={s.name: StageRecord(s.status, s.key, round(s.seconds, 3)) for s in self.stages},
+            **sections,
+        )
+
+
+def calibration_inputs(spec: CalibrationSpec, needs_data: bool) -> dict[str, Any]:
+    """What a calibration spec contributes to a cache key: its settings and data digest."""
+    return {
+        **dataclasses.asdict(spec),
+        "base_dir": None,  # where the recipe sits is not an input; the data's digest is
+        "digest": calibration.dataset_digest(spec) if needs_data else None,
+    }
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Hard-link a finished stage's files into an artifact (copy across filesystems)."""
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link_or_copy)
+
+
+def build_model(
+    job: ModelJob,
+    cache: StageCache,
+    tools: dict[str, str],
+    *,
+    force: bool = False,
+    progress: Progress = lambda _msg: None,
+) -> ModelBuild:
+    """Run (or find cached) every stage of `job` up to its TensorRT-LLM exports."""
+    who = f"{job.role}: " if job.role else ""
+    progress(f"{who}source: hashing and materialising {job.source.spec}")
+    digest = sources.source_digest(job.source)
+    source_key = input_key("source", digest)
+
+    def run_source(out: Path) -> dict[str, Any]:
+        model = sources.float_checkpoint(job.source, out / "model")
+        # Relative when converted into the stage's own directory (which is renamed after
+        # this returns); absolute when the source is used in place.
+        return {"model_dir": str(model.relative_to(out) if model.is_relative_to(out) else model)}
+
+    src = cache.run(job.stage("source"), source_key, run_source, force)
+    if not (src.path / src.record["model_dir"]).is_dir():  # deleted by hand: redo it
+        src = cache.run(job.stage("source"), source_key, run_source, True)
+    model_dir = src.path / src.record["model_dir"]
+    stages = [src]
+
+    needs_data = job.imported is None and schemes.resolve(job.spec).needs_calibration
+    calib_inputs = calibration_inputs(job.calibration, needs_data)
+    quant_key = input_key("quantize", digest, dataclasses.asdict(job.spec), calib_inputs, tools)
+
+    def run_quantize(out: Path) -> dict[str, Any]:
+        from kiln import quant
+        from kiln.quant.logs import route_library_logs_to_stderr
+
+        route_library_logs_to_stderr()
+        (out / "model").mkdir()
+        if job.imported is not None:
+            return prequantized.convert(model_dir, out / "model").to_dict()
+        scheme = quant.quantize(model_dir, job.spec, job.calibration, out / "model",
+                                progress=progress)  # fmt: skip
+        return scheme.to_dict()
+
+    progress(f"{who}quantize: {schemes.resolve(job.spec).name} with {job.spec.backend}")
+    quantized = cache.run(job.stage("quantize"), quant_key, run_quantize, force)
+    stages.append(quantized)
+    build = ModelBuild(job, digest, model_dir, quantized, quant_key, stages=stages)
+
+    if job.report is not None:
+        build.report = _report(build, job.report, calib_inputs, needs_data, cache, force,
+                               progress)  # fmt: skip
+        stages.append(build.report)
+
+    for tp in job.tps:
+        progress(f"{who}export: TensorRT-LLM checkpoint, tp={tp}")
+
+        def run_export(out: Path, tp: int = tp) -> dict[str, Any]:
+            algo = build.scheme.trtllm_quant_algo
+            return export_for(build.model, tp, algo, out / "checkpoint").to_dict()
+
+        export_key = input_key("export", quant_key, tp)
+        build.exports[tp] = cache.run(job.stage(f"export-tp{tp}"), export_key, run_export, force)
+        stages.append(build.exports[tp])
+    return build
+
+
+def _report(
+    build: ModelBuild,
+    spec: CalibrationSpec,
+    calib_inputs: dict[str, Any],
+    needs_data: bool,
+    cache: StageCache,
+    force: bool,
+    progress: Progress,
+) -> StageResult:
+    """The quality report of the quantised model against its float source on held-out text."""
+    job = build.job
+    key = input_key("report", build.quant_key, calib_inputs, calibration_inputs(spec, True))
+
+    def run_report(out: Path) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
+        from kiln.quant.report import quantization_report
+
+        if job.imported is not None:
+            reason = "imported pre-quantised checkpoint: there is no float model to compare with"
+            (out / REPORT_FILE).write_text(artifact.json_dumps({"skipped": reason}))
+            return {"summary": {"skipped": reason}}
+        tokenizer = AutoTokenizer.from_pretrained(build.source_model)
+        # Held-out means held out: never report on a text the model was calibrated on.
+        seen = calibration.load_texts(job.calibration, tokenizer) if needs_data else []
+        texts = calibration.load_texts(spec, tokenizer, exclude=seen)
+        report = quantization_report(build.source_model, build.model, texts,
+                                     max_seq_len=spec.max_seq_len)  # fmt: skip
+        (out / REPORT_FILE).write_text(artifact.json_dumps(report))
+        return {"summary": {k: v for k, v in report.items() if not isinstance(v, (dict, list))}}
+
+    progress("report: per-layer error and KL divergence on held-out text")
+    return cache.run(job.stage("report"), key, run_report, force)
+
+
+def fill_artifact(build: ModelBuild, staging: Path) -> None:
+    """Put a model's quantised checkpoint, report and TensorRT-LLM checkpoints in place."""
+    link_tree(build.model, staging / artifact.MODEL_DIR)
+    if build.report is not None:
+        reports = staging / artifact.REPORTS_DIR
+        reports.mkdir()
+        shutil.copy2(build.report.path / REPORT_FILE, reports / REPORT_FILE)
+    for tp, exported in build.exports.items():
+        if (exported.path / "checkpoint").is_dir():
+            link_tree(exported.path / "checkpoint", staging / checkpoint_dir(tp))

@@ -15,7 +15,8 @@ from typing import Any
 
 from kiln.quant import calibration as calib_data
 from kiln.quant.memory import calibration_dtype
-from kiln.quant.schemes import SCHEMES, Problem, Scheme, check, resolve
+from kiln.quant.registry import SCHEMES, Problem
+from kiln.quant.schemes import Scheme, check, resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.errors import CalibrationDataError, PreflightError, StageFailure
 from kiln.runtime.versions import versions

@@ -48,7 +48,7 @@ def quantize(
     CalibrationDataError for a spec or data that cannot work (before loading the model) and
     StageFailure when the quantisation library fails.
     """
-    from kiln.quant.backends import BACKENDS
+    from kiln.quant.backends import BACKENDS, QuantJob
     from kiln.runtime.model_info import ModelInfo
 
     say = progress or (lambda _msg: None)
@@ -112,7 +112,7 @@ def quantize(
         say(f"quantising {scheme.label} with {backend.name} (no calibration data needed)")
     try:
         with torch.no_grad():
-            backend.run(model, tokenizer, scheme, spec, samples, out_dir, say)
+            backend.run(QuantJob(model, tokenizer, scheme, spec, samples, out_dir, say))
     except Exception as exc:
         raise StageFailure(
             f"{backend.name} failed to produce {scheme.label} from {model_dir}: "

@@ -237,24 +237,16 @@ class Recipe:
         return resolve_quantization(spec.draft.quantization)
 
     def calibration_spec(self) -> CalibrationSpec:
-        c = self.config.calibration
-        return CalibrationSpec(
-            dataset=c.dataset,
-            num_samples=c.num_samples,
-            max_seq_len=c.max_seq_len,
-            seed=c.seed,
-            text_field=c.text_field,
-            base_dir=str(self.base_dir("calibration.dataset")),
-        )
+        return self._text_spec("calibration")
 
     def report_spec(self) -> CalibrationSpec:
-        r = self.config.report
+        return self._text_spec("report")
+
+    def _text_spec(self, key: str) -> CalibrationSpec:
+        """A section that names a text dataset, with its path resolved against its file."""
+        section = getattr(self.config, key)
         return CalibrationSpec(
-            dataset=r.dataset,
-            num_samples=r.num_samples,
-            max_seq_len=r.max_seq_len,
-            seed=0,
-            base_dir=str(self.base_dir("report.dataset")),
+            **section.model_dump(), base_dir=str(self.base_dir(f"{key}.dataset"))
         )
 
     def deploy_spec(self) -> DeploySpec:

@@ -11,14 +11,33 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kiln.compiler.planner import DeploySpec
 from kiln.gates.config import GatesSection
-from kiln.quant.spec import DEFAULT_ACTIVATIONS, CalibrationSpec, QuantSpec
+from kiln.quant.backends import BACKENDS
+from kiln.quant.registry import (
+    ACTIVATIONS,
+    FLOAT_BITS,
+    GROUP_SIZES,
+    KV_CACHE,
+    METHODS,
+    WEIGHT_BITS,
+    group_size_problem,
+    weight_bits_problem,
+)
+from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.errors import RecipeError
 
 Key = tuple[str | int, ...]
@@ -32,26 +51,64 @@ class ModelSection(_Strict):
     source: str = Field(description="local HF dir, .gguf file, builtin:NAME or a hub id")
 
 
+# The values the quantization keys take are the quantisation registry's (quant/registry.py);
+# pydantic refuses any other and lists these.
+if TYPE_CHECKING:
+    MethodName = str
+    ActivationMode = str
+    KVCacheMode = str
+    BackendName = str
+    WeightBits = int
+else:
+    MethodName = Literal[tuple(METHODS)]
+    ActivationMode = Literal[("default", *ACTIVATIONS)]
+    KVCacheMode = Literal[tuple(KV_CACHE)]
+    BackendName = Literal[tuple(BACKENDS)]
+    WeightBits = Literal[WEIGHT_BITS]
+
+
+def _refuse(key: str, problem: str, fix: str) -> NoReturn:
+    """Raise a problem with the section's `key` as a schema error (see _format_error)."""
+    raise PydanticCustomError(
+        "kiln_rule", "{problem}", {"key": key, "problem": problem, "fix": fix}
+    )
+
+
+def _or(values: tuple[int, ...]) -> str:
+    """`128, 64 or 32`."""
+    *head, last = map(str, values)
+    return f"{', '.join(head)} or {last}" if head else last
+
+
 class QuantizationSection(_Strict):
-    method: Literal["none", "fp8", "fp8_dynamic", "awq", "gptq", "smoothquant"] = "none"
-    weight_bits: Literal[4, 8] | None = None
+    method: MethodName = "none"
+    weight_bits: WeightBits | None = None
     group_size: int | None = None
     symmetric: bool | None = None
-    activations: Literal[
-        "default", "none", "int8_dynamic", "int8_static", "fp8_dynamic", "fp8_static"
-    ] = "default"
-    kv_cache: Literal["none", "fp8", "int8"] = "none"
+    activations: ActivationMode = "default"
+    kv_cache: KVCacheMode = "none"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
-    backend: Literal["llmcompressor", "modelopt"] = "llmcompressor"
+    backend: BackendName = "llmcompressor"
     smoothing_strength: float = Field(0.8, gt=0.0, lt=1.0)
     dampening_frac: float = Field(0.01, gt=0.0, lt=1.0)
 
-    @field_validator("group_size")
-    @classmethod
-    def _group_size(cls, value: int | None) -> int | None:
-        if value is not None and (value < 16 or value & (value - 1)):
-            raise ValueError("must be a power of two of at least 16 (32, 64 or 128), or omitted")
-        return value
+    @model_validator(mode="after")
+    def _registry_rules(self) -> QuantizationSection:
+        """The group-size and weight-bits rules, as quant.schemes.check applies them."""
+        group = group_size_problem(self.group_size)
+        if group is not None:
+            fix = f"use {_or(GROUP_SIZES)}, or leave it out for the method's default"
+            _refuse("group_size", group.problem, fix)
+        if METHODS[self.method].weight_bits == FLOAT_BITS:
+            if self.weight_bits is not None or self.group_size is not None:
+                _refuse("method", f"method {self.method} keeps float weights, so "
+                        "weight_bits/group_size do not apply",
+                        "set a method (gptq, awq, fp8, ...) or drop those keys")  # fmt: skip
+        elif self.weight_bits is not None:
+            bits = weight_bits_problem(self.method, self.weight_bits)
+            if bits is not None:
+                _refuse("weight_bits", bits.problem, f"use {bits.allowed}")
+        return self
 
 
 class CalibrationSection(_Strict):
@@ -130,17 +187,6 @@ class RecipeModel(_Strict):
     speculative: SpeculativeSection | None = None  # a draft compiled beside the model
 
 
-# Per method: (default weight bits, allowed weight bits, default group size, default symmetric).
-_METHOD_DEFAULTS: dict[str, tuple[int, tuple[int, ...], int | None, bool]] = {
-    "none": (16, (), None, True),
-    "fp8": (8, (8,), None, True),
-    "fp8_dynamic": (8, (8,), None, True),
-    "awq": (4, (4,), 128, False),
-    "gptq": (4, (4, 8), 128, True),
-    "smoothquant": (8, (8,), None, True),
-}
-
-
 @dataclass
 class Recipe:
     """A loaded, schema-valid recipe with the origin (file, line) of every key."""
@@ -191,24 +237,16 @@ class Recipe:
         return resolve_quantization(spec.draft.quantization)
 
     def calibration_spec(self) -> CalibrationSpec:
-        c = self.config.calibration
-        return CalibrationSpec(
-            dataset=c.dataset,
-            num_samples=c.num_samples,
-            max_seq_len=c.max_seq_len,
-            seed=c.seed,
-            text_field=c.text_field,
-            base_dir=str(self.base_dir("calibration.dataset")),
-        )
+        return self._text_spec("calibration")
 
     def report_spec(self) -> CalibrationSpec:
-        r = self.config.report
+        return self._text_spec("report")
+
+    def _text_spec(self, key: str) -> CalibrationSpec:
+        """A section that names a text dataset, with its path resolved against its file."""
+        section = getattr(self.config, key)
         return CalibrationSpec(
-            dataset=r.dataset,
-            num_samples=r.num_samples,
-            max_seq_len=r.max_seq_len,
-            seed=0,
-            base_dir=str(self.base_dir("report.dataset")),
+            **section.model_dump(), base_dir=str(self.base_dir(f"{key}.dataset"))
         )
 
     def deploy_spec(self) -> DeploySpec:
@@ -239,26 +277,8 @@ class Recipe:
 
 def resolve_quantization(q: QuantizationSection) -> QuantSpec:
     """A quantization section with its method's defaults filled in."""
-    bits, _, group, symmetric = _METHOD_DEFAULTS[q.method]
-    weight_bits = q.weight_bits if q.weight_bits is not None else bits
-    if q.method == "none":
-        weight_bits = 16
-    group_size = q.group_size if q.group_size is not None else group
-    if weight_bits == 8 and q.group_size is None:
-        group_size = None  # 8-bit weights default to one scale per output channel
-    activations = DEFAULT_ACTIVATIONS[q.method] if q.activations == "default" else q.activations
-    return QuantSpec(
-        method=q.method,
-        weight_bits=weight_bits,
-        group_size=group_size,
-        symmetric=q.symmetric if q.symmetric is not None else symmetric,
-        activations=activations,
-        kv_cache=q.kv_cache,
-        ignore=tuple(q.ignore),
-        backend=q.backend,
-        smoothing_strength=q.smoothing_strength,
-        dampening_frac=q.dampening_frac,
-    )
+    filled = METHODS[q.method].fill(q.weight_bits, q.group_size, q.symmetric, q.activations)
+    return QuantSpec(**{**q.model_dump(), **filled, "ignore": tuple(q.ignore)})
 
 
 # --- YAML with line numbers -------------------------------------------------------------
@@ -398,6 +418,9 @@ def _format_error(error: Any) -> tuple[Key, str, str]:
     if kind == "missing":
         return loc, "required key is missing", "add it"
     message = str(error["msg"])
+    if kind == "kiln_rule":  # a rule of the quantisation registry, raised by _refuse
+        context = error["ctx"]
+        return (*loc, context["key"]), context["problem"], context["fix"]
     if kind == "literal_error":
         return loc, f"{error['input']!r} is not allowed", message.replace("Input should be", "use")
     if kind == "value_error":
@@ -427,23 +450,18 @@ def load_recipe(path: str | Path) -> Recipe:
                 recipe.problem(dotted, problem, allowed) if loc else f"{recipe.path}:1: {problem}"
             )
     if not problems:
-        problems.extend(_method_problems(recipe))
+        problems.extend(_speculative_problems(recipe))
     if problems:
         raise RecipeError(problems)
     return recipe
 
 
-def _method_problems(recipe: Recipe) -> list[str]:
-    """Consistency that the schema alone cannot express: per-method weight bits (the model's
-    and the draft's quantization) and which speculative methods need a draft."""
-    problems = _bits_problems(recipe, recipe.config.quantization, "quantization")
+def _speculative_problems(recipe: Recipe) -> list[str]:
+    """Consistency that the schema alone cannot express: which speculative methods need a draft."""
+    problems: list[str] = []
     spec = recipe.config.speculative
     if spec is None:
         return problems
-    if spec.draft is not None:
-        problems += _bits_problems(
-            recipe, spec.draft.quantization, "speculative.draft.quantization"
-        )
     if spec.method == "draft" and spec.draft is None:
         problems.append(recipe.problem(
             "speculative", "method draft needs a draft model",
@@ -461,25 +479,3 @@ def _method_problems(recipe: Recipe) -> list[str]:
             "give a number of draft tokens, e.g. max_draft_len: 4",
         ))  # fmt: skip
     return problems
-
-
-def _bits_problems(recipe: Recipe, q: QuantizationSection, key: str) -> list[str]:
-    _, allowed_bits, _, _ = _METHOD_DEFAULTS[q.method]
-    if q.weight_bits is not None and q.method != "none" and q.weight_bits not in allowed_bits:
-        bits = " or ".join(str(b) for b in allowed_bits)
-        return [
-            recipe.problem(
-                f"{key}.weight_bits",
-                f"{q.method} does not quantise weights to {q.weight_bits} bits",
-                f"use {bits}",
-            )
-        ]
-    if q.method == "none" and (q.weight_bits is not None or q.group_size is not None):
-        return [
-            recipe.problem(
-                f"{key}.method",
-                "method none keeps float weights, so weight_bits/group_size do not apply",
-                "set a method (gptq, awq, fp8, ...) or drop those keys",
-            )
-        ]
-    return []

@@ -306,8 +306,10 @@ def serve(
 def _config_len(model_dir: Path) -> int:
     import json
 
+    from kiln.runtime.model_info import ModelInfo
+
     config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("max_position_embeddings", 2048))
+    return ModelInfo.from_hf_config(config).max_position_embeddings
 
 
 COMMANDS = [serve]

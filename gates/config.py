@@ -107,13 +107,7 @@ class ShadowSection(_Strict):
     timeout_s: float = Field(300.0, gt=0.0)
 
     def settings(self) -> ReplaySettings:
-        return ReplaySettings(
-            temperature=self.temperature,
-            max_tokens=self.max_tokens,
-            max_requests=self.max_requests,
-            concurrency=self.concurrency,
-            worst=self.worst,
-        )
+        return ReplaySettings(**self.model_dump(exclude={"traffic", "timeout_s"}))
 
 
 class GatesSection(_Strict):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from kiln.quant import calibration as calib_data
 from kiln.quant.memory import calibration_dtype
-from kiln.quant.schemes import SCHEMES, Problem, Scheme, check, resolve
+from kiln.quant.registry import SCHEMES, Problem
+from kiln.quant.schemes import Scheme, check, resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.artifact import CalibrationRecord, SchemeRecord
 from kiln.runtime.errors import CalibrationDataError, PreflightError, StageFailure
@@ -47,7 +48,7 @@ def quantize(
     CalibrationDataError for a spec or data that cannot work (before loading the model) and
     StageFailure when the quantisation library fails.
     """
-    from kiln.quant.backends import BACKENDS
+    from kiln.quant.backends import BACKENDS, QuantJob
     from kiln.runtime.model_info import ModelInfo
 
     say = progress or (lambda _msg: None)
@@ -110,7 +111,7 @@ def quantize(
         say(f"quantising {scheme.label} with {backend.name} (no calibration data needed)")
     try:
         with torch.no_grad():
-            backend.run(model, tokenizer, scheme, spec, samples, out_dir, say)
+            backend.run(QuantJob(model, tokenizer, scheme, spec, samples, out_dir, say))
     except Exception as exc:
         raise StageFailure(
             f"{backend.name} failed to produce {scheme.label} from {model_dir}: "

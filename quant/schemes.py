@@ -1,9 +1,10 @@
-"""Quantisation schemes as data, and the checks that a spec can work before anything loads.
+"""The checks that a spec can work before anything loads, and the scheme it resolves to.
 
 A `QuantSpec` (method, bits, activations, KV cache, backend) resolves to one canonical
 `Scheme`, named like TensorRT-LLM's `QuantAlgo` where it has one (FP8, W4A16_AWQ, ...).
-Adding a scheme means adding one `SchemeDef` to `SCHEMES`; which backend can produce it is
-declared where the backend registers itself (quant/backends/).
+The methods, modes and schemes, and the rules they share with the recipe, are declared in
+quant/registry.py; which backend can produce a scheme, where the backend registers itself
+(quant/backends/).
 """
 
 from __future__ import annotations
@@ -12,68 +13,22 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kiln.quant.spec import ACTIVATIONS, KV_CACHE, METHODS, QuantSpec
+from kiln.quant.registry import (
+    ACTIVATIONS,
+    GROUP_SIZES,
+    KV_CACHE,
+    METHODS,
+    SCHEMES,
+    Problem,
+    SchemeDef,
+    group_size_problem,
+    weight_bits_problem,
+)
+from kiln.quant.spec import QuantSpec
 from kiln.runtime.errors import PreflightError
 
 if TYPE_CHECKING:
     from kiln.runtime.model_info import ModelInfo
-
-GROUP_SIZES = (128, 64, 32)  # what TensorRT-LLM's groupwise kernels take, largest first
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One reason a spec cannot work: the recipe key, what is wrong, and what would work."""
-
-    key: str
-    problem: str
-    allowed: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.problem} (allowed: {self.allowed})"
-
-
-@dataclass(frozen=True, slots=True)
-class SchemeDef:
-    """A family of specs that quantise the same way (one registry entry)."""
-
-    name: str
-    methods: tuple[str, ...]
-    weight_bits: int
-    activations: tuple[str, ...]
-    weight_type: str  # "int", "float" or "none"
-    grouped: bool = False  # group_size applies (weight-only int schemes)
-    asymmetric: bool = False  # zero points make sense
-    calibrated: bool = True  # needs calibration data
-    # TensorRT-LLM QuantAlgo per activation mode; `per_channel` is used when group_size is None.
-    trtllm: tuple[tuple[str, str], ...] = ()
-    trtllm_per_channel: str | None = None
-
-
-SCHEMES: dict[str, SchemeDef] = {
-    d.name: d
-    for d in (
-        SchemeDef("NO_QUANT", ("none",), 16, ("none",), "none", calibrated=False,
-                  trtllm=(("none", "NO_QUANT"),)),
-        SchemeDef("FP8", ("fp8",), 8, ("fp8_static",), "float",
-                  trtllm=(("fp8_static", "FP8"),)),
-        SchemeDef("FP8_DYNAMIC", ("fp8_dynamic", "fp8"), 8, ("fp8_dynamic",), "float",
-                  calibrated=False, trtllm=(("fp8_dynamic", "FP8_PER_CHANNEL_PER_TOKEN"),)),
-        SchemeDef("W4A16_AWQ", ("awq",), 4, ("none",), "int", grouped=True, asymmetric=True,
-                  trtllm=(("none", "W4A16_AWQ"),), trtllm_per_channel="W4A16"),
-        SchemeDef("W4A8_AWQ", ("awq",), 4, ("fp8_static",), "int", grouped=True,
-                  trtllm=(("fp8_static", "W4A8_AWQ"),)),
-        SchemeDef("W4A16_GPTQ", ("gptq",), 4, ("none",), "int", grouped=True, asymmetric=True,
-                  trtllm=(("none", "W4A16_GPTQ"),), trtllm_per_channel="W4A16"),
-        SchemeDef("W8A16", ("gptq",), 8, ("none",), "int", grouped=True, asymmetric=True,
-                  trtllm=(("none", "W8A16_GPTQ"),), trtllm_per_channel="W8A16"),
-        SchemeDef("W8A8_SQ", ("smoothquant",), 8, ("int8_dynamic", "int8_static"), "int",
-                  trtllm=(("int8_dynamic", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"),
-                          ("int8_static", "W8A8_SQ_PER_CHANNEL"))),
-    )
-}  # fmt: skip
-
-KV_TRTLLM = {"none": None, "fp8": "FP8", "int8": "INT8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,16 +69,14 @@ def _spec_problems(spec: QuantSpec) -> tuple[SchemeDef | None, list[Problem]]:
     if spec.activations not in ACTIVATIONS:
         add("activations", f"unknown activation mode {spec.activations!r}", ", ".join(ACTIVATIONS))
         return None, problems
-    candidates = [d for d in SCHEMES.values() if spec.method in d.methods]
-    bits = sorted({d.weight_bits for d in candidates})
-    if spec.weight_bits not in bits:
-        add(
-            "weight_bits",
-            f"method {spec.method} does not quantise weights to {spec.weight_bits} bits",
-            " or ".join(map(str, bits)),
-        )
-        return None, problems
-    candidates = [d for d in candidates if d.weight_bits == spec.weight_bits]
+    bits_problem = weight_bits_problem(spec.method, spec.weight_bits)
+    if bits_problem is not None:
+        return None, [*problems, bits_problem]
+    candidates = [
+        d
+        for d in SCHEMES.values()
+        if spec.method in d.methods and d.weight_bits == spec.weight_bits
+    ]
     match = next((d for d in candidates if spec.activations in d.activations), None)
     if match is None:
         acts = [a for d in candidates for a in d.activations]
@@ -140,12 +93,9 @@ def _spec_problems(spec: QuantSpec) -> tuple[SchemeDef | None, list[Problem]]:
             f"{match.name} scales per output channel; group_size applies to awq and gptq only",
             "null",
         )
-    if spec.group_size is not None and match.grouped and spec.group_size not in GROUP_SIZES:
-        add(
-            "group_size",
-            f"group size {spec.group_size} has no TensorRT-LLM kernel",
-            ", ".join(map(str, GROUP_SIZES)) + " or null (per channel)",
-        )
+    group_problem = group_size_problem(spec.group_size)
+    if match.grouped and group_problem is not None:
+        problems.append(group_problem)
     if not spec.symmetric and not match.asymmetric:
         add("symmetric", f"{match.name} is symmetric only (no zero points)", "true")
     if match.name == "NO_QUANT" and spec.kv_cache != "none":
@@ -295,5 +245,5 @@ def resolve(spec: QuantSpec) -> Scheme:
         kv_cache=spec.kv_cache,
         needs_calibration=match.calibrated or spec.kv_cache != "none",
         trtllm_quant_algo=algo,
-        trtllm_kv_cache_quant_algo=KV_TRTLLM[spec.kv_cache],
+        trtllm_kv_cache_quant_algo=KV_CACHE[spec.kv_cache],
     )

@@ -2,26 +2,12 @@
 
 The recipe (compiler/recipe.py) validates user input once, at the edge, and hands these
 frozen dataclasses to the quantisation code; nothing below the edge re-validates YAML.
+The values a field may take are declared in quant/registry.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-METHODS = ("none", "fp8", "fp8_dynamic", "awq", "gptq", "smoothquant")
-ACTIVATIONS = ("none", "int8_dynamic", "int8_static", "fp8_dynamic", "fp8_static")
-KV_CACHE = ("none", "fp8", "int8")
-BACKENDS = ("llmcompressor", "modelopt")
-
-# What `activations: default` means for each method.
-DEFAULT_ACTIVATIONS = {
-    "none": "none",
-    "fp8": "fp8_static",
-    "fp8_dynamic": "fp8_dynamic",
-    "awq": "none",
-    "gptq": "none",
-    "smoothquant": "int8_dynamic",
-}
 
 
 @dataclass(frozen=True, slots=True)

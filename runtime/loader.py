@@ -24,7 +24,8 @@ from safetensors import safe_open
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.kernels import make_linear
 from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme
-from kiln.runtime.model import CausalLM, DecoderLayer, ModelConfig
+from kiln.runtime.model import CausalLM, DecoderLayer
+from kiln.runtime.model_info import ModelInfo
 
 PROJECTIONS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -94,7 +95,7 @@ def load_model(
 ) -> tuple[CausalLM, KVCacheSpec]:
     """Build the model and describe its KV-cache encoding from a checkpoint directory."""
     raw = read_config(model_dir)
-    config = ModelConfig.from_hf(raw, str(model_dir))
+    config = ModelInfo.for_runtime(raw, str(model_dir))
     compute = resolve_dtype(dtype, raw, device)
     ckpt = Checkpoint(model_dir)
     quant = QuantConfig.from_hf(raw.get("quantization_config"), str(model_dir))
@@ -222,7 +223,7 @@ class QuantConfig:
             input_scale = input_scale.to(torch.float32).reshape(())
         return LinearWeights(scheme, codes, scale, zero, g_idx, input_scale, bias)
 
-    def kv_cache(self, ckpt: Checkpoint, config: ModelConfig) -> KVCacheSpec:
+    def kv_cache(self, ckpt: Checkpoint, config: ModelInfo) -> KVCacheSpec:
         """The KV-cache encoding: FP8 or INT8 codes with each layer's k/v scales."""
         scheme = self.kv_scheme
         if not scheme:

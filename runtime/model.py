@@ -11,87 +11,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kiln.runtime.attention import AttentionMetadata, PagedKVCache, paged_attention
-from kiln.runtime.errors import ArtifactError
 from kiln.runtime.linear import Linear
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """The fields of a Hugging Face config.json that the forward pass needs."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    sliding_window: int | None
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any], source: str) -> ModelConfig:
-        """Parse config.json; raises ArtifactError naming `source` for unsupported models."""
-        arch = (config.get("architectures") or ["?"])[0]
-        if arch not in ARCHITECTURES:
-            raise ArtifactError(
-                f"{source}: architecture {arch} is not supported by the kiln runtime; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
-        if config.get("hidden_act", "silu") != "silu":
-            raise ArtifactError(f"{source}: hidden_act {config['hidden_act']!r} (want silu)")
-        rope = dict(config.get("rope_parameters") or {})
-        legacy = config.get("rope_scaling") or {}
-        rope = {**legacy, **rope}
-        theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ArtifactError(
-                f"{source}: rope type {rope_type!r} is not supported (default, linear, llama3)"
-            )
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        window = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
-            window = None
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return cls(
-            architecture=arch,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=rope if rope_type != "default" else None,
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            sliding_window=int(window) if window else None,
-            eos_token_ids=eos_ids,
-        )
+from kiln.runtime.model_info import ModelInfo
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelInfo) -> torch.Tensor:
     """Rotary inverse frequencies, with linear or Llama-3 scaling applied."""
     dim = config.head_dim
     inv_freq = 1.0 / (
@@ -129,7 +58,7 @@ class CausalLM:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelInfo,
         embed: torch.Tensor,
         layers: list[DecoderLayer],
         norm: torch.Tensor,

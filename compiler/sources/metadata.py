@@ -15,18 +15,14 @@ from kiln.compiler.sources.sidecar import FileFacts
 from kiln.compiler.sources.spec import BUILTIN, GGUF, SourceRef
 from kiln.quant import prequantized
 from kiln.runtime.errors import SourceError
-from kiln.runtime.model_info import SUPPORTED_ARCHITECTURES, ModelInfo
+from kiln.runtime.model_info import ARCHITECTURES, ModelInfo
 
 GGUF_SIDECAR = "gguf-configs.json"
 
-# Model type (HF `model_type`, which is also llama.cpp's architecture name for these three) → the
-# transformers class it loads as. llama.cpp writes Mistral checkpoints as "llama", so a Mistral
-# GGUF comes back as LlamaForCausalLM.
-CAUSAL_LM_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+# llama.cpp's architecture name → the transformers class it loads as: for the families kiln
+# runs, llama.cpp's names are Hugging Face's model types. llama.cpp writes Mistral checkpoints
+# as "llama", so a Mistral GGUF comes back as LlamaForCausalLM.
+CAUSAL_LM_CLASSES = ARCHITECTURES
 
 
 def inspect_source(ref: SourceRef) -> ModelInfo:
@@ -56,12 +52,7 @@ def check_architecture(info: ModelInfo) -> list[str]:
     A pre-quantised AutoAWQ / AutoGPTQ / GPTQModel checkpoint is accepted (quant.prequantized
     converts it); any other quantised checkpoint is refused.
     """
-    problems: list[str] = []
-    if info.architecture not in SUPPORTED_ARCHITECTURES:
-        problems.append(
-            f"architecture {info.architecture} is not supported; kiln compiles "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    problems = info.unsupported()
     quantization = info.config.get("quantization_config")
     try:
         imported = prequantized.detect(
@@ -87,20 +78,10 @@ def check_architecture(info: ModelInfo) -> list[str]:
 
 
 def _model_info(ref: SourceRef, config: dict[str, Any], origin: str) -> ModelInfo:
-    if not config.get("architectures") and config.get("model_type"):
-        # transformers picks the class from model_type when a config names no architectures
-        model_type = str(config["model_type"])
-        arch = CAUSAL_LM_CLASSES.get(model_type, f"{model_type} (model_type)")
-        config = {**config, "architectures": [arch]}
     try:
         return ModelInfo.from_hf_config(config)
-    except (KeyError, TypeError, ValueError) as exc:
-        # Configs of other families name their shapes differently (GPT-2's n_embd, n_layer).
-        arch = (config.get("architectures") or ["<none>"])[0]
-        raise SourceError(
-            f"model.source {ref.spec!r}: {origin} has no usable {exc} for architecture {arch}; "
-            f"kiln compiles {', '.join(SUPPORTED_ARCHITECTURES)}"
-        ) from None
+    except ValueError as exc:
+        raise SourceError(f"model.source {ref.spec!r}: {origin} has {exc}") from None
 
 
 def gguf_config(path: Path) -> dict[str, Any]:
@@ -145,7 +126,7 @@ def _read_gguf_config(path: Path) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
         "head_dim": field(f"{arch}.attention.key_length"),
-        "max_position_embeddings": field(f"{arch}.context_length", 2048),
+        "max_position_embeddings": field(f"{arch}.context_length"),
         "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": field(f"{arch}.rope.freq_base"),
         "vocab_size": len(tokens.data) if tokens is not None else field(f"{arch}.vocab_size"),

@@ -41,6 +41,7 @@ from typing import Any
 
 from kiln.compiler.planner import DeploySpec, Plan, tp_valid
 from kiln.compiler.targets import TargetProfile, check_target, quant_algo
+from kiln.quant.registry import Problem
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.errors import PreflightError
 from kiln.runtime.model_info import ModelInfo
@@ -68,16 +69,13 @@ class DraftBuild:
     info: ModelInfo | None = None  # its shapes, to check tp_size
 
 
-@dataclass(frozen=True, slots=True)
-class BuildProblem:
-    """One thing trtllm-build would refuse: the flag or setting, why, and the fix."""
+class BuildProblem(Problem):
+    """One thing trtllm-build would refuse: the flag or setting (`key`), why, and the fix."""
 
-    flag: str
-    problem: str
-    fix: str
+    __slots__ = ()
 
     def __str__(self) -> str:
-        return f"{self.flag}: {self.problem} — fix: {self.fix}"
+        return f"{self.key}: {self.problem} — fix: {self.allowed}"
 
 
 class BuildPlanError(PreflightError):
@@ -370,7 +368,7 @@ def build_plan(
         d_args, d_notes = _engine_args(draft.checkpoint_dir, draft.engine_dir, d_algo, d_kv,
                                        target, deploy, plan, draft.tp_size, 0)  # fmt: skip
         # The draft keeps KV reuse like the target (examples/draft_target_model/README.md).
-        problems += [BuildProblem(f"draft.{p.flag}", p.problem, p.fix)
+        problems += [BuildProblem(f"draft.{p.key}", p.problem, p.allowed)
                      for p in check_build_args(d_args, target)]  # fmt: skip
         if d_args["--use_paged_context_fmha"] != "enable":
             problems.append(BuildProblem("draft.quantization.kv_cache", "the draft engine needs "

@@ -1,9 +1,9 @@
 """Quantisation backends: what each can produce, and the function that produces it.
 
 A backend registers itself with `@register_backend(...)` on the function that quantises a
-loaded model and saves it; the declared capabilities are what `quant.schemes.check` reads,
-so a refused combination names what the backend can do. Backends import their library
-inside the run function: importing this package stays cheap.
+loaded model and saves it, `run(job: QuantJob)`; the declared capabilities are what
+`quant.schemes.check` reads, so a refused combination names what the backend can do.
+Backends import their library inside the run function: importing this package stays cheap.
 """
 
 from __future__ import annotations
@@ -17,11 +17,21 @@ if TYPE_CHECKING:
     from kiln.quant.schemes import Scheme
     from kiln.quant.spec import QuantSpec
 
-# run(model, tokenizer, scheme, spec, samples, out_dir, progress): quantise in place, save to
-# out_dir. `samples` are token-id lists, already cut to max_seq_len.
-RunFn = Callable[
-    [Any, Any, "Scheme", "QuantSpec", list[list[int]], Path, Callable[[str], None]], None
-]
+
+@dataclass(frozen=True)
+class QuantJob:
+    """What a backend's run function quantises (in place) and where it saves the result."""
+
+    model: Any  # a transformers causal LM, loaded in its calibration dtype
+    tokenizer: Any
+    scheme: Scheme
+    spec: QuantSpec
+    samples: list[list[int]]  # token-id lists, already cut to max_seq_len
+    out_dir: Path
+    progress: Callable[[str], None]
+
+
+RunFn = Callable[[QuantJob], None]
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,10 @@ followed by a QuantizationModifier; SmoothQuant is followed by GPTQ.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.quant.backends import register_backend
+from kiln.quant.backends import QuantJob, register_backend
 from kiln.quant.schemes import ignore_regexes
 
 if TYPE_CHECKING:
@@ -93,21 +92,14 @@ def build_recipe(scheme: Scheme, spec: QuantSpec) -> list[Any]:
     per_channel={"W4A16_AWQ", "W4A16_GPTQ", "W8A16"},
     packages=("llmcompressor", "compressed-tensors"),
 )
-def run(
-    model: Any,
-    tokenizer: Any,
-    scheme: Scheme,
-    spec: QuantSpec,
-    samples: list[list[int]],
-    out_dir: Path,
-    progress: Callable[[str], None],
-) -> None:
-    """Quantise `model` in place with oneshot and save it compressed into out_dir."""
+def run(job: QuantJob) -> None:
+    """Quantise the model in place with oneshot and save it compressed into job.out_dir."""
     from datasets import Dataset
     from llmcompressor import oneshot
 
     from kiln.quant.cpu_workarounds import llmcompressor_on_cpu
 
+    samples = job.samples
     dataset = None
     if samples:
         dataset = Dataset.from_dict(
@@ -115,16 +107,16 @@ def run(
         )
     with llmcompressor_on_cpu():
         oneshot(
-            model=model,
-            tokenizer=tokenizer,
-            recipe=build_recipe(scheme, spec),
+            model=job.model,
+            tokenizer=job.tokenizer,
+            recipe=build_recipe(job.scheme, job.spec),
             dataset=dataset,
             num_calibration_samples=max(len(samples), 1),
             max_seq_length=max((len(s) for s in samples), default=None),
             shuffle_calibration_samples=False,
         )
-    progress(f"saving compressed-tensors checkpoint to {out_dir}")
-    model.save_pretrained(out_dir, save_compressed=True)
+    job.progress(f"saving compressed-tensors checkpoint to {job.out_dir}")
+    job.model.save_pretrained(job.out_dir, save_compressed=True)
 
 
 def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.quant.backends import register_backend
+from kiln.quant.backends import QuantJob, register_backend
 from kiln.quant.schemes import is_ignored
 
 if TYPE_CHECKING:
@@ -77,24 +77,16 @@ def calibrate(model: Any, scheme: Scheme, spec: QuantSpec, samples: list[list[in
     kv_cache={"none", "fp8"},
     packages=("nvidia-modelopt",),
 )
-def run(
-    model: Any,
-    tokenizer: Any,
-    scheme: Scheme,
-    spec: QuantSpec,
-    samples: list[list[int]],
-    out_dir: Path,
-    progress: Callable[[str], None],
-) -> None:
-    """Calibrate `model` with ModelOpt and export the HF checkpoint into out_dir.
+def run(job: QuantJob) -> None:
+    """Calibrate the model with ModelOpt and export the HF checkpoint into job.out_dir.
 
-    The export rewrites the model's weights into their packed form: `model` cannot run after.
+    The export rewrites the model's weights into their packed form: the model cannot run after.
     """
     from modelopt.torch.export import export_hf_checkpoint
 
-    calibrate(model, scheme, spec, samples)
-    progress(f"exporting ModelOpt HF checkpoint to {out_dir}")
-    export_hf_checkpoint(model, dtype=model.dtype, export_dir=out_dir)
+    calibrate(job.model, job.scheme, job.spec, job.samples)
+    job.progress(f"exporting ModelOpt HF checkpoint to {job.out_dir}")
+    export_hf_checkpoint(job.model, dtype=job.model.dtype, export_dir=job.out_dir)
 
 
 # Reading the export back. transformers has no "modelopt" quantizer, so a ModelOpt HF

@@ -25,7 +25,7 @@ import torch
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.attention import PagedKVCache
 from kiln.runtime.loader import read_config
-from kiln.runtime.model import ModelConfig
+from kiln.runtime.model_info import ModelInfo
 from tests.benchmarks.runtime_serving import make_prompts, smollm2_dir
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir or smollm2_dir()
 
-    config = ModelConfig.from_hf(read_config(model_dir), str(model_dir))
+    config = ModelInfo.for_runtime(read_config(model_dir), str(model_dir))
     itemsize = 4  # float32 K and V: the CPU default (dtype auto)
     per_token = PagedKVCache.bytes_per_block(
         config.num_layers, 1, config.num_kv_heads, config.head_dim, itemsize

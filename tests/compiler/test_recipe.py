@@ -96,7 +96,7 @@ calibration:
     assert len(problems) == 3
     assert problems[0].startswith(f"{recipe}:1: name: 'Bad Name' is not a valid name")
     assert problems[1].startswith(
-        f"{recipe}:6: quantization.group_size: 48: must be a power of two"
+        f"{recipe}:6: quantization.group_size: group size 48 is not one that kiln's quantisers"
     )
     assert problems[2].startswith(f"{recipe}:8: calibration.num_samples:")
 
@@ -202,8 +202,8 @@ calibration:
     with pytest.raises(RecipeError) as info:
         load_recipe(child)
     assert info.value.problems == [
-        f"{base}:5: quantization.group_size: 48: must be a power of two of at least 16 "
-        "(32, 64 or 128), or omitted"
+        f"{base}:5: quantization.group_size: group size 48 is not one that kiln's quantisers "
+        "and runtime take — use 128, 64 or 32, or leave it out for the method's default"
     ]
     base.write_text(base.read_text().replace("48", "64"))
     recipe = load_recipe(child)

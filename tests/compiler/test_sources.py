@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,9 @@ from safetensors.torch import load_file
 
 from kiln.compiler import sources
 from kiln.compiler.sources import BuiltinModel, SourceRef
-from kiln.runtime.errors import SourceError
-from kiln.runtime.model_info import SUPPORTED_ARCHITECTURES
+from kiln.runtime import Engine
+from kiln.runtime.errors import ArtifactError, SourceError
+from kiln.runtime.model_info import DEFAULT_MAX_POSITIONS, SUPPORTED_ARCHITECTURES, ModelInfo
 
 SMOLLM2 = "smollm2-135m-instruct"
 SAMPLE = "Licensed under the Apache License, Version 2.0; you may not use this file."
@@ -297,7 +299,9 @@ def test_config_of_another_family_is_refused_at_inspection(tmp_path: Path) -> No
     config.architectures = ["GPT2LMHeadModel"]
     config.save_pretrained(tmp_path)
     ref = sources.parse_source(str(tmp_path), base_dir=tmp_path)
-    with pytest.raises(SourceError, match="architecture GPT2LMHeadModel; kiln compiles LlamaFor"):
+    with pytest.raises(
+        SourceError, match="architecture GPT2LMHeadModel; kiln compiles and serves LlamaFor"
+    ):
         sources.inspect_source(ref)
 
 
@@ -347,6 +351,51 @@ def test_gguf_inspection_agrees_with_the_checkpoint_it_was_written_from(
     ):
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
     assert (from_gguf.config["bos_token_id"], from_gguf.config["eos_token_id"]) == (1, 2)
+
+
+def test_gguf_metadata_gives_the_model_info_of_its_checkpoint(
+    tiny_gguf: Path, tiny_llama: Path
+) -> None:
+    from_gguf = sources.inspect_source(sources.parse_source(str(tiny_gguf), tiny_gguf.parent))
+    from_hf = sources.inspect_source(sources.parse_source(str(tiny_llama), tiny_llama))
+    # Everything the runtime's forward pass reads, not only the planner's shapes. The fixture
+    # gives the GGUF other special-token ids on purpose, GGUF keeps the norm epsilon as a
+    # float32, and `config` is each source as read.
+    assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)
+    same = {"config": {}, "eos_token_ids": (), "rms_norm_eps": 0.0}
+    assert replace(from_gguf, **same) == replace(from_hf, **same)
+
+
+def test_the_runtime_refuses_what_the_compiler_refuses_in_the_same_words(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    model = copy_checkpoint(tiny_llama, tmp_path / "yarn")
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (model / "config.json").write_text(json.dumps(config))
+    info = sources.inspect_source(sources.parse_source(str(model), base_dir=tmp_path))
+    [problem] = sources.check_architecture(info)
+    assert problem.startswith("rope type 'yarn' is not supported")
+    with pytest.raises(ArtifactError) as refused:
+        Engine.from_pretrained(model)
+    assert refused.value.message == f"{model}: {problem}"
+
+
+def test_the_runtime_runs_on_the_model_info_the_compiler_inspects(tiny_qwen2: Path) -> None:
+    info = sources.inspect_source(sources.parse_source(str(tiny_qwen2), tiny_qwen2))
+    assert Engine.from_pretrained(tiny_qwen2).model.config == info
+
+
+def test_a_config_without_max_position_embeddings_gets_one_default(tmp_path: Path) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "vocab_size": 100,
+    }
+    assert ModelInfo.from_hf_config(config).max_position_embeddings == DEFAULT_MAX_POSITIONS
 
 
 def test_smollm2_gguf_metadata_gives_its_published_shapes(tmp_path: Path) -> None:

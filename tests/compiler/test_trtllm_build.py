@@ -135,7 +135,7 @@ def test_sm100_refuses_the_swiglu_rowwise_and_low_latency_plugins(tmp_path):
     with pytest.raises(BuildPlanError) as e:
         _plan(FP8_KV, get_profile("b200"), DeploySpec(max_seq_len=4096), tmp_path,
               extra_args=extra)  # fmt: skip
-    assert [p.flag for p in e.value.problems] == ["--gemm_swiglu_plugin",
+    assert [p.key for p in e.value.problems] == ["--gemm_swiglu_plugin",
                                                   "--low_latency_gemm_plugin"]  # fmt: skip
     assert "not implemented on SM 100 (b200) — fix: drop --gemm_swiglu_plugin" in _problems(e)
     # The same flags are fine on Hopper.

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kiln.quant import quantize
-from kiln.quant.backends import BACKENDS
+from kiln.quant.backends import BACKENDS, QuantJob
 from kiln.quant.backends.modelopt import calibrate, load_checkpoint
 from kiln.quant.calibration import load_texts, tokenize
 from kiln.quant.report import load_quantised
@@ -170,7 +170,7 @@ def test_compressed_tensors_round_trip_is_exact(
     model = _float_model(tiny_llama)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     BACKENDS["llmcompressor"].run(
-        model, tokenizer, resolve(spec), spec, calibration_ids, tmp_path, lambda _m: None
+        QuantJob(model, tokenizer, resolve(spec), spec, calibration_ids, tmp_path, lambda _m: None)
     )
     probe = torch.tensor([calibration_ids[0]])
     in_memory = model(probe).logits

@@ -200,7 +200,9 @@ def test_inconsistent_specs_are_refused(spec: QuantSpec, key: str, says: str) ->
 
 
 def test_resolve_refuses_what_check_refuses() -> None:
-    with pytest.raises(PreflightError, match=r"quantization\.weight_bits: method awq"):
+    with pytest.raises(
+        PreflightError, match=r"quantization\.weight_bits: awq does not quantise weights to 8"
+    ):
         resolve(QuantSpec(method="awq", weight_bits=8))
 
 

@@ -344,14 +344,14 @@ def test_tensorrt_llm_checkpoint_exports_from_the_import(
 
 @pytest.mark.parametrize("variant", ["awq-g64", "autogptq-sym-g64"])
 def test_kiln_runtime_reads_the_same_values(checkpoints: Any, variant: str) -> None:
+    from kiln.runtime.checkpoint import open_checkpoint
     from kiln.runtime.linear import dequantize
-    from kiln.runtime.loader import Checkpoint, QuantConfig, load_model, read_config
+    from kiln.runtime.loader import load_model
 
     source, ct_dir, _ = checkpoints(variant)
-    quant = QuantConfig.from_hf(read_config(ct_dir).get("quantization_config"), str(ct_dir))
-    weights = Checkpoint(ct_dir)
+    checkpoint = open_checkpoint(ct_dir)
     for name, reference in source.reference.items():
-        assert torch.equal(dequantize(quant.read(weights, name), torch.float32), reference), name
+        assert torch.equal(dequantize(checkpoint.linear(name), torch.float32), reference), name
     load_model(ct_dir, "float32", torch.device("cpu"), 64)  # and builds its serving model
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.runtime import Engine, SamplingParams
+from kiln.runtime import Engine
 from kiln.runtime.checkpoint.compressed_tensors import unpack
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.kernels import (
@@ -31,7 +31,7 @@ from kiln.runtime.kernels import (
     make_linear,
 )
 from kiln.runtime.linear import LinearWeights, WeightScheme, dequantize
-from tests.runtime.conftest import PROMPTS, hf_greedy, hf_logprobs, hf_model, logprobs_of
+from tests.runtime.conftest import assert_close_to_reference, hf_greedy, hf_model
 
 LAYERS = {
     "w4a16_gptq_sym": Int4Linear,
@@ -66,23 +66,10 @@ def test_quantized_checkpoint_matches_transformers(
         "fp8_static_kv_fp8": "fp8",
     }.get(mode)
     reference = hf_model(model_dir)
-    prompt = engine.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
-    out = engine.generate(
-        [prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    )[0]
-    assert out.prompt_logprobs is not None
-    ours = logprobs_of(out.prompt_logprobs[1:], prompt[1:])
-    theirs = hf_logprobs(reference, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    delta = (ours - theirs).abs()
     max_tol, mean_tol = TOLERANCE[mode]
-    assert delta.max() <= max_tol and delta.mean() <= mean_tol, (delta.max(), delta.mean())
-    # Each token we chose greedily is the reference's choice, or within max_tol of it (a
-    # near-tie that rounding may flip): judged with the reference teacher-forced on ours.
-    continued = hf_logprobs(reference, prompt + out.token_ids)[len(prompt) - 1 : -1]
-    chosen = continued[torch.arange(16), torch.tensor(out.token_ids)]
-    assert (continued.max(dim=-1).values - chosen).max() <= max_tol
+    prompt, generated = assert_close_to_reference(engine, reference, max_tol, mean_tol)
     if max_tol < 1e-3:
-        assert out.token_ids == hf_greedy(reference, prompt, 16)
+        assert generated == hf_greedy(reference, prompt, 16)
 
 
 @pytest.mark.parametrize("mode", ["w8a8_int8", "w4a16_asym"])

@@ -84,3 +84,20 @@ def test_unserved_modelopt_scheme_is_refused_naming_what_is_served(
     message = err.value.message
     assert str(model_dir) in message and "W4A8_AWQ" in message
     assert "FP8, W4A16_AWQ, W8A8_SQ_PER_CHANNEL" in message
+
+
+def test_modelopt_algorithm_kiln_cannot_read_is_named(quantised: Quantised, tmp_path) -> None:
+    import json
+    import shutil
+
+    from kiln.runtime.checkpoint import open_checkpoint
+
+    model_dir = tmp_path / "nvfp4"
+    shutil.copytree(quantised("modelopt-fp8-kv_fp8")[0], model_dir)
+    config = json.loads((model_dir / "hf_quant_config.json").read_text())
+    config["quantization"]["quant_algo"] = "NVFP4"
+    (model_dir / "hf_quant_config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError) as err:
+        open_checkpoint(model_dir)
+    assert str(model_dir) in err.value.message and "'NVFP4'" in err.value.message
+    assert "W4A16_AWQ" in err.value.message  # what it does read

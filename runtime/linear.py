@@ -88,7 +88,7 @@ class LinearWeights:
         if self.g_idx is not None:
             raise ValueError("act-order (g_idx) weights cannot be split by input channel")
         scale, zero = self.scale, self.zero_point
-        if scale is not None and scale.shape[1] > 1:
+        if scale is not None and self.scheme.strategy == "group":
             group = self.scheme.group_size or self.in_features // scale.shape[1]
             if start % group or (end % group and end != self.in_features):
                 raise ValueError(

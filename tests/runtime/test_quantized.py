@@ -180,3 +180,19 @@ def test_per_channel_w8a16_kernel_and_prefill_paths_agree() -> None:
     torch.testing.assert_close(prefill, decode, rtol=2**-7, atol=1e-3)
     expected = x @ dequantize(w, torch.float32).t()
     torch.testing.assert_close(prefill, expected, rtol=0, atol=2e-2 * float(expected.abs().max()))
+
+
+def test_column_slices_keep_their_groups_and_refuse_to_cut_one() -> None:
+    """Tensor-parallel column slices of a group-quantised weight (the TensorRT-LLM export)."""
+    generator = torch.Generator().manual_seed(2)
+    codes = torch.randint(-8, 8, (8, 128), dtype=torch.int8, generator=generator)
+    scale = torch.rand(8, 2, generator=generator) + 0.1
+    pqs = torch.rand(128, generator=generator) + 0.5
+    w = LinearWeights(WeightScheme("int", 4, "group", 64), codes, scale, pre_quant_scale=pqs)
+    right = w.columns(64, 128)
+    assert torch.equal(dequantize(right, torch.float32), dequantize(w, torch.float32)[:, 64:])
+    assert torch.equal(right.pre_quant_scale, pqs[64:])
+    with pytest.raises(ValueError, match="group of 64"):
+        w.columns(0, 32)
+    with pytest.raises(ValueError, match="group of 64"):  # one group, still not to be cut
+        right.columns(0, 32)

@@ -79,9 +79,9 @@ def _fuse(parts: list[LinearWeights], algo: str, notes: list[str], name: str) ->
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
-    weight = torch.cat([p.weight for p in parts])
+    weight, bias = torch.cat([p.weight for p in parts]), _cat([p.bias for p in parts])
     if first.scale is None:  # float
-        return replace(first, weight=weight)
+        return replace(first, weight=weight, bias=bias)
     input_scale = None
     if first.input_scale is not None:
         input_scale = torch.stack([p.input_scale for p in parts if p.input_scale is not None])
@@ -112,6 +112,7 @@ def _fuse(parts: list[LinearWeights], algo: str, notes: list[str], name: str) ->
             weight=torch.cat(codes),
             scale=scale.expand(rows, 1).contiguous(),
             input_scale=input_scale,
+            bias=bias,
         )
     return replace(
         first,
@@ -119,6 +120,7 @@ def _fuse(parts: list[LinearWeights], algo: str, notes: list[str], name: str) ->
         scale=_cat([p.scale for p in parts]),
         zero_point=_cat([p.zero_point for p in parts]),
         input_scale=input_scale,
+        bias=bias,
     )
 
 

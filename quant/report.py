@@ -6,8 +6,9 @@ in-memory model that produced it, so the report describes what ships:
 - compressed-tensors: transformers loads it, compressed-tensors decompresses the integer or
   fp8 codes, and the forward keeps its activation and KV cache quantisation;
 - ModelOpt HF export: transformers cannot load it (it has no "modelopt" quantizer), so
-  `quant.backends.modelopt.load_checkpoint` dequantises the exported tensors itself from the
-  format documented there and applies the exported activation and KV scales with hooks.
+  `quant.backends.modelopt.load_checkpoint` rebuilds the model from the codes and scales the
+  runtime's checkpoint reader decodes (the values kiln serves) and applies the exported
+  activation and KV scales with hooks.
 
 Weight error is the relative MSE ‖W_deq − W_ref‖² / ‖W_ref‖² per quantised linear. AWQ and
 SmoothQuant fold per-channel smoothing scales into neighbouring weights and norms, so W_ref is

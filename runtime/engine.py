@@ -87,7 +87,7 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         **config: Any,
     ) -> Engine:
-        """Load a Hugging Face model directory (dense or compressed-tensors)."""
+        """Load a Hugging Face model directory (float, compressed-tensors or ModelOpt HF export)."""
         from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)

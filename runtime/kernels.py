@@ -19,11 +19,15 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
   `_weight_int8pack_mm` per group for decode-sized inputs (0.8 vs 3.6 ms at one token), a
   dequantised GEMM from 9 rows up (a per-group loop loses 2x at 32 tokens: 11 vs 5.6 ms).
 - Anything else integer: the generic `DequantLinear`.
+
+A layer with a pre-quant scale (ModelOpt's AWQ and SmoothQuant exports) runs the kernel its
+weights pick behind `PreScaledLinear`, which scales the input first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,7 @@ from kiln.runtime.linear import (
     DequantLinear,
     Linear,
     LinearWeights,
+    PreScaledLinear,
     SplitLinear,
     bias_of,
     concat,
@@ -368,6 +373,9 @@ def make_linear(parts: list[LinearWeights], dtype: torch.dtype, device: torch.de
     stacked = concat(parts) if len(parts) > 1 else parts[0]
     if stacked is None:
         return SplitLinear([make_linear([p], dtype, device) for p in parts])
+    if stacked.pre_quant_scale is not None:
+        inner = make_linear([replace(stacked, pre_quant_scale=None)], dtype, device)
+        return PreScaledLinear(inner, stacked.pre_quant_scale, dtype, device)
     for predicate, factory in LINEAR_KERNELS:
         if predicate(stacked, device):
             return factory(stacked, dtype, device)

@@ -33,7 +33,9 @@ def checkpoint_config(
         "exclude_modules": exclude,
     }
     if algo == "W4A16_AWQ":
-        group = next(lin.group_size for lin in src.linears.values() if lin.group_size)
+        group = next(
+            lin.scheme.group_size for lin in src.linears.values() if lin.scheme.strategy == "group"
+        )
         quant.update(group_size=group, has_zero_point=not src.symmetric, pre_quant_scale=pre_quant)
     return {
         "producer": {

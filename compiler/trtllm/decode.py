@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kiln.compiler.trtllm.source import unpack_int4_rows
+from kiln.runtime.checkpoint.modelopt import unpack_int4_rows
 from kiln.runtime.errors import ArtifactError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -12,9 +12,10 @@ out for the GPU it runs on only for the ModelOpt-flow algorithms):
   A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
   re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
 - W4A16_AWQ: int4 codes packed two output rows per byte, (out/2, in) int8, ModelOpt's
-  packing; `weights_scaling_factor` (out, in/group) float32; `prequant_scaling_factor`
-  where the quantiser kept one; asymmetric groups add `zero` = -zero_point × scale laid out
-  (in/group, out) in `dtype`, as the groupwise kernel reads it (w = code × scale + zero).
+  packing (`pack_int4_rows`; the runtime's reader unpacks it); `weights_scaling_factor`
+  (out, in/group) float32; `prequant_scaling_factor` where the quantiser kept one;
+  asymmetric groups add `zero` = -zero_point × scale laid out (in/group, out) in `dtype`,
+  as the groupwise kernel reads it (w = code × scale + zero).
 - W4A16_GPTQ: exported as W4A16_AWQ (same groupwise kernel; TensorRT-LLM's W4A16_GPTQ
   layout is pre-interleaved for one GPU architecture). `producer.source_quant_algo` keeps
   the original name.
@@ -33,6 +34,7 @@ rows (lm_head padded to a multiple of tp), dense/proj by columns; embedding repl
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,9 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.compiler.trtllm.config import checkpoint_config
-from kiln.compiler.trtllm.source import QLinear, Source, pack_int4_rows, read_source
+from kiln.compiler.trtllm.source import Source, read_source
 from kiln.runtime.errors import UsageError
+from kiln.runtime.linear import LinearWeights, dequantize, effective_weight
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Source algo → the algo the checkpoint declares.
@@ -71,24 +74,30 @@ MODULES = {
 }
 
 
-def _fuse(parts: list[QLinear], algo: str, notes: list[str], name: str) -> QLinear:
+def _fuse(parts: list[LinearWeights], algo: str, notes: list[str], name: str) -> LinearWeights:
     """Stack linears that share an input along the output dim (q, k, v → qkv)."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
+    weight, bias = torch.cat([p.weight for p in parts]), _cat([p.bias for p in parts])
     if first.scale is None:  # float
-        return QLinear(torch.cat([p.weight for p in parts]))
+        return replace(first, weight=weight, bias=bias)
     input_scale = None
     if first.input_scale is not None:
         input_scale = torch.stack([p.input_scale for p in parts if p.input_scale is not None])
         input_scale = input_scale.max()
-    if first.scale.ndim == 0:  # per tensor: one scale for the fused GEMM
-        scale = torch.stack([p.scale for p in parts if p.scale is not None]).max()
+    pqs = first.pre_quant_scale
+    if pqs is not None and any(
+        p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, pqs) for p in parts
+    ):
+        raise UsageError(f"{name}: fused linears carry different pre-quant scales")
+    if first.scheme.strategy == "tensor":  # one scale for the fused GEMM
+        scale = torch.stack([p.scale.max() for p in parts if p.scale is not None]).max()
         codes, moved = [], 0.0
         for p in parts:
             assert p.scale is not None
             requant = (p.weight.to(torch.float32) * (p.scale / scale)).to(p.weight.dtype)
-            before, after = p.dequantize(), requant.to(torch.float32) * scale
+            before, after = dequantize(p, torch.float32), requant.to(torch.float32) * scale
             largest = before.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
             moved = max(moved, float((before - after).abs().max() / largest))
             codes.append(requant)
@@ -97,19 +106,21 @@ def _fuse(parts: list[QLinear], algo: str, notes: list[str], name: str) -> QLine
                 f"{name}: re-quantised to one {algo} scale, max change {moved:.2e} "
                 "of the largest weight"
             )
-        return QLinear(torch.cat(codes), scale, None, input_scale, first.pre_quant_scale)
-    pqs = first.pre_quant_scale
-    if pqs is not None and any(
-        p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, pqs) for p in parts
-    ):
-        raise UsageError(f"{name}: fused linears carry different pre-quant scales")
-    return QLinear(
-        torch.cat([p.weight for p in parts]),
-        _cat([p.scale for p in parts]),
-        _cat([p.zero for p in parts]),
-        input_scale,
-        pqs,
-        first.group_size,
+        rows = sum(p.out_features for p in parts)
+        return replace(
+            first,
+            weight=torch.cat(codes),
+            scale=scale.expand(rows, 1).contiguous(),
+            input_scale=input_scale,
+            bias=bias,
+        )
+    return replace(
+        first,
+        weight=weight,
+        scale=_cat([p.scale for p in parts]),
+        zero_point=_cat([p.zero_point for p in parts]),
+        input_scale=input_scale,
+        bias=bias,
     )
 
 
@@ -127,22 +138,41 @@ def _head_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
     return torch.arange(head * head_dim, (head + 1) * head_dim)
 
 
-def _shard(lin: QLinear, role: str, tp: int, rank: int) -> QLinear:
+def _shard(lin: LinearWeights, role: str, tp: int, rank: int) -> LinearWeights:
     if tp == 1:
         return lin
     if role == "row":
-        width = lin.weight.shape[1] // tp
-        return lin.cols(rank * width, (rank + 1) * width)
-    rows = lin.weight.shape[0] // tp
+        width = lin.in_features // tp
+        try:
+            return lin.columns(rank * width, (rank + 1) * width)
+        except ValueError as exc:
+            raise UsageError(
+                f"tensor parallel split: {exc} — choose a tp_size that divides the "
+                "in_features of every linear by the group size"
+            ) from exc
+    rows = lin.out_features // tp
     return lin.rows(torch.arange(rank * rows, (rank + 1) * rows))
 
 
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """(out, in) signed int4 codes → (out/2, in) int8 bytes, two output rows per byte (low
+    nibble first): ModelOpt's packing, which TensorRT-LLM's W4A16_AWQ loader reads."""
+    pairs = (codes.to(torch.int16) & 0x0F).reshape(-1, 2, codes.shape[1])
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8).view(torch.int8)
+
+
 def _tensors(
-    prefix: str, lin: QLinear, algo: str, role: str, dtype: torch.dtype, pre_quant: bool
+    prefix: str,
+    lin: LinearWeights,
+    algo: str,
+    role: str,
+    dtype: torch.dtype,
+    pre_quant: bool,
+    zero_point: bool,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one (fused, sharded) linear."""
     if algo in FLOAT_WEIGHTS or lin.scale is None:
-        return {f"{prefix}.weight": lin.dequantize().to(dtype).contiguous()}
+        return {f"{prefix}.weight": effective_weight(lin, dtype).contiguous()}
     f32 = torch.float32
     one = torch.ones(1, dtype=f32)
     act = lin.input_scale.reshape(1).to(f32) if lin.input_scale is not None else one
@@ -150,7 +180,7 @@ def _tensors(
     if algo == "FP8":
         return {
             f"{prefix}.weight": lin.weight.contiguous(),
-            f"{prefix}.weights_scaling_factor": lin.scale.reshape(1).to(f32),
+            f"{prefix}.weights_scaling_factor": lin.scale[:1, 0].to(f32),
             f"{prefix}.activation_scaling_factor": act,
         }
     if algo == "W4A16_AWQ":
@@ -159,22 +189,21 @@ def _tensors(
             f"{prefix}.weights_scaling_factor": lin.scale.to(f32).contiguous(),
         }
         if pre_quant:
-            in_features = lin.weight.shape[1]
             out[f"{prefix}.prequant_scaling_factor"] = (
-                pqs if pqs is not None else torch.ones(in_features)
+                pqs if pqs is not None else torch.ones(lin.in_features)
             ).to(dtype)
-        if lin.zero is not None:
-            zero = -lin.zero.to(f32) * lin.scale.to(f32)
+        if zero_point:  # w = code × scale + zero, with zero = −zero_point × scale
+            points = lin.zero_point if lin.zero_point is not None else torch.zeros(lin.scale.shape)
+            zero = -points.to(f32) * lin.scale.to(f32)
             out[f"{prefix}.zero"] = zero.t().contiguous().to(dtype)
         return out
     if algo == "W8A8_SQ_PER_CHANNEL":
-        in_features = lin.weight.shape[1]
         return {
             f"{prefix}.weight": lin.weight.contiguous(),
             f"{prefix}.weights_scaling_factor": lin.scale.to(f32).reshape(-1).contiguous(),
             f"{prefix}.activation_scaling_factor": act,
             f"{prefix}.prequant_scaling_factor": (
-                pqs if pqs is not None else torch.ones(in_features)
+                pqs if pqs is not None else torch.ones(lin.in_features)
             ).to(dtype),
         }
     # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN
@@ -183,7 +212,7 @@ def _tensors(
         f"{prefix}.per_channel_scale": lin.scale.to(f32).reshape(1, -1).contiguous(),
     }
     if role == "row":
-        smoother = 1 / pqs if pqs is not None else torch.ones(lin.weight.shape[1])
+        smoother = 1 / pqs if pqs is not None else torch.ones(lin.in_features)
         out[f"{prefix}.smoother"] = smoother.to(f32).reshape(1, -1).contiguous()
     elif pqs is not None and not torch.all(pqs == 1):
         raise UsageError(
@@ -280,9 +309,9 @@ def _excluded(src: Source) -> list[str]:
     return names
 
 
-def _modules(src: Source) -> dict[str, tuple[QLinear, str]]:
+def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:
     """TensorRT-LLM module name → (whole linear, tp role); q/k/v are fused per rank later."""
-    out: dict[str, tuple[QLinear, str]] = {"lm_head": (src.linears["lm_head"], "column")}
+    out: dict[str, tuple[LinearWeights, str]] = {"lm_head": (src.linears["lm_head"], "column")}
     for i in range(src.info.num_layers):
         for hf, (trt, role) in MODULES.items():
             block = "self_attn" if hf == "o_proj" else "mlp"
@@ -293,30 +322,27 @@ def _modules(src: Source) -> dict[str, tuple[QLinear, str]]:
     return out
 
 
-def _pad_rows(lin: QLinear, pad: int) -> QLinear:
+def _pad_rows(lin: LinearWeights, pad: int) -> LinearWeights:
     """`pad` more output rows of zeros (TensorRT-LLM pads the vocab to a multiple of tp)."""
 
-    def grow(t: torch.Tensor | None, fill: float) -> torch.Tensor | None:
-        if t is None or t.ndim == 0:
-            return t
-        return torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype)])
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, torch.zeros((pad, *t.shape[1:]), dtype=t.dtype)])
 
-    weight = torch.cat(
-        [lin.weight, torch.zeros((pad, lin.weight.shape[1]), dtype=lin.weight.dtype)]
-    )
-    return QLinear(
-        weight,
-        grow(lin.scale, 1.0),
-        grow(lin.zero, 0),
-        lin.input_scale,
-        lin.pre_quant_scale,
-        lin.group_size,
+    scale, zero = lin.scale, lin.zero_point
+    if scale is not None:  # the last row's scale again: a per-tensor scale stays one value
+        scale = torch.cat([scale, scale[-1:].expand(pad, -1)])
+    return replace(
+        lin,
+        weight=zeros(lin.weight),
+        scale=scale,
+        zero_point=None if zero is None else zeros(zero),
+        bias=None if lin.bias is None else zeros(lin.bias),
     )
 
 
 def _rank_tensors(
     src: Source,
-    modules: dict[str, tuple[QLinear, str]],
+    modules: dict[str, tuple[LinearWeights, str]],
     algo: str,
     tp: int,
     rank: int,
@@ -324,15 +350,16 @@ def _rank_tensors(
     pre_quant: bool,
     notes: list[str],
 ) -> dict[str, torch.Tensor]:
-    info = src.info
+    info, zero_point = src.info, not src.symmetric
     out: dict[str, torch.Tensor] = {
         "transformer.vocab_embedding.weight": src.tensors["model.embed_tokens.weight"].to(dtype),
         "transformer.ln_f.weight": src.tensors["model.norm.weight"].to(dtype),
     }
     for name, (lin, role) in modules.items():
-        if name == "lm_head" and lin.weight.shape[0] % tp:
-            lin = _pad_rows(lin, tp - lin.weight.shape[0] % tp)
-        out.update(_tensors(name, _shard(lin, role, tp, rank), algo, role, dtype, pre_quant))
+        if name == "lm_head" and lin.out_features % tp:
+            lin = _pad_rows(lin, tp - lin.out_features % tp)
+        sharded = _shard(lin, role, tp, rank)
+        out.update(_tensors(name, sharded, algo, role, dtype, pre_quant, zero_point))
     for i in range(info.num_layers):
         prefix = f"model.layers.{i}.self_attn"
         parts = [
@@ -345,7 +372,8 @@ def _rank_tensors(
         ]
         qkv = _fuse(parts, algo, notes, f"layer {i} qkv")
         layer = f"transformer.layers.{i}"
-        out.update(_tensors(f"{layer}.attention.qkv", qkv, algo, "column", dtype, pre_quant))
+        qkv_prefix = f"{layer}.attention.qkv"
+        out.update(_tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point))
         out[f"{layer}.input_layernorm.weight"] = src.tensors[
             f"model.layers.{i}.input_layernorm.weight"
         ].to(dtype)

@@ -91,14 +91,9 @@ def run(job: QuantJob) -> None:
 
 # Reading the export back. transformers has no "modelopt" quantizer, so a ModelOpt HF
 # checkpoint cannot be loaded by from_pretrained (on CPU or anywhere). We rebuild the float
-# model from the exported integer/fp8 codes and scales, following modelopt/torch/export:
-#   fp8 weight:   W = weight.float() * weight_scale        (scalar, or per output row)
-#   int8 weight:  W = weight.float() * weight_scale[:, None]
-#   int4 weight:  uint8 [out/2, in]; byte (r, c) holds rows 2r (low nibble) and 2r+1 (high
-#                 nibble) of column c as signed 4-bit codes; W = code * weight_scale[:, c // block]
-#   pre_quant_scale (AWQ, SmoothQuant): the input is multiplied by it before the linear;
-#   input_scale: static per-tensor activation scale (fp8 or int8, by the weight's type);
-#   k_proj.k_scale / v_proj.v_scale: per-tensor KV cache scales.
+# model from the exported codes and scales as the runtime's checkpoint reader decodes them
+# (kiln.runtime.checkpoint, which documents the format), and apply the activation and KV
+# cache scales it reports with hooks.
 
 
 def fake_quant_fp8(x: Any, scale: Any) -> Any:
@@ -113,77 +108,40 @@ def fake_quant_int8(x: Any, scale: Any) -> Any:
     return (x / scale).round().clamp(-128, 127) * scale
 
 
-def unpack_int4(packed: Any) -> Any:
-    """ModelOpt's uint8 [out/2, in] packing → signed int4 codes [out, in] (as int8)."""
-    import torch
-
-    low = (packed & 0x0F).to(torch.int8)
-    high = (packed >> 4).to(torch.int8)
-    codes = torch.stack([low, high], dim=1).reshape(-1, packed.shape[1])
-    return torch.where(codes >= 8, codes - 16, codes)
-
-
-def dequantize_weight(weight: Any, scale: Any) -> Any:
-    """A linear's float weight from its exported codes and scale."""
-    import torch
-
-    if weight.dtype == torch.uint8:
-        codes = unpack_int4(weight).float()
-        block = codes.shape[1] // scale.shape[-1]
-        return codes * scale.float().repeat_interleave(block, dim=-1)
-    scale = scale.float()
-    if scale.dim() == 1:
-        scale = scale[:, None]
-    return weight.float() * scale
-
-
-def _read_tensors(path: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, Any] = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(shard))
-    return tensors
-
-
 def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
     """(model, effective weights) of a ModelOpt HF export, in float32 on CPU.
 
     The model computes with the dequantised weights and applies the exported activation
     scales (pre_quant_scale, then fake quantisation of the input: int8 for SmoothQuant, fp8
     otherwise) and KV cache scales (keys and values rounded after RoPE, as the cache holds
-    them). W4A8's per-tensor `weight_scale_2` is not applied: it only re-expresses the int4
-    codes in fp8 for the kernel. Effective weights are dequantised weight × pre_quant_scale
-    per input column, comparable with the float model's.
+    them). Effective weights are dequantised weight × pre_quant_scale per input column,
+    comparable with the float model's.
     """
-    import json
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    quant = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
-    act_fq = (
-        fake_quant_int8 if str(quant.get("quant_algo")).startswith("W8A8_SQ") else fake_quant_fp8
-    )
-    kv_fq = fake_quant_int8 if quant.get("kv_cache_quant_algo") == "INT8" else fake_quant_fp8
+    from kiln.runtime.checkpoint import open_checkpoint
+    from kiln.runtime.linear import LinearWeights, dequantize, effective_weight
+
+    ckpt = open_checkpoint(Path(path))
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    tensors = _read_tensors(path)
     state: dict[str, Any] = {}
     effective: dict[str, Any] = {}
-    extras: dict[str, dict[str, Any]] = {}
-    for key, value in tensors.items():
+    quantised: dict[str, LinearWeights] = {}
+    for key in ckpt.names():
         prefix, _, leaf = key.rpartition(".")
-        if leaf == "weight" and f"{prefix}.weight_scale" in tensors:
-            weight = dequantize_weight(value, tensors[f"{prefix}.weight_scale"])
-            state[key] = weight
-            pqs = tensors.get(f"{prefix}.pre_quant_scale")
-            effective[prefix] = weight * pqs.float()[None, :] if pqs is not None else weight
-        elif leaf in SCALES:
-            extras.setdefault(prefix, {})[leaf] = value.float()
-        else:
-            state[key] = value.float() if value.is_floating_point() else value
+        if ckpt.is_quantised(prefix):  # its scales are decoded with its weight
+            if leaf == "weight":
+                quantised[prefix] = linear = ckpt.linear(prefix)
+                state[f"{prefix}.weight"] = dequantize(linear, torch.float32)
+                if linear.bias is not None:
+                    state[f"{prefix}.bias"] = linear.bias.float()
+                effective[prefix] = effective_weight(linear, torch.float32)
+            continue
+        value = ckpt.tensor(key)
+        state[key] = value.float() if value.is_floating_point() else value
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if config.tie_word_embeddings:
@@ -194,23 +152,25 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
             f"{path}: tensors do not fit {config.architectures}: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    modules = dict(model.named_modules())
-    kv_scales: dict[str, Any] = {}
-    for prefix, found in extras.items():
-        if "pre_quant_scale" in found or "input_scale" in found:
-            modules[prefix].register_forward_pre_hook(
-                _input_hook(found.get("pre_quant_scale"), found.get("input_scale"), act_fq)
+    for prefix, linear in quantised.items():
+        acts = linear.scheme.activations
+        if linear.pre_quant_scale is not None or linear.input_scale is not None:
+            fake_quant = (
+                fake_quant_int8 if acts is not None and acts.type == "int" else fake_quant_fp8
             )
-        for leaf in ("k_scale", "v_scale"):
-            if leaf in found:  # stored on k_proj / v_proj; the attention module holds the cache
-                kv_scales[f"{prefix.rpartition('.')[0]}.{leaf}"] = found[leaf]
-    if kv_scales:
+            model.get_submodule(prefix).register_forward_pre_hook(
+                _input_hook(linear.pre_quant_scale, linear.input_scale, fake_quant)
+            )
+    if ckpt.kv_cache is not None:
+        kv_scales: dict[str, Any] = {}
+        for layer in range(config.num_hidden_layers):
+            k, v = ckpt.kv_scales(layer)
+            kv_scales[f"model.layers.{layer}.self_attn.k_scale"] = k.float()
+            kv_scales[f"model.layers.{layer}.self_attn.v_scale"] = v.float()
+        kv_fq = fake_quant_int8 if ckpt.kv_cache == "int8" else fake_quant_fp8
         _quantised_kv_attention(model, kv_scales, kv_fq)
     model.eval()
     return model, effective
-
-
-SCALES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
 
 
 def _input_hook(pqs: Any, scale: Any, fake_quant: Callable[[Any, Any], Any]) -> Any:

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.source import unpack_int4_rows
+from kiln.runtime.checkpoint.modelopt import unpack_int4_rows
 
 
 def _calibration(tokenizer) -> list[torch.Tensor]:

@@ -322,11 +322,12 @@ def test_sharded_source_gives_a_sharded_checkpoint_with_an_index(checkpoints: An
 
 def test_tensorrt_llm_reader_sees_the_same_values(checkpoints: Any) -> None:
     from kiln.compiler.trtllm.source import read_source
+    from kiln.runtime.linear import effective_weight
 
     source, ct_dir, record = checkpoints("awq-g64")
     read = read_source(ct_dir, record.trtllm_quant_algo)
     for name, reference in source.reference.items():
-        assert torch.equal(read.linears[name].dequantize(), reference), name
+        assert torch.equal(effective_weight(read.linears[name], torch.float32), reference), name
 
 
 @pytest.mark.parametrize("variant", ["awq-g64", "gptqmodel-v2-asym-sharded"])
@@ -344,14 +345,14 @@ def test_tensorrt_llm_checkpoint_exports_from_the_import(
 
 @pytest.mark.parametrize("variant", ["awq-g64", "autogptq-sym-g64"])
 def test_kiln_runtime_reads_the_same_values(checkpoints: Any, variant: str) -> None:
+    from kiln.runtime.checkpoint import open_checkpoint
     from kiln.runtime.linear import dequantize
-    from kiln.runtime.loader import Checkpoint, QuantConfig, load_model, read_config
+    from kiln.runtime.loader import load_model
 
     source, ct_dir, _ = checkpoints(variant)
-    quant = QuantConfig.from_hf(read_config(ct_dir).get("quantization_config"), str(ct_dir))
-    weights = Checkpoint(ct_dir)
+    checkpoint = open_checkpoint(ct_dir)
     for name, reference in source.reference.items():
-        assert torch.equal(dequantize(quant.read(weights, name), torch.float32), reference), name
+        assert torch.equal(dequantize(checkpoint.linear(name), torch.float32), reference), name
     load_model(ct_dir, "float32", torch.device("cpu"), 64)  # and builds its serving model
 
 

@@ -63,6 +63,29 @@ def hf_logprobs(model: Any, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
 
 
+def assert_close_to_reference(
+    engine: Any, reference: Any, max_tol: float, mean_tol: float, tokens: int = 16
+) -> tuple[list[int], list[int]]:
+    """Prompt log-probabilities of `engine` within (max, mean) |delta| of a transformers
+    `reference`, and each greedy token the reference's choice or within max_tol of it (a
+    near-tie that rounding may flip), judged with the reference teacher-forced on ours.
+    Returns (prompt, generated token ids)."""
+    from kiln.runtime import SamplingParams
+
+    prompt = engine.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    out = engine.generate([prompt], params)[0]
+    assert out.prompt_logprobs is not None
+    ours = logprobs_of(out.prompt_logprobs[1:], prompt[1:])
+    theirs = hf_logprobs(reference, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    delta = (ours - theirs).abs()
+    assert delta.max() <= max_tol and delta.mean() <= mean_tol, (delta.max(), delta.mean())
+    continued = hf_logprobs(reference, prompt + out.token_ids)[len(prompt) - 1 : -1]
+    chosen = continued[torch.arange(tokens), torch.tensor(out.token_ids)]
+    assert (continued.max(dim=-1).values - chosen).max() <= max_tol
+    return prompt, out.token_ids
+
+
 KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 KV_INT8 = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}
 

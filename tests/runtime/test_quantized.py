@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.runtime import Engine, SamplingParams
+from kiln.runtime import Engine
+from kiln.runtime.checkpoint.compressed_tensors import unpack
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.kernels import (
     Fp8Linear,
@@ -30,8 +31,7 @@ from kiln.runtime.kernels import (
     make_linear,
 )
 from kiln.runtime.linear import LinearWeights, WeightScheme, dequantize
-from kiln.runtime.loader import unpack
-from tests.runtime.conftest import PROMPTS, hf_greedy, hf_logprobs, hf_model, logprobs_of
+from tests.runtime.conftest import assert_close_to_reference, hf_greedy, hf_model
 
 LAYERS = {
     "w4a16_gptq_sym": Int4Linear,
@@ -66,23 +66,10 @@ def test_quantized_checkpoint_matches_transformers(
         "fp8_static_kv_fp8": "fp8",
     }.get(mode)
     reference = hf_model(model_dir)
-    prompt = engine.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
-    out = engine.generate(
-        [prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    )[0]
-    assert out.prompt_logprobs is not None
-    ours = logprobs_of(out.prompt_logprobs[1:], prompt[1:])
-    theirs = hf_logprobs(reference, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    delta = (ours - theirs).abs()
     max_tol, mean_tol = TOLERANCE[mode]
-    assert delta.max() <= max_tol and delta.mean() <= mean_tol, (delta.max(), delta.mean())
-    # Each token we chose greedily is the reference's choice, or within max_tol of it (a
-    # near-tie that rounding may flip): judged with the reference teacher-forced on ours.
-    continued = hf_logprobs(reference, prompt + out.token_ids)[len(prompt) - 1 : -1]
-    chosen = continued[torch.arange(16), torch.tensor(out.token_ids)]
-    assert (continued.max(dim=-1).values - chosen).max() <= max_tol
+    prompt, generated = assert_close_to_reference(engine, reference, max_tol, mean_tol)
     if max_tol < 1e-3:
-        assert out.token_ids == hf_greedy(reference, prompt, 16)
+        assert generated == hf_greedy(reference, prompt, 16)
 
 
 @pytest.mark.parametrize("mode", ["w8a8_int8", "w4a16_asym"])
@@ -115,6 +102,8 @@ def test_weights_stay_quantised_in_memory(quantized: Callable[[str], Path]) -> N
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_unpack_inverts_compressed_tensors_packing(bits: int) -> None:
+    """The runtime's own unpacker (serving boxes lack compressed-tensors) against its packer."""
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -191,3 +180,19 @@ def test_per_channel_w8a16_kernel_and_prefill_paths_agree() -> None:
     torch.testing.assert_close(prefill, decode, rtol=2**-7, atol=1e-3)
     expected = x @ dequantize(w, torch.float32).t()
     torch.testing.assert_close(prefill, expected, rtol=0, atol=2e-2 * float(expected.abs().max()))
+
+
+def test_column_slices_keep_their_groups_and_refuse_to_cut_one() -> None:
+    """Tensor-parallel column slices of a group-quantised weight (the TensorRT-LLM export)."""
+    generator = torch.Generator().manual_seed(2)
+    codes = torch.randint(-8, 8, (8, 128), dtype=torch.int8, generator=generator)
+    scale = torch.rand(8, 2, generator=generator) + 0.1
+    pqs = torch.rand(128, generator=generator) + 0.5
+    w = LinearWeights(WeightScheme("int", 4, "group", 64), codes, scale, pre_quant_scale=pqs)
+    right = w.columns(64, 128)
+    assert torch.equal(dequantize(right, torch.float32), dequantize(w, torch.float32)[:, 64:])
+    assert torch.equal(right.pre_quant_scale, pqs[64:])
+    with pytest.raises(ValueError, match="group of 64"):
+        w.columns(0, 32)
+    with pytest.raises(ValueError, match="group of 64"):  # one group, still not to be cut
+        right.columns(0, 32)

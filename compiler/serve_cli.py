@@ -40,7 +40,9 @@ class ServedModel:
 
     @property
     def model_dir(self) -> Path:
-        return self.path / "model" if self.is_artifact else self.path
+        from kiln.runtime.artifact import MODEL_DIR
+
+        return self.path / MODEL_DIR if self.is_artifact else self.path
 
 
 def parse_size(text: str) -> int:
@@ -266,24 +268,15 @@ def serve(
         served = TrtllmBackend(engine_dir, model.model_dir, limit)
         max_running = max_num_seqs or 64
     else:
-        engine = (
-            Engine.from_artifact(model.path, **options)
-            if model.is_artifact
-            else Engine.from_pretrained(model.path, **options)
-        )
+        engine = Engine.load(model.path, **options)
         served = NativeBackend(engine)
         max_running = engine.config.max_num_seqs
     mirror = None
     if shadow_spec:
         assert shadow_log is not None
         candidate = resolve_model(shadow_spec, registry_spec, "--shadow")
-        cand_engine = (
-            Engine.from_artifact(candidate.path, **options)
-            if candidate.is_artifact
-            else Engine.from_pretrained(candidate.path, **options)
-        )
         mirror = ShadowMirror(
-            cand_engine,
+            Engine.load(candidate.path, **options),
             shadow_log,
             shadow_fraction,
             candidate.name,

@@ -173,9 +173,7 @@ class EngineSide:
 
         if side.path is None:
             raise UsageError(f"{side.spec}: an http side is served by HttpSide, not the engine")
-        if side.kind == "artifact":
-            return cls(Engine.from_artifact(side.path, **engine_config), side.name)
-        return cls(Engine.from_pretrained(side.path, **engine_config), side.name)
+        return cls(Engine.load(side.path, **engine_config), side.name)
 
     def complete(self, record: TrafficRecord) -> SideResponse:
         from kiln.runtime import SamplingParams

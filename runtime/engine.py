@@ -125,6 +125,34 @@ class Engine:
             raise ArtifactError(f"{path}: artifact has no {MODEL_DIR}/config.json")
         return cls.from_pretrained(model_dir, device=device, speculative=speculative, **config)
 
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        verify: bool = False,
+        speculative: SpeculativeConfig | bool | None = None,
+        **config: Any,
+    ) -> Engine:
+        """Load whatever `path` is: a kiln artifact (`from_artifact`, with `verify` and the
+        manifest's speculative entry) or a Hugging Face checkpoint directory
+        (`from_pretrained`). `speculative` is a config, or for an artifact False/True to
+        refuse/force the draft its manifest names."""
+        from kiln.runtime.artifact import MANIFEST
+
+        path = Path(path)
+        if (path / MANIFEST).is_file():
+            return cls.from_artifact(path, device, verify, speculative, **config)
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"{path}: not a kiln artifact (no {MANIFEST}) and not a Hugging Face checkpoint "
+                "directory (no config.json); pass one of those"
+            )
+        if verify:
+            raise UsageError(f"{path}: verify needs a kiln artifact; a checkpoint has no digests")
+        draft = speculative if isinstance(speculative, SpeculativeConfig) else None
+        return cls.from_pretrained(path, device, speculative=draft, **config)
+
     # -- requests -------------------------------------------------------------------------
 
     def make_request(

@@ -43,6 +43,19 @@ def test_from_artifact_loads_the_model_directory(tiny_llama: Path, tmp_path: Pat
         Engine.from_artifact(staging.path, verify=True)
 
 
+def test_load_takes_an_artifact_or_a_checkpoint_directory(tiny_llama: Path, tmp_path: Path) -> None:
+    with assemble(tmp_path, Manifest(name="tiny")) as staging:
+        shutil.copytree(tiny_llama, staging.dir / MODEL_DIR)
+    assert staging.path is not None
+    artifact = Engine.load(staging.path, verify=True).generate(PROMPTS[:1], GREEDY)[0]
+    checkpoint = Engine.load(tiny_llama).generate(PROMPTS[:1], GREEDY)[0]
+    assert artifact.token_ids == checkpoint.token_ids
+    with pytest.raises(UsageError, match=r"not a kiln artifact .* not a Hugging Face checkpoint"):
+        Engine.load(tmp_path / "nothing")
+    with pytest.raises(UsageError, match="verify needs a kiln artifact"):
+        Engine.load(tiny_llama, verify=True)
+
+
 def test_unknown_engine_option_is_named(tiny_llama: Path) -> None:
     with pytest.raises(UsageError, match=r"unknown engine option\(s\) blok_size"):
         Engine.from_pretrained(tiny_llama, blok_size=8)

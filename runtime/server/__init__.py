@@ -6,8 +6,9 @@ Needs the `serve` extra (fastapi, uvicorn, prometheus-client); names load on fir
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kiln.runtime import lazy_exports
 
 if TYPE_CHECKING:
     from kiln.runtime.server.app import create_app as create_app
@@ -29,10 +30,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kiln.runtime.server' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -387,7 +387,7 @@ def measure_acceptance(
     from kiln.runtime.engine import Engine  # engine.py imports this module
 
     spec = SpeculativeConfig(draft=draft_dir, num_speculative_tokens=max_k)
-    engine = Engine.load(target_dir, device, speculative=spec)
+    engine = Engine.load(target_dir, device=device, speculative=spec)
     assert engine.speculator is not None and engine.speculator.proposer is not None
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts, params)

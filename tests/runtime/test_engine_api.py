@@ -29,25 +29,30 @@ def test_generate_takes_text_and_per_prompt_params(tiny_llama: Path) -> None:
         engine.generate(PROMPTS[:2], [*params, params[0]])
 
 
-def test_from_artifact_loads_the_model_directory(tiny_llama: Path, tmp_path: Path) -> None:
-    with assemble(tmp_path, Manifest(name="tiny")) as staging:
+def tiny_artifact(tiny_llama: Path, root: Path) -> Path:
+    """An artifact holding only the tiny model."""
+    with assemble(root, Manifest(name="tiny")) as staging:
         shutil.copytree(tiny_llama, staging.dir / MODEL_DIR)
     assert staging.path is not None
-    from_artifact = Engine.from_artifact(staging.path, verify=True).generate(PROMPTS[:1], GREEDY)[0]
+    return staging.path
+
+
+def test_from_artifact_loads_the_model_directory(tiny_llama: Path, tmp_path: Path) -> None:
+    path = tiny_artifact(tiny_llama, tmp_path)
+    from_artifact = Engine.from_artifact(path, verify=True).generate(PROMPTS[:1], GREEDY)[0]
     direct = Engine.from_pretrained(tiny_llama).generate(PROMPTS[:1], GREEDY)[0]
     assert from_artifact.token_ids == direct.token_ids
     with pytest.raises(ArtifactError, match="not a kiln artifact"):
         Engine.from_artifact(tiny_llama)
-    (staging.path / MODEL_DIR / "config.json").write_text("{}")
+    (path / MODEL_DIR / "config.json").write_text("{}")
     with pytest.raises(ArtifactError, match="does not verify"):
-        Engine.from_artifact(staging.path, verify=True)
+        Engine.from_artifact(path, verify=True)
 
 
 def test_load_takes_an_artifact_or_a_checkpoint_directory(tiny_llama: Path, tmp_path: Path) -> None:
-    with assemble(tmp_path, Manifest(name="tiny")) as staging:
-        shutil.copytree(tiny_llama, staging.dir / MODEL_DIR)
-    assert staging.path is not None
-    artifact = Engine.load(staging.path, verify=True).generate(PROMPTS[:1], GREEDY)[0]
+    artifact = Engine.load(tiny_artifact(tiny_llama, tmp_path), verify=True).generate(
+        PROMPTS[:1], GREEDY
+    )[0]
     checkpoint = Engine.load(tiny_llama).generate(PROMPTS[:1], GREEDY)[0]
     assert artifact.token_ids == checkpoint.token_ids
     with pytest.raises(UsageError, match=r"not a kiln artifact .* not a Hugging Face checkpoint"):

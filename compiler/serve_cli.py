@@ -204,7 +204,6 @@ def _engine_options(**given: Any) -> dict[str, Any]:
     help="Registry for registry://CHANNEL (default: $KILN_REGISTRY).",
 )
 @click.option("--log-level", default="info", show_default=True)
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def serve(
     artifact: str,
@@ -231,7 +230,6 @@ def serve(
     drain_timeout: float,
     registry_spec: str | None,
     log_level: str,
-    debug: bool,
 ) -> None:
     """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
     from kiln.runtime import Engine

@@ -58,7 +58,6 @@ def _open_registry(spec: str | None) -> Any:
 @_REGISTRY
 @click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
 @click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def gate(
     candidate: str,
@@ -71,7 +70,6 @@ def gate(
     registry_spec: str | None,
     no_record: bool,
     as_json: bool,
-    debug: bool,
 ) -> None:
     """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
     from kiln.gates.config import load_gate_file, load_gates
@@ -188,11 +186,8 @@ def _judge_shadow_log(
 @click.option("--channel", required=True, help="Release channel, e.g. prod or staging.")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def promote(
-    artifact: Path, channel: str, reason: str, registry_spec: str | None, debug: bool
-) -> None:
+def promote(artifact: Path, channel: str, reason: str, registry_spec: str | None) -> None:
     """Point CHANNEL at ARTIFACT; needs a passing gate run against the channel's baseline."""
     with _open_registry(registry_spec) as registry:
         event = registry.promote(artifact, channel, reason)
@@ -204,9 +199,8 @@ def promote(
 @click.argument("channel")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def rollback(channel: str, reason: str, registry_spec: str | None, debug: bool) -> None:
+def rollback(channel: str, reason: str, registry_spec: str | None) -> None:
     """Move CHANNEL back to the artifact it served before its current one."""
     with _open_registry(registry_spec) as registry:
         event = registry.rollback(channel, reason)
@@ -223,9 +217,8 @@ def registry() -> None:
 @registry.command("ls")
 @_REGISTRY
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def registry_ls(registry_spec: str | None, as_json: bool, debug: bool) -> None:
+def registry_ls(registry_spec: str | None, as_json: bool) -> None:
     """Channels with what they serve, and the latest gate runs."""
     from dataclasses import asdict
 
@@ -251,9 +244,8 @@ def registry_ls(registry_spec: str | None, as_json: bool, debug: bool) -> None:
 @registry.command("history")
 @click.argument("channel")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def registry_history(channel: str, registry_spec: str | None, debug: bool) -> None:
+def registry_history(channel: str, registry_spec: str | None) -> None:
     """The promotion and rollback events of CHANNEL, oldest first."""
     with _open_registry(registry_spec) as reg:
         events = reg.history(channel)
@@ -269,10 +261,9 @@ def registry_history(channel: str, registry_spec: str | None, debug: bool) -> No
 @click.option("--rule", type=click.Choice(["current", "fixed"]), default="current")
 @click.option("--baseline", "baseline_digest", help="Baseline digest for --rule fixed.")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def registry_channel(
-    name: str, rule: str, baseline_digest: str | None, registry_spec: str | None, debug: bool
+    name: str, rule: str, baseline_digest: str | None, registry_spec: str | None
 ) -> None:
     """Create or configure channel NAME: which baseline its candidates must be gated against."""
     with _open_registry(registry_spec) as reg:

@@ -140,7 +140,20 @@ def _engine_options(**given: Any) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-@click.command("serve")
+# The mirror's options were once spelled --shadow...; old scripts keep working, unlisted.
+_OLD_SPELLINGS = {
+    "shadow": "mirror",
+    "shadow-fraction": "mirror-fraction",
+    "shadow-log": "mirror-log",
+    "shadow-queue": "mirror-queue",
+}
+
+
+def _old_spelling(name: str) -> str:
+    return _OLD_SPELLINGS.get(name, name)
+
+
+@click.command("serve", context_settings={"token_normalize_func": _old_spelling})
 @click.argument("artifact")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
@@ -176,15 +189,20 @@ def _engine_options(**given: Any) -> dict[str, Any]:
 @click.option("--record-sample-rate", default=1.0, show_default=True, type=float)
 @click.option("--record-prompts", is_flag=True, help="Store prompt text (default: hash + count).")
 @click.option("--record-responses", is_flag=True, help="Store responses too.")
-@click.option("--shadow", "shadow_spec", help="Candidate artifact to mirror requests to.")
-@click.option("--shadow-fraction", default=0.1, show_default=True, type=float)
 @click.option(
-    "--shadow-log",
+    "--mirror",
+    "mirror_spec",
+    metavar="CANDIDATE",
+    help="Candidate artifact to mirror a fraction of requests to.",
+)
+@click.option("--mirror-fraction", default=0.1, show_default=True, type=float)
+@click.option(
+    "--mirror-log",
     type=click.Path(path_type=Path),
-    help="Where mirrored comparisons go (judge with kiln gate --shadow-log).",
+    help="Where both answers to each mirrored request go (judge with kiln gate --mirror-log).",
 )
 @click.option(
-    "--shadow-queue",
+    "--mirror-queue",
     default=16,
     show_default=True,
     type=int,
@@ -223,10 +241,10 @@ def serve(
     record_sample_rate: float,
     record_prompts: bool,
     record_responses: bool,
-    shadow_spec: str | None,
-    shadow_fraction: float,
-    shadow_log: Path | None,
-    shadow_queue: int,
+    mirror_spec: str | None,
+    mirror_fraction: float,
+    mirror_log: Path | None,
+    mirror_queue: int,
     drain_timeout: float,
     registry_spec: str | None,
     log_level: str,
@@ -235,12 +253,12 @@ def serve(
     from kiln.runtime import Engine
     from kiln.runtime.server import NativeBackend, ServerConfig, create_app
     from kiln.runtime.server import serve as run
+    from kiln.runtime.server.mirror import Mirror
     from kiln.runtime.server.record import RecordSettings, TrafficRecorder
-    from kiln.runtime.server.shadow import ShadowMirror
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if shadow_spec and shadow_log is None:
-        raise UsageError("--shadow needs --shadow-log FILE (where the comparisons go)")
+    if mirror_spec and mirror_log is None:
+        raise UsageError("--mirror needs --mirror-log FILE (where both answers go)")
     recorder = None
     if record_path is not None:
         recorder = TrafficRecorder(
@@ -270,16 +288,16 @@ def serve(
         served = NativeBackend(engine)
         max_running = engine.config.max_num_seqs
     mirror = None
-    if shadow_spec:
-        assert shadow_log is not None
-        candidate = resolve_model(shadow_spec, registry_spec, "--shadow")
-        mirror = ShadowMirror(
+    if mirror_spec:
+        assert mirror_log is not None
+        candidate = resolve_model(mirror_spec, registry_spec, "--mirror")
+        mirror = Mirror(
             Engine.load(candidate.path, **options),
-            shadow_log,
-            shadow_fraction,
+            mirror_log,
+            mirror_fraction,
             candidate.name,
             candidate.digest,
-            max_queue=shadow_queue,
+            max_queue=mirror_queue,
         )
     config = ServerConfig(
         model_name=served_model_name or model.name,

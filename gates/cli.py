@@ -39,7 +39,12 @@ def _open_registry(spec: str | None) -> Any:
     return Registry(spec)
 
 
-@click.command("gate")
+def _old_spelling(name: str) -> str:
+    # --mirror-log was once spelled --shadow-log; old scripts keep working, unlisted.
+    return "mirror-log" if name == "shadow-log" else name
+
+
+@click.command("gate", context_settings={"token_normalize_func": _old_spelling})
 @click.argument("candidate")
 @click.option(
     "--baseline",
@@ -49,9 +54,9 @@ def _open_registry(spec: str | None) -> Any:
 @click.option("--gate-file", type=click.Path(path_type=Path), help="YAML `gates:` settings.")
 @click.option("--traffic", type=click.Path(path_type=Path), help="Recorded traffic (.jsonl).")
 @click.option(
-    "--shadow-log",
+    "--mirror-log",
     type=click.Path(path_type=Path),
-    help="Judge a live-shadow log of `kiln serve --shadow` (no tasks, no replay).",
+    help="Judge the mirror log of `kiln serve --mirror` (no tasks, no replay).",
 )
 @click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
 @click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
@@ -64,7 +69,7 @@ def gate(
     baseline: str,
     gate_file: Path | None,
     traffic: Path | None,
-    shadow_log: Path | None,
+    mirror_log: Path | None,
     out: Path | None,
     limit: int | None,
     registry_spec: str | None,
@@ -94,8 +99,8 @@ def gate(
         label = cand.name if cand.kind == "http" else f"{cand.name}-{cand.digest[:12]}"
         out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
     registry = None if no_record else _open_registry(registry_spec)
-    if shadow_log is not None:
-        outcome = _judge_shadow_log(candidate, baseline, shadow_log, gates, out, registry)
+    if mirror_log is not None:
+        outcome = _judge_mirror_log(candidate, baseline, mirror_log, gates, out, registry)
     else:
         outcome = run_gate(
             candidate,
@@ -122,10 +127,10 @@ def gate(
         )
 
 
-def _judge_shadow_log(
+def _judge_mirror_log(
     candidate: str, baseline: str, path: Path, gates: Any, out: Path, registry: Any
 ) -> Any:
-    """A verdict on the pairs a live shadow logged, by the replay gate's comparison."""
+    """A verdict on the pairs a mirror logged, by the gate's shadow comparison."""
     import time
 
     from kiln.gates.gate import GateOutcome
@@ -134,13 +139,13 @@ def _judge_shadow_log(
     from kiln.gates.sides import resolve_side
     from kiln.gates.verdict import build_verdict
     from kiln.runtime.errors import UsageError
-    from kiln.runtime.server.shadow_log import read_shadow_log
+    from kiln.runtime.server.mirror_log import read_mirror_log
     from kiln.runtime.traffic import COMPLETIONS, TrafficRecord
     from kiln.runtime.versions import GATE_TOOLS, versions
 
     began = time.perf_counter()
     cand, base = resolve_side(candidate, "candidate"), resolve_side(baseline, "baseline")
-    entries = read_shadow_log(path)
+    entries = read_mirror_log(path)
     pairs, base_answers, cand_answers = [], [], []
     for e in entries:
         for side, logged, role in ((cand, e.candidate, "candidate"), (base, e.primary, "primary")):
@@ -160,7 +165,7 @@ def _judge_shadow_log(
     settings = ReplaySettings(temperature=None, max_tokens=None)
     report = summarize_pairs(pairs, base_answers, cand_answers, settings)
     notes = [
-        f"live shadow log {path}: {len(entries)} mirrored requests with their own sampling "
+        f"mirror log {path}: {len(entries)} mirrored requests with their own sampling "
         "settings; the primary's latency was measured under live load"
     ]
     verdict = build_verdict(

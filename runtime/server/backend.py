@@ -3,7 +3,7 @@ stream of RequestOutput deltas.
 
 `NativeBackend` is kiln's own engine (runtime.Engine behind an AsyncEngine thread);
 `TrtllmBackend` (trtllm.py) adapts TensorRT-LLM's LLM API to the same surface, so routes,
-metrics, recording and shadowing do not care which one runs.
+metrics, recording and mirroring do not care which one runs.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from kiln.runtime.server.generation import (
     stream_choice,
     unless_disconnected,
 )
+from kiln.runtime.server.mirror import MirrorJob
+from kiln.runtime.server.mirror_log import MirrorEntry, SideResult
 from kiln.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from kiln.runtime.server.record import prompt_digest
-from kiln.runtime.server.shadow import ShadowJob
-from kiln.runtime.server.shadow_log import ShadowEntry, SideResult
 from kiln.runtime.server.state import APIError, ServerState
 from kiln.runtime.traffic import CHAT_COMPLETIONS, COMPLETIONS
 
@@ -312,8 +312,8 @@ def _mirror(
     results: list[ChoiceResult],
     messages: list[dict[str, str]] | None,
 ) -> None:
-    shadow = state.shadow
-    if shadow is None or len(results) != 1 or not shadow.sample():
+    mirror = state.mirror
+    if mirror is None or len(results) != 1 or not mirror.sample():
         return
     [result] = results
     data = body_dict(body)
@@ -326,11 +326,11 @@ def _mirror(
     primary = SideResult(state.config.model_name, state.extra.get("digest", ""), result.text,
                          list(result.token_ids), result.ttft_s, result.tpot_s,
                          result.finish_reason)  # fmt: skip
-    entry = ShadowEntry(rid, time.time(), endpoint, text, data, primary)
+    entry = MirrorEntry(rid, time.time(), endpoint, text, data, primary)
     prompt = prompt_texts[0] if prompt_texts[0] is not None else prompts[0]
-    job = ShadowJob(entry, None if messages is not None else prompt, messages,
+    job = MirrorJob(entry, None if messages is not None else prompt, messages,
                     _greedy_equal(params))  # fmt: skip
-    shadow.offer(job)
+    mirror.offer(job)
 
 
 def _greedy_equal(params: Any) -> Any:

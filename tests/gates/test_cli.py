@@ -97,6 +97,14 @@ def test_usage_mistakes_exit_2(tmp_path: Path, openai_stub: Callable[..., OpenAI
     assert code == 2
 
 
+def test_the_old_shadow_log_spelling_still_works_unlisted(tmp_path: Path) -> None:
+    missing = tmp_path / "m.jsonl"
+    args = ["http://127.0.0.1:9", "--baseline", "http://127.0.0.1:9", "--no-record"]
+    code, _, err = run(gate, [*args, "--shadow-log", str(missing)])
+    assert code == 2 and f"{missing}: mirror log not found" in err
+    assert "shadow-log" not in run(gate, ["--help"])[1]
+
+
 def test_a_damaged_candidate_artifact_exits_3(
     tmp_path: Path, openai_stub: Callable[..., OpenAIStub]
 ) -> None:

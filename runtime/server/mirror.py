@@ -1,4 +1,4 @@
-"""Live shadow: mirror a fraction of served requests to a candidate engine and log both answers.
+"""The mirror: send a fraction of served requests to a candidate engine and log both answers.
 
 The candidate is a separate Engine stepped by its own thread, fed through a bounded queue:
 `offer` never blocks and drops the request when the queue is full, so a slow candidate
@@ -23,22 +23,22 @@ from typing import Any
 
 from kiln.runtime.errors import UsageError
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.server.shadow_log import ShadowEntry, SideResult, append_entry
+from kiln.runtime.server.mirror_log import MirrorEntry, SideResult, append_entry
 
-log = logging.getLogger("kiln.serve.shadow")
+log = logging.getLogger("kiln.serve.mirror")
 
 
 @dataclass(slots=True)
-class ShadowJob:
+class MirrorJob:
     """A primary's finished request, waiting for the candidate's answer."""
 
-    entry: ShadowEntry
+    entry: MirrorEntry
     prompt: str | list[int] | None  # completion prompt (text or ids); None for a chat
     messages: list[dict[str, str]] | None
     params: SamplingParams
 
 
-class ShadowMirror:
+class Mirror:
     """Owns the candidate engine, its thread and its bounded queue."""
 
     def __init__(
@@ -50,20 +50,20 @@ class ShadowMirror:
         digest: str = "",
         max_queue: int = 16,
         seed: int | None = None,
-        on_done: Callable[[ShadowEntry], None] | None = None,
+        on_done: Callable[[MirrorEntry], None] | None = None,
     ) -> None:
         if not 0.0 < fraction <= 1.0:
-            raise UsageError(f"--shadow-fraction {fraction}: must be in (0, 1]")
+            raise UsageError(f"--mirror-fraction {fraction}: must be in (0, 1]")
         self.engine = engine
         self.log_path = Path(log_path)
         self.fraction = fraction
         self.model = model
         self.digest = digest
-        self._queue: queue.Queue[ShadowJob | None] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[MirrorJob | None] = queue.Queue(maxsize=max_queue)
         self._random = random.Random(seed)
         self._on_done = on_done
         self.offered = self.dropped = self.completed = 0
-        self._thread = threading.Thread(target=self._loop, name="kiln-shadow", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="kiln-mirror", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -72,7 +72,7 @@ class ShadowMirror:
         """Whether to mirror the next request."""
         return self.fraction >= 1.0 or self._random.random() < self.fraction
 
-    def offer(self, job: ShadowJob) -> bool:
+    def offer(self, job: MirrorJob) -> bool:
         """Queue a job for the candidate; False (dropped) when the queue is full."""
         self.offered += 1
         try:
@@ -103,12 +103,12 @@ class ShadowMirror:
             try:
                 append_entry(self.log_path, job.entry)
             except OSError as exc:
-                log.warning("shadow log %s: %s", self.log_path, exc)
+                log.warning("mirror log %s: %s", self.log_path, exc)
             self.completed += 1
             if self._on_done is not None:
                 self._on_done(job.entry)
 
-    def _run(self, job: ShadowJob) -> SideResult:
+    def _run(self, job: MirrorJob) -> SideResult:
         engine = self.engine
         sent = time.perf_counter()
         prompt = job.prompt

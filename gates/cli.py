@@ -135,7 +135,7 @@ def _judge_mirror_log(
 
     from kiln.gates.gate import GateOutcome
     from kiln.gates.report import write_reports
-    from kiln.gates.shadow import ReplaySettings, SideResponse, compare_pair, summarize_pairs
+    from kiln.gates.shadow import SideResponse, compare_pair, summarize_pairs
     from kiln.gates.sides import resolve_side
     from kiln.gates.verdict import build_verdict
     from kiln.runtime.errors import UsageError
@@ -162,8 +162,7 @@ def _judge_mirror_log(
         pairs.append(compare_pair(record, *answers))
         base_answers.append(answers[0])
         cand_answers.append(answers[1])
-    settings = ReplaySettings(temperature=None, max_tokens=None)
-    report = summarize_pairs(pairs, base_answers, cand_answers, settings)
+    report = summarize_pairs(pairs, base_answers, cand_answers, {"mirror_log": str(path)})
     notes = [
         f"mirror log {path}: {len(entries)} mirrored requests with their own sampling "
         "settings; the primary's latency was measured under live load"

@@ -4,7 +4,8 @@ Order of work, chosen to keep at most one model side loaded at a time where poss
 1. lm-eval tasks on the candidate (through the runtime: the gate evaluates what ships),
    plus its top-k next-token log-probabilities on held-out text;
 2. the same on the baseline (runtime for an artifact, transformers for a float source);
-3. shadow replay of recorded traffic through both sides (runtime engines or endpoints);
+3. replay of recorded traffic through both sides (runtime engines or endpoints) and the
+   shadow comparison of their answers;
 4. the verdict, its reports (gate.json, gate.md, gate.html) and the registry record.
 
 An http(s) endpoint side has no log-probabilities to score tasks with, so a gate with an
@@ -24,9 +25,10 @@ from typing import Any
 from kiln.gates.config import GatesSection
 from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
 from kiln.gates.registry import Registry
+from kiln.gates.replay import Side, replay
 from kiln.gates.report import write_reports
 from kiln.gates.rules import GatePolicy
-from kiln.gates.shadow import ShadowReport, Side, replay
+from kiln.gates.shadow import ShadowReport
 from kiln.gates.sides import EngineSide, HttpSide, SideSpec, resolve_side
 from kiln.gates.tasks import BUILTIN_TASKS_DIR, TaskResult
 from kiln.gates.verdict import (
@@ -130,7 +132,7 @@ def compare_results(
     return tasks, ppl
 
 
-def _shadow_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
+def _replay_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
     if side.kind == "http":
         assert side.url is not None
         return HttpSide(side.url, timeout_s=timeout_s)
@@ -207,12 +209,12 @@ def run_gate(
         gc.collect()
     shadow: ShadowReport | None = None
     if records:
-        say(f"shadow: replaying {len(records)} recorded requests through both sides")
+        say(f"replay: {len(records)} recorded requests through both sides")
         timeout = gates.shadow.timeout_s
         shadow = replay(
             records,
-            _shadow_side(base, base_engine, timeout),
-            _shadow_side(cand, cand_engine, timeout),
+            _replay_side(base, base_engine, timeout),
+            _replay_side(cand, cand_engine, timeout),
             gates.shadow.settings(),
             progress=say,
         )

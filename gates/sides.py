@@ -1,4 +1,4 @@
-"""The two sides a gate compares: what a side spec names, and the shadow `Side`s that answer.
+"""The two sides a gate compares: what a side spec names, and the replay `Side`s that answer.
 
 A side spec is one of
 - a kiln artifact directory (has `manifest.json`): evaluated through kiln's runtime;
@@ -100,7 +100,7 @@ def resolve_side(spec: str, role: str = "side") -> SideSpec:
     )
 
 
-# --- shadow sides -----------------------------------------------------------------------
+# --- replay sides -----------------------------------------------------------------------
 
 
 class HttpSide:

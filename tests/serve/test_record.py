@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kiln.gates.shadow import ReplaySettings, replay_requests
+from kiln.gates.replay import ReplaySettings, replay_requests
 from kiln.gates.sides import HttpSide
 from kiln.runtime.server.record import RecordSettings, TrafficRecorder, prompt_digest
 from kiln.runtime.traffic import TrafficError, read_traffic

@@ -135,7 +135,7 @@ def _judge_mirror_log(
 
     from kiln.gates.gate import GateOutcome
     from kiln.gates.report import write_reports
-    from kiln.gates.shadow import SideResponse, compare_pair, summarize_pairs
+    from kiln.gates.shadow import compare_pair, summarize_pairs
     from kiln.gates.sides import resolve_side
     from kiln.gates.verdict import build_verdict
     from kiln.runtime.errors import UsageError
@@ -155,13 +155,9 @@ def _judge_mirror_log(
                     f"{logged.digest[:12]}, not {side.spec} ({side.digest[:12]})"
                 )
         record = TrafficRecord(e.id, e.time, COMPLETIONS, {**e.settings, "prompt": e.prompt})
-        answers = [
-            SideResponse(r.text, r.token_ids, r.ttft_s, r.tpot_s, r.error, r.finish_reason)
-            for r in (e.primary, e.candidate)
-        ]
-        pairs.append(compare_pair(record, *answers))
-        base_answers.append(answers[0])
-        cand_answers.append(answers[1])
+        pairs.append(compare_pair(record, e.primary, e.candidate))
+        base_answers.append(e.primary)
+        cand_answers.append(e.candidate)
     report = summarize_pairs(pairs, base_answers, cand_answers, {"mirror_log": str(path)})
     notes = [
         f"mirror log {path}: {len(entries)} mirrored requests with their own sampling "

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from kiln.gates.shadow import ShadowReport, SideResponse, compare_pair, summarize_pairs
+from kiln.gates.shadow import ShadowReport, compare_pair, summarize_pairs
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.traffic import TrafficRecord
 
 
@@ -24,7 +25,7 @@ class Side(Protocol):
 
     name: str
 
-    def complete(self, record: TrafficRecord) -> SideResponse:
+    def complete(self, record: TrafficRecord) -> SideAnswer:
         """Answer one request (a single prompt or one chat) exactly as it is written."""
         ...
 
@@ -81,7 +82,7 @@ def replay(
     settings = settings or ReplaySettings()
     requests = replay_requests(records, settings)
 
-    def one(record: TrafficRecord) -> tuple[SideResponse, SideResponse]:
+    def one(record: TrafficRecord) -> tuple[SideAnswer, SideAnswer]:
         # Sequential per request: the two sides never compete for the same machine.
         return baseline.complete(record), candidate.complete(record)
 

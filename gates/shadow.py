@@ -22,19 +22,8 @@ from typing import Any
 import numpy as np
 
 from kiln.gates.rules import Check, GatePolicy, threshold_check
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.traffic import TrafficRecord
-
-
-@dataclass(slots=True)
-class SideResponse:
-    """One side's answer to one request; `error` set means it failed to answer."""
-
-    text: str = ""
-    token_ids: list[int] | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    error: str | None = None
-    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -154,7 +143,7 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def compare_pair(record: TrafficRecord, base: SideResponse, cand: SideResponse) -> PairDiff:
+def compare_pair(record: TrafficRecord, base: SideAnswer, cand: SideAnswer) -> PairDiff:
     """Compare one request's two answers."""
     prefix = common_prefix(base.text, cand.text)
     exact = base.error is None and cand.error is None and base.text == cand.text
@@ -183,7 +172,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def _latency(responses: list[SideResponse]) -> LatencyStats:
+def _latency(responses: list[SideAnswer]) -> LatencyStats:
     ttft = [r.ttft_s for r in responses if r.ttft_s is not None and r.error is None]
     tpot = [r.tpot_s for r in responses if r.tpot_s is not None and r.error is None]
     return LatencyStats(_pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99))
@@ -191,8 +180,8 @@ def _latency(responses: list[SideResponse]) -> LatencyStats:
 
 def summarize_pairs(
     pairs: list[PairDiff],
-    base: list[SideResponse],
-    cand: list[SideResponse],
+    base: list[SideAnswer],
+    cand: list[SideAnswer],
     settings: dict[str, Any] | None = None,
     worst: int = 5,
 ) -> ShadowReport:

@@ -5,8 +5,8 @@ The candidate is a separate Engine stepped by its own thread, fed through a boun
 costs the primary nothing but the enqueue. A request is mirrored after the primary has
 answered it (both answers are then at hand for one log line); the candidate gets the same
 request (a chat rendered by its own chat template), with the same sampling settings and seed.
-The candidate's latencies are its own, measured alone on its thread; the primary's are the
-server's, measured under the live load.
+The candidate's latencies are its own, measured alone on its thread (`answer_alone`); the
+primary's are the server's, measured under the live load.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import logging
 import queue
 import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.answer import SideAnswer, answer_alone
 from kiln.runtime.errors import UsageError
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.server.mirror_log import MirrorEntry, SideResult, append_entry
+from kiln.runtime.server.mirror_log import MirrorEntry, append_entry
 
 log = logging.getLogger("kiln.serve.mirror")
 
@@ -97,9 +97,12 @@ class Mirror:
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
-                job.entry.candidate = self._run(job)
+                # A chat is rendered here, on the only thread that uses the candidate's tokenizer.
+                answer = answer_alone(self.engine, job.params, job.prompt, job.messages)
             except Exception as exc:  # a failing candidate is logged, never raised
-                job.entry.candidate = SideResult(self.model, self.digest, error=repr(exc))
+                answer = SideAnswer(error=repr(exc))
+            answer.model, answer.digest = self.model, self.digest
+            job.entry.candidate = answer
             try:
                 append_entry(self.log_path, job.entry)
             except OSError as exc:
@@ -107,41 +110,3 @@ class Mirror:
             self.completed += 1
             if self._on_done is not None:
                 self._on_done(job.entry)
-
-    def _run(self, job: MirrorJob) -> SideResult:
-        engine = self.engine
-        sent = time.perf_counter()
-        prompt = job.prompt
-        if job.messages is not None:
-            # Rendered here, on the only thread that touches the candidate's tokenizer.
-            text = engine.tokenizer.apply_chat_template(
-                job.messages, tokenize=False, add_generation_prompt=True
-            )
-            prompt = list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-        assert prompt is not None
-        try:
-            rid = engine.add_request(prompt, job.params)
-        except UsageError as exc:
-            return SideResult(self.model, self.digest, error=f"bad request: {exc.message}")
-        texts: list[str] = []
-        tokens: list[int] = []
-        first: float | None = None
-        finish = None
-        while finish is None:
-            outputs = engine.step()
-            if not outputs and not engine.has_unfinished_requests():
-                return SideResult(self.model, self.digest, "".join(texts), tokens,
-                                  error="candidate engine dropped the request")  # fmt: skip
-            for out in outputs:
-                if out.request_id != rid:
-                    continue
-                if out.token_ids and first is None:
-                    first = time.perf_counter()
-                texts.append(out.text)
-                tokens += out.token_ids
-                if out.finished:
-                    finish = out.finish_reason
-        end = time.perf_counter()
-        ttft = first - sent if first is not None else None
-        tpot = (end - first) / (len(tokens) - 1) if first is not None and len(tokens) > 1 else None
-        return SideResult(self.model, self.digest, "".join(texts), tokens, ttft, tpot, finish)

@@ -21,22 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.errors import UsageError
 from kiln.runtime.traffic import append_line
-
-
-@dataclass(slots=True)
-class SideResult:
-    """One side's answer to a mirrored request."""
-
-    model: str = ""
-    digest: str = ""
-    text: str = ""
-    token_ids: list[int] | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -48,8 +35,8 @@ class MirrorEntry:
     endpoint: str
     prompt: str
     settings: dict[str, Any]
-    primary: SideResult
-    candidate: SideResult = field(default_factory=SideResult)
+    primary: SideAnswer
+    candidate: SideAnswer = field(default_factory=SideAnswer)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,8 +49,8 @@ class MirrorEntry:
             endpoint=str(data["endpoint"]),
             prompt=str(data["prompt"]),
             settings=dict(data.get("settings") or {}),
-            primary=SideResult(**data["primary"]),
-            candidate=SideResult(**data["candidate"]),
+            primary=SideAnswer(**data["primary"]),
+            candidate=SideAnswer(**data["candidate"]),
         )
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from kiln.gates.rules import GatePolicy
 from kiln.gates.shadow import (
-    SideResponse,
     compare_pair,
     is_valid_json,
     shadow_checks,
     summarize_pairs,
 )
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.traffic import COMPLETIONS, TrafficRecord
 
 
@@ -18,8 +18,8 @@ def test_answers_are_compared_request_by_request() -> None:
         TrafficRecord("a", 0.0, COMPLETIONS, {"prompt": "Say hi"}),
         TrafficRecord("b", 0.0, COMPLETIONS, {"prompt": "Reply in JSON"}),
     ]
-    base = [SideResponse("hello", [1, 2]), SideResponse('{"ok": 1}', [3, 4, 5])]
-    cand = [SideResponse("hello", [1, 2]), SideResponse('{"ok": 2', [3, 4, 6])]
+    base = [SideAnswer("hello", [1, 2]), SideAnswer('{"ok": 1}', [3, 4, 5])]
+    cand = [SideAnswer("hello", [1, 2]), SideAnswer('{"ok": 2', [3, 4, 6])]
     pairs = [compare_pair(*answers) for answers in zip(asks, base, cand, strict=True)]
     report = summarize_pairs(pairs, base, cand, settings={"from": "test"}, worst=1)
     assert report.exact_match_rate == 0.5 and report.mean_prefix_tokens == 2.0

@@ -1,4 +1,5 @@
-"""The engine's public API: generate, artifacts, abort, stats, and async streaming."""
+"""The engine's public API: generate, artifacts, abort, stats, async streaming, and one
+request answered alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kiln.runtime import AsyncEngine, Engine, SamplingParams
+from kiln.runtime.answer import answer_alone, chat_token_ids
 from kiln.runtime.artifact import MODEL_DIR, Manifest, assemble
 from kiln.runtime.errors import ArtifactError, UsageError
 from tests.runtime.conftest import PROMPTS, prompt_ids
@@ -158,3 +160,19 @@ def test_async_rejects_bad_requests_before_queueing(tiny_llama: Path) -> None:
     with pytest.raises(UsageError, match="prompt is empty"):
         asyncio.run(main())
     server.shutdown()
+
+
+def test_answer_alone_is_generate_with_timings(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    expected = engine.generate(PROMPTS[:1], GREEDY)[0]
+    answer = answer_alone(engine, GREEDY, PROMPTS[0])
+    assert (answer.text, answer.token_ids) == (expected.text, expected.token_ids)
+    assert answer.finish_reason == "length" and answer.error is None
+    assert answer.ttft_s is not None and answer.tpot_s is not None and answer.tpot_s > 0
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = chat_token_ids(engine.tokenizer, chat)
+    by_chat = answer_alone(engine, GREEDY, messages=chat)
+    assert by_chat.token_ids == answer_alone(engine, GREEDY, rendered).token_ids
+    refused = answer_alone(engine, GREEDY, [])
+    assert refused.error is not None and refused.error.startswith("bad request: ")
+    assert "prompt is empty" in refused.error and not engine.has_unfinished_requests()

@@ -14,9 +14,10 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli import main
 from kiln.runtime import SamplingParams
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.artifact import load_manifest
 from kiln.runtime.server.mirror import Mirror, MirrorJob
-from kiln.runtime.server.mirror_log import MirrorEntry, SideResult, read_mirror_log
+from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
 from tests.gates.conftest import build_artifact
 from tests.serve.conftest import MODEL, ServerFactory, tiny_engine
 
@@ -144,7 +145,7 @@ def test_saturated_candidate_drops_without_blocking(tiny_llama: Path, tmp_path: 
     waits = []
     accepted = 0
     for i in range(30):
-        entry = MirrorEntry(f"r{i}", time.time(), "/v1/completions", "p", {}, SideResult())
+        entry = MirrorEntry(f"r{i}", time.time(), "/v1/completions", "p", {}, SideAnswer())
         began = time.perf_counter()
         accepted += mirror.offer(MirrorJob(entry, "a b c", None, params))
         waits.append(time.perf_counter() - began)

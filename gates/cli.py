@@ -78,7 +78,7 @@ def gate(
 ) -> None:
     """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
     from kiln.gates.config import load_gate_file, load_gates
-    from kiln.gates.gate import run_gate
+    from kiln.gates.gate import gate_mirror_log, run_gate
     from kiln.gates.report import to_markdown
     from kiln.gates.sides import resolve_side
     from kiln.runtime.artifact import load_manifest
@@ -100,7 +100,7 @@ def gate(
         out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
     registry = None if no_record else _open_registry(registry_spec)
     if mirror_log is not None:
-        outcome = _judge_mirror_log(candidate, baseline, mirror_log, gates, out, registry)
+        outcome = gate_mirror_log(candidate, baseline, mirror_log, gates, out, registry=registry)
     else:
         outcome = run_gate(
             candidate,
@@ -125,60 +125,6 @@ def gate(
         raise VerdictFailure(
             f"{candidate}: gate failed against {baseline} ({failed}); see {outcome.reports['html']}"
         )
-
-
-def _judge_mirror_log(
-    candidate: str, baseline: str, path: Path, gates: Any, out: Path, registry: Any
-) -> Any:
-    """A verdict on the pairs a mirror logged, by the gate's shadow comparison."""
-    import time
-
-    from kiln.gates.gate import GateOutcome
-    from kiln.gates.report import write_reports
-    from kiln.gates.shadow import compare_pair, summarize_pairs
-    from kiln.gates.sides import resolve_side
-    from kiln.gates.verdict import build_verdict
-    from kiln.runtime.errors import UsageError
-    from kiln.runtime.server.mirror_log import read_mirror_log
-    from kiln.runtime.traffic import COMPLETIONS, TrafficRecord
-    from kiln.runtime.versions import GATE_TOOLS, versions
-
-    began = time.perf_counter()
-    cand, base = resolve_side(candidate, "candidate"), resolve_side(baseline, "baseline")
-    entries = read_mirror_log(path)
-    pairs, base_answers, cand_answers = [], [], []
-    for e in entries:
-        for side, logged, role in ((cand, e.candidate, "candidate"), (base, e.primary, "primary")):
-            if side.kind == "artifact" and logged.digest and logged.digest != side.digest:
-                raise UsageError(
-                    f"{path}: request {e.id} was mirrored with {role} {logged.model} "
-                    f"{logged.digest[:12]}, not {side.spec} ({side.digest[:12]})"
-                )
-        record = TrafficRecord(e.id, e.time, COMPLETIONS, {**e.settings, "prompt": e.prompt})
-        pairs.append(compare_pair(record, e.primary, e.candidate))
-        base_answers.append(e.primary)
-        cand_answers.append(e.candidate)
-    report = summarize_pairs(pairs, base_answers, cand_answers, {"mirror_log": str(path)})
-    notes = [
-        f"mirror log {path}: {len(entries)} mirrored requests with their own sampling "
-        "settings; the primary's latency was measured under live load"
-    ]
-    verdict = build_verdict(
-        cand.to_dict(),
-        base.to_dict(),
-        gates.policy(cand.weight_bits),
-        shadow=report,
-        tools=versions(GATE_TOOLS, python=True),
-        notes=notes,
-        seconds=round(time.perf_counter() - began, 3),
-    )
-    reports = write_reports(verdict, out)
-    run_id = None
-    if registry is not None:
-        run_id = registry.record_gate_run(
-            verdict.to_dict(), cand.path if cand.kind == "artifact" else None
-        )
-    return GateOutcome(verdict, reports, run_id, cand, base, notes)
 
 
 @click.command("promote")

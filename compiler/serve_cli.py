@@ -195,7 +195,13 @@ def _old_spelling(name: str) -> str:
     metavar="CANDIDATE",
     help="Candidate artifact to mirror a fraction of requests to.",
 )
-@click.option("--mirror-fraction", default=0.1, show_default=True, type=float)
+@click.option(
+    "--mirror-fraction",
+    default=0.1,
+    show_default=True,
+    type=float,
+    help="Share of requests mirrored, in (0, 1].",
+)
 @click.option(
     "--mirror-log",
     type=click.Path(path_type=Path),

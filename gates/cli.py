@@ -52,7 +52,11 @@ def _old_spelling(name: str) -> str:
     help="An artifact dir, a float model source (HF dir), or an http(s) endpoint URL.",
 )
 @click.option("--gate-file", type=click.Path(path_type=Path), help="YAML `gates:` settings.")
-@click.option("--traffic", type=click.Path(path_type=Path), help="Recorded traffic (.jsonl).")
+@click.option(
+    "--traffic",
+    type=click.Path(path_type=Path),
+    help="Recorded traffic (.jsonl) to replay through both sides.",
+)
 @click.option(
     "--mirror-log",
     type=click.Path(path_type=Path),

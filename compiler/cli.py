@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -20,7 +18,6 @@ from rich.table import Table
 
 from kiln.runtime.exits import debug_option, handle_errors
 
-F = TypeVar("F", bound=Callable[..., Any])
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 

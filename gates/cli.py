@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from kiln.runtime.errors import VerdictFailure
 from kiln.runtime.exits import handle_errors
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 _REGISTRY = click.option(
     "--registry",

@@ -31,7 +31,12 @@ from kiln.runtime.outputs import EngineStats, RequestOutput, delta_output, final
 from kiln.runtime.sampling import Logprob, SamplingParams, make_generator, sample, token_logprobs
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Request, RequestStatus
-from kiln.runtime.speculative import SpeculativeConfig, build_speculator, from_manifest
+from kiln.runtime.speculative import (
+    SpeculativeConfig,
+    build_speculator,
+    from_manifest,
+    resolve_model_dir,
+)
 
 Prompt = str | list[int]
 
@@ -141,19 +146,14 @@ class Engine:
         draft its manifest names) and engine settings."""
         from kiln.runtime.artifact import MANIFEST
 
-        path = Path(path)
-        if (path / MANIFEST).is_file():
+        if (Path(path) / MANIFEST).is_file():
             return cls.from_artifact(path, **options)
-        if not (path / "config.json").is_file():
-            raise UsageError(
-                f"{path}: not a kiln artifact (no {MANIFEST}) and not a Hugging Face checkpoint "
-                "directory (no config.json); pass one of those"
-            )
+        model_dir = resolve_model_dir(path)  # a checkpoint directory, else UsageError
         if options.pop("verify", False):
             raise UsageError(f"{path}: verify needs a kiln artifact; a checkpoint has no digests")
         if not isinstance(options.get("speculative"), SpeculativeConfig):
             options.pop("speculative", None)  # True/False name a manifest's draft
-        return cls.from_pretrained(path, **options)
+        return cls.from_pretrained(model_dir, **options)
 
     # -- requests -------------------------------------------------------------------------
 

@@ -98,7 +98,10 @@ def resolve_model_dir(path: str | Path) -> Path:
     if (path / "manifest.json").is_file() and (path / "model" / "config.json").is_file():
         return path / "model"
     if not (path / "config.json").is_file():
-        raise UsageError(f"{path}: no config.json; pass a model directory or a kiln artifact")
+        raise UsageError(
+            f"{path}: not a kiln artifact (no manifest.json) and not a Hugging Face checkpoint "
+            "directory (no config.json); pass one of those"
+        )
     return path
 
 

@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 )
 @click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token [$KILN_API_KEY].")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), help="Write the report.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def bench(
     url: str,
@@ -75,7 +74,6 @@ def bench(
     timeout_s: float,
     api_key: str | None,
     json_file: Path | None,
-    debug: bool,
 ) -> None:
     """Benchmark the OpenAI-compatible server at URL (kiln, vLLM, llama-server, trtllm-serve)."""
     from kiln.runtime import bench as b

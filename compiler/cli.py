@@ -9,34 +9,54 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kiln.runtime.exits import handle_errors
+from kiln.runtime.exits import debug_option, handle_errors
 
-F = TypeVar("F", bound=Callable[..., Any])
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class KilnGroup(click.Group):
+    """The `kiln` group. `--debug` is its option (`kiln --debug compile R`); every command it
+    mounts also accepts it after the command's name (`kiln compile R --debug`), unlisted."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        _accept_debug(cmd)
+        super().add_command(cmd, name)
+
+
+def _accept_debug(command: click.Command) -> None:
+    if not any(param.name == "debug" for param in command.params):
+        command.params.append(debug_option(hidden=True))
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _accept_debug(sub)
+
+
+@click.group(
+    cls=KilnGroup,
+    params=[debug_option()],
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(package_name="kiln")
 def main() -> None:
-    """kiln: compile, gate and serve quantised LLMs for NVIDIA GPUs."""
+    """kiln: compile, gate and serve quantised LLMs for NVIDIA GPUs.
+
+    `--debug` goes before the command (`kiln --debug compile R`) or after its name.
+    """
 
 
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def validate(recipe: Path, as_json: bool, debug: bool) -> None:
+def validate(recipe: Path, as_json: bool) -> None:
     """Check RECIPE completely (schema, model, scheme, data, targets, memory) without running it."""
     from kiln.compiler.preflight import validate_recipe
     from kiln.runtime.errors import RecipeError
@@ -61,9 +81,8 @@ def validate(recipe: Path, as_json: bool, debug: bool) -> None:
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--target", "only", multiple=True, help="Plan only these targets (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def plan(recipe: Path, only: tuple[str, ...], as_json: bool, debug: bool) -> None:
+def plan(recipe: Path, only: tuple[str, ...], as_json: bool) -> None:
     """Plan GPU memory, KV capacity, tensor parallelism and cost for RECIPE's targets."""
     from kiln.compiler.planner import format_plan
     from kiln.compiler.preflight import validate_recipe_plans
@@ -113,7 +132,6 @@ def plan(recipe: Path, only: tuple[str, ...], as_json: bool, debug: bool) -> Non
     "else ~/.local/share/kiln/registry.db).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, help="Show tracebacks of unexpected failures.")
 @handle_errors
 def compile_cmd(
     recipe: Path,
@@ -123,7 +141,6 @@ def compile_cmd(
     no_gate: bool,
     registry_spec: str | None,
     as_json: bool,
-    debug: bool,
 ) -> None:
     """Compile RECIPE into a content-addressed artifact, then gate it if the recipe says so."""
     from kiln.compiler.compile import compile_recipe
@@ -186,9 +203,8 @@ def compile_cmd(
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True, help="Re-hash every file against the manifest.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def inspect(artifact_dir: Path, verify: bool, as_json: bool, debug: bool) -> None:
+def inspect(artifact_dir: Path, verify: bool, as_json: bool) -> None:
     """Show an artifact's manifest, sizes and scheme; --verify re-checks every digest."""
     from kiln.compiler.describe import describe
     from kiln.runtime import artifact

@@ -417,7 +417,6 @@ def format_report(report: DraftReport) -> list[tuple[str, str]]:
     help="Output directory (default: ./<target name>-draft[-<N>l]).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def draft_command(
     target: str,
@@ -433,7 +432,6 @@ def draft_command(
     no_measure: bool,
     out: Path | None,
     as_json: bool,
-    debug: bool,
 ) -> None:
     """Make a speculative-decoding draft of TARGET (a model source) and measure it.
 

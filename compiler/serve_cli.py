@@ -40,7 +40,9 @@ class ServedModel:
 
     @property
     def model_dir(self) -> Path:
-        return self.path / "model" if self.is_artifact else self.path
+        from kiln.runtime.artifact import MODEL_DIR
+
+        return self.path / MODEL_DIR if self.is_artifact else self.path
 
 
 def parse_size(text: str) -> int:
@@ -138,7 +140,20 @@ def _engine_options(**given: Any) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-@click.command("serve")
+# The mirror's options were once spelled --shadow...; old scripts keep working, unlisted.
+_OLD_SPELLINGS = {
+    "shadow": "mirror",
+    "shadow-fraction": "mirror-fraction",
+    "shadow-log": "mirror-log",
+    "shadow-queue": "mirror-queue",
+}
+
+
+def _old_spelling(name: str) -> str:
+    return _OLD_SPELLINGS.get(name, name)
+
+
+@click.command("serve", context_settings={"token_normalize_func": _old_spelling})
 @click.argument("artifact")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
@@ -174,15 +189,26 @@ def _engine_options(**given: Any) -> dict[str, Any]:
 @click.option("--record-sample-rate", default=1.0, show_default=True, type=float)
 @click.option("--record-prompts", is_flag=True, help="Store prompt text (default: hash + count).")
 @click.option("--record-responses", is_flag=True, help="Store responses too.")
-@click.option("--shadow", "shadow_spec", help="Candidate artifact to mirror requests to.")
-@click.option("--shadow-fraction", default=0.1, show_default=True, type=float)
 @click.option(
-    "--shadow-log",
-    type=click.Path(path_type=Path),
-    help="Where mirrored comparisons go (judge with kiln gate --shadow-log).",
+    "--mirror",
+    "mirror_spec",
+    metavar="CANDIDATE",
+    help="Candidate artifact to mirror a fraction of requests to.",
 )
 @click.option(
-    "--shadow-queue",
+    "--mirror-fraction",
+    default=0.1,
+    show_default=True,
+    type=float,
+    help="Share of requests mirrored, in (0, 1].",
+)
+@click.option(
+    "--mirror-log",
+    type=click.Path(path_type=Path),
+    help="Where both answers to each mirrored request go (judge with kiln gate --mirror-log).",
+)
+@click.option(
+    "--mirror-queue",
     default=16,
     show_default=True,
     type=int,
@@ -202,7 +228,6 @@ def _engine_options(**given: Any) -> dict[str, Any]:
     help="Registry for registry://CHANNEL (default: $KILN_REGISTRY).",
 )
 @click.option("--log-level", default="info", show_default=True)
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def serve(
     artifact: str,
@@ -222,25 +247,24 @@ def serve(
     record_sample_rate: float,
     record_prompts: bool,
     record_responses: bool,
-    shadow_spec: str | None,
-    shadow_fraction: float,
-    shadow_log: Path | None,
-    shadow_queue: int,
+    mirror_spec: str | None,
+    mirror_fraction: float,
+    mirror_log: Path | None,
+    mirror_queue: int,
     drain_timeout: float,
     registry_spec: str | None,
     log_level: str,
-    debug: bool,
 ) -> None:
     """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
     from kiln.runtime import Engine
     from kiln.runtime.server import NativeBackend, ServerConfig, create_app
     from kiln.runtime.server import serve as run
+    from kiln.runtime.server.mirror import Mirror
     from kiln.runtime.server.record import RecordSettings, TrafficRecorder
-    from kiln.runtime.server.shadow import ShadowMirror
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if shadow_spec and shadow_log is None:
-        raise UsageError("--shadow needs --shadow-log FILE (where the comparisons go)")
+    if mirror_spec and mirror_log is None:
+        raise UsageError("--mirror needs --mirror-log FILE (where both answers go)")
     recorder = None
     if record_path is not None:
         recorder = TrafficRecorder(
@@ -266,29 +290,20 @@ def serve(
         served = TrtllmBackend(engine_dir, model.model_dir, limit)
         max_running = max_num_seqs or 64
     else:
-        engine = (
-            Engine.from_artifact(model.path, **options)
-            if model.is_artifact
-            else Engine.from_pretrained(model.path, **options)
-        )
+        engine = Engine.load(model.path, **options)
         served = NativeBackend(engine)
         max_running = engine.config.max_num_seqs
     mirror = None
-    if shadow_spec:
-        assert shadow_log is not None
-        candidate = resolve_model(shadow_spec, registry_spec, "--shadow")
-        cand_engine = (
-            Engine.from_artifact(candidate.path, **options)
-            if candidate.is_artifact
-            else Engine.from_pretrained(candidate.path, **options)
-        )
-        mirror = ShadowMirror(
-            cand_engine,
-            shadow_log,
-            shadow_fraction,
+    if mirror_spec:
+        assert mirror_log is not None
+        candidate = resolve_model(mirror_spec, registry_spec, "--mirror")
+        mirror = Mirror(
+            Engine.load(candidate.path, **options),
+            mirror_log,
+            mirror_fraction,
             candidate.name,
             candidate.digest,
-            max_queue=shadow_queue,
+            max_queue=mirror_queue,
         )
     config = ServerConfig(
         model_name=served_model_name or model.name,

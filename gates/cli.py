@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from kiln.runtime.errors import VerdictFailure
 from kiln.runtime.exits import handle_errors
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 _REGISTRY = click.option(
     "--registry",
@@ -39,7 +36,12 @@ def _open_registry(spec: str | None) -> Any:
     return Registry(spec)
 
 
-@click.command("gate")
+def _old_spelling(name: str) -> str:
+    # --mirror-log was once spelled --shadow-log; old scripts keep working, unlisted.
+    return "mirror-log" if name == "shadow-log" else name
+
+
+@click.command("gate", context_settings={"token_normalize_func": _old_spelling})
 @click.argument("candidate")
 @click.option(
     "--baseline",
@@ -47,35 +49,37 @@ def _open_registry(spec: str | None) -> Any:
     help="An artifact dir, a float model source (HF dir), or an http(s) endpoint URL.",
 )
 @click.option("--gate-file", type=click.Path(path_type=Path), help="YAML `gates:` settings.")
-@click.option("--traffic", type=click.Path(path_type=Path), help="Recorded traffic (.jsonl).")
 @click.option(
-    "--shadow-log",
+    "--traffic",
     type=click.Path(path_type=Path),
-    help="Judge a live-shadow log of `kiln serve --shadow` (no tasks, no replay).",
+    help="Recorded traffic (.jsonl) to replay through both sides.",
+)
+@click.option(
+    "--mirror-log",
+    type=click.Path(path_type=Path),
+    help="Judge the mirror log of `kiln serve --mirror` (no tasks, no replay).",
 )
 @click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
 @click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
 @_REGISTRY
 @click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
 @click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def gate(
     candidate: str,
     baseline: str,
     gate_file: Path | None,
     traffic: Path | None,
-    shadow_log: Path | None,
+    mirror_log: Path | None,
     out: Path | None,
     limit: int | None,
     registry_spec: str | None,
     no_record: bool,
     as_json: bool,
-    debug: bool,
 ) -> None:
     """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
     from kiln.gates.config import load_gate_file, load_gates
-    from kiln.gates.gate import run_gate
+    from kiln.gates.gate import gate_mirror_log, run_gate
     from kiln.gates.report import to_markdown
     from kiln.gates.sides import resolve_side
     from kiln.runtime.artifact import load_manifest
@@ -96,8 +100,8 @@ def gate(
         label = cand.name if cand.kind == "http" else f"{cand.name}-{cand.digest[:12]}"
         out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
     registry = None if no_record else _open_registry(registry_spec)
-    if shadow_log is not None:
-        outcome = _judge_shadow_log(candidate, baseline, shadow_log, gates, out, registry)
+    if mirror_log is not None:
+        outcome = gate_mirror_log(candidate, baseline, mirror_log, gates, out, registry=registry)
     else:
         outcome = run_gate(
             candidate,
@@ -124,75 +128,13 @@ def gate(
         )
 
 
-def _judge_shadow_log(
-    candidate: str, baseline: str, path: Path, gates: Any, out: Path, registry: Any
-) -> Any:
-    """A verdict on the pairs a live shadow logged, by the replay gate's comparison."""
-    import time
-
-    from kiln.gates.gate import GateOutcome
-    from kiln.gates.report import write_reports
-    from kiln.gates.shadow import ReplaySettings, SideResponse, compare_pair, summarize_pairs
-    from kiln.gates.sides import resolve_side
-    from kiln.gates.verdict import build_verdict
-    from kiln.runtime.errors import UsageError
-    from kiln.runtime.server.shadow_log import read_shadow_log
-    from kiln.runtime.traffic import COMPLETIONS, TrafficRecord
-    from kiln.runtime.versions import GATE_TOOLS, versions
-
-    began = time.perf_counter()
-    cand, base = resolve_side(candidate, "candidate"), resolve_side(baseline, "baseline")
-    entries = read_shadow_log(path)
-    pairs, base_answers, cand_answers = [], [], []
-    for e in entries:
-        for side, logged, role in ((cand, e.candidate, "candidate"), (base, e.primary, "primary")):
-            if side.kind == "artifact" and logged.digest and logged.digest != side.digest:
-                raise UsageError(
-                    f"{path}: request {e.id} was mirrored with {role} {logged.model} "
-                    f"{logged.digest[:12]}, not {side.spec} ({side.digest[:12]})"
-                )
-        record = TrafficRecord(e.id, e.time, COMPLETIONS, {**e.settings, "prompt": e.prompt})
-        answers = [
-            SideResponse(r.text, r.token_ids, r.ttft_s, r.tpot_s, r.error, r.finish_reason)
-            for r in (e.primary, e.candidate)
-        ]
-        pairs.append(compare_pair(record, *answers))
-        base_answers.append(answers[0])
-        cand_answers.append(answers[1])
-    settings = ReplaySettings(temperature=None, max_tokens=None)
-    report = summarize_pairs(pairs, base_answers, cand_answers, settings)
-    notes = [
-        f"live shadow log {path}: {len(entries)} mirrored requests with their own sampling "
-        "settings; the primary's latency was measured under live load"
-    ]
-    verdict = build_verdict(
-        cand.to_dict(),
-        base.to_dict(),
-        gates.policy(cand.weight_bits),
-        shadow=report,
-        tools=versions(GATE_TOOLS, python=True),
-        notes=notes,
-        seconds=round(time.perf_counter() - began, 3),
-    )
-    reports = write_reports(verdict, out)
-    run_id = None
-    if registry is not None:
-        run_id = registry.record_gate_run(
-            verdict.to_dict(), cand.path if cand.kind == "artifact" else None
-        )
-    return GateOutcome(verdict, reports, run_id, cand, base, notes)
-
-
 @click.command("promote")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--channel", required=True, help="Release channel, e.g. prod or staging.")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def promote(
-    artifact: Path, channel: str, reason: str, registry_spec: str | None, debug: bool
-) -> None:
+def promote(artifact: Path, channel: str, reason: str, registry_spec: str | None) -> None:
     """Point CHANNEL at ARTIFACT; needs a passing gate run against the channel's baseline."""
     with _open_registry(registry_spec) as registry:
         event = registry.promote(artifact, channel, reason)
@@ -204,9 +146,8 @@ def promote(
 @click.argument("channel")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def rollback(channel: str, reason: str, registry_spec: str | None, debug: bool) -> None:
+def rollback(channel: str, reason: str, registry_spec: str | None) -> None:
     """Move CHANNEL back to the artifact it served before its current one."""
     with _open_registry(registry_spec) as registry:
         event = registry.rollback(channel, reason)
@@ -223,9 +164,8 @@ def registry() -> None:
 @registry.command("ls")
 @_REGISTRY
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def registry_ls(registry_spec: str | None, as_json: bool, debug: bool) -> None:
+def registry_ls(registry_spec: str | None, as_json: bool) -> None:
     """Channels with what they serve, and the latest gate runs."""
     from dataclasses import asdict
 
@@ -251,9 +191,8 @@ def registry_ls(registry_spec: str | None, as_json: bool, debug: bool) -> None:
 @registry.command("history")
 @click.argument("channel")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
-def registry_history(channel: str, registry_spec: str | None, debug: bool) -> None:
+def registry_history(channel: str, registry_spec: str | None) -> None:
     """The promotion and rollback events of CHANNEL, oldest first."""
     with _open_registry(registry_spec) as reg:
         events = reg.history(channel)
@@ -269,10 +208,9 @@ def registry_history(channel: str, registry_spec: str | None, debug: bool) -> No
 @click.option("--rule", type=click.Choice(["current", "fixed"]), default="current")
 @click.option("--baseline", "baseline_digest", help="Baseline digest for --rule fixed.")
 @_REGISTRY
-@click.option("--debug", is_flag=True, hidden=True)
 @handle_errors
 def registry_channel(
-    name: str, rule: str, baseline_digest: str | None, registry_spec: str | None, debug: bool
+    name: str, rule: str, baseline_digest: str | None, registry_spec: str | None
 ) -> None:
     """Create or configure channel NAME: which baseline its candidates must be gated against."""
     with _open_registry(registry_spec) as reg:

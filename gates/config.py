@@ -27,8 +27,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kiln.gates.replay import ReplaySettings
 from kiln.gates.rules import GatePolicy, default_policy
-from kiln.gates.shadow import ReplaySettings
 from kiln.runtime.errors import UsageError
 
 DEFAULT_TASKS = ["kiln_ppl", "kiln_mc", "kiln_qa"]
@@ -96,7 +96,8 @@ class DivergenceSection(_Strict):
 
 
 class ShadowSection(_Strict):
-    """Shadow replay of recorded traffic; relative paths are relative to the gate file."""
+    """Replay of recorded traffic for the shadow comparison; relative paths are relative to
+    the gate file."""
 
     traffic: str | None = None
     max_requests: int | None = Field(None, ge=1)

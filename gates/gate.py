@@ -4,11 +4,14 @@ Order of work, chosen to keep at most one model side loaded at a time where poss
 1. lm-eval tasks on the candidate (through the runtime: the gate evaluates what ships),
    plus its top-k next-token log-probabilities on held-out text;
 2. the same on the baseline (runtime for an artifact, transformers for a float source);
-3. shadow replay of recorded traffic through both sides (runtime engines or endpoints);
+3. replay of recorded traffic through both sides (runtime engines or endpoints) and the
+   shadow comparison of their answers;
 4. the verdict, its reports (gate.json, gate.md, gate.html) and the registry record.
 
 An http(s) endpoint side has no log-probabilities to score tasks with, so a gate with an
 endpoint on either side compares shadow traffic only and says so in its notes.
+`gate_mirror_log` judges the pairs `kiln serve --mirror` logged instead (step 3 without
+replay, no tasks) and finishes through the same step 4.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Any
 from kiln.gates.config import GatesSection
 from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
 from kiln.gates.registry import Registry
+from kiln.gates.replay import Side, replay
 from kiln.gates.report import write_reports
 from kiln.gates.rules import GatePolicy
-from kiln.gates.shadow import ShadowReport, Side, replay
+from kiln.gates.shadow import ShadowReport, compare_pair, summarize_pairs
 from kiln.gates.sides import EngineSide, HttpSide, SideSpec, resolve_side
 from kiln.gates.tasks import BUILTIN_TASKS_DIR, TaskResult
 from kiln.gates.verdict import (
@@ -37,7 +41,8 @@ from kiln.gates.verdict import (
     compare_task,
 )
 from kiln.runtime.errors import UsageError
-from kiln.runtime.traffic import read_traffic
+from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
+from kiln.runtime.traffic import COMPLETIONS, TrafficRecord, read_traffic
 from kiln.runtime.versions import GATE_TOOLS, versions
 
 Progress = Callable[[str], None]
@@ -130,7 +135,7 @@ def compare_results(
     return tasks, ppl
 
 
-def _shadow_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
+def _replay_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
     if side.kind == "http":
         assert side.url is not None
         return HttpSide(side.url, timeout_s=timeout_s)
@@ -207,21 +212,91 @@ def run_gate(
         gc.collect()
     shadow: ShadowReport | None = None
     if records:
-        say(f"shadow: replaying {len(records)} recorded requests through both sides")
+        say(f"replay: {len(records)} recorded requests through both sides")
         timeout = gates.shadow.timeout_s
         shadow = replay(
             records,
-            _shadow_side(base, base_engine, timeout),
-            _shadow_side(cand, cand_engine, timeout),
+            _replay_side(base, base_engine, timeout),
+            _replay_side(cand, cand_engine, timeout),
             gates.shadow.settings(),
             progress=say,
         )
+    return _decide(
+        cand, base, policy, out_dir, registry, notes, began,
+        tasks=tasks, perplexity=ppl, divergence=divergence, shadow=shadow,
+    )  # fmt: skip
+
+
+def gate_mirror_log(
+    candidate: str,
+    baseline: str,
+    log: str | Path,
+    gates: GatesSection,
+    out_dir: str | Path,
+    *,
+    registry: Registry | None = None,
+) -> GateOutcome:
+    """Gate `candidate` against `baseline` on the answer pairs of a mirror log (`kiln serve
+    --mirror`, baseline = the primary): the shadow comparison only; writes reports and
+    records the run like `run_gate`."""
+    began = time.perf_counter()
+    cand = resolve_side(candidate, "candidate")
+    base = resolve_side(baseline, "baseline")
+    entries = read_mirror_log(log)
+    for entry in entries:
+        _check_mirrored(log, entry, cand, base)
+    pairs = [
+        compare_pair(
+            TrafficRecord(e.id, e.time, COMPLETIONS, {**e.settings, "prompt": e.prompt}),
+            e.primary,
+            e.candidate,
+        )
+        for e in entries
+    ]
+    base_answers, cand_answers = [e.primary for e in entries], [e.candidate for e in entries]
+    shadow = summarize_pairs(pairs, base_answers, cand_answers, {"mirror_log": str(log)})
+    notes = [
+        f"mirror log {log}: {len(entries)} mirrored requests with their own sampling "
+        "settings; the primary's latency was measured under live load"
+    ]
+    policy = gates.policy(cand.weight_bits)
+    return _decide(cand, base, policy, out_dir, registry, notes, began, shadow=shadow)
+
+
+def _check_mirrored(log: str | Path, entry: MirrorEntry, cand: SideSpec, base: SideSpec) -> None:
+    """Refuse a log whose answers came from other artifacts than the two being gated."""
+    for side, logged, role in (
+        (cand, entry.candidate, "candidate"),
+        (base, entry.primary, "primary"),
+    ):
+        if side.kind == "artifact" and logged.digest and logged.digest != side.digest:
+            raise UsageError(
+                f"{log}: request {entry.id} was mirrored with {role} {logged.model} "
+                f"{logged.digest[:12]}, not {side.spec} ({side.digest[:12]})"
+            )
+
+
+def _decide(
+    cand: SideSpec,
+    base: SideSpec,
+    policy: GatePolicy,
+    out_dir: str | Path,
+    registry: Registry | None,
+    notes: list[str],
+    began: float,
+    *,
+    tasks: list[TaskComparison] | None = None,
+    perplexity: list[PerplexityComparison] | None = None,
+    divergence: DivergenceSummary | None = None,
+    shadow: ShadowReport | None = None,
+) -> GateOutcome:
+    """The verdict on what was measured, its reports and its registry record."""
     verdict = build_verdict(
         cand.to_dict(),
         base.to_dict(),
         policy,
         tasks,
-        ppl,
+        perplexity,
         divergence,
         shadow,
         tools=versions(GATE_TOOLS, python=True),

@@ -62,16 +62,13 @@ class KilnLM(TemplateLM):
             if not device or (device.startswith("cuda") and not torch.cuda.is_available()):
                 device = "cpu"
             engine_config.pop("max_batch_size", None)  # lm-eval's, not an engine setting
-
-            if artifact:
-                engine = Engine.from_artifact(artifact, device=device, **engine_config)
-            elif pretrained:
-                engine = Engine.from_pretrained(pretrained, device=device, **engine_config)
-            else:
+            path = artifact or pretrained
+            if not path:
                 raise UsageError(
                     "model `kiln` needs model_args artifact=PATH (a kiln artifact) or "
                     "pretrained=DIR (a Hugging Face checkpoint directory)"
                 )
+            engine = Engine.load(path, device=device, **engine_config)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         # The engine needs room for the scored window plus one generated token.

@@ -1,8 +1,8 @@
-"""Shadow traffic: replay recorded requests against baseline and candidate and compare.
+"""Shadow comparison: a candidate's answers against the baseline's, request by request.
 
-Service meshes mirror traffic but discard the mirror's answers, so the gate captures both
-sides itself: every recorded request (`runtime.traffic`) is sent to both sides with the
-same settings (greedy by default), and the pair of answers is compared.
+The pairs come from replayed traffic (gates/replay.py) or from the mirror log of
+`kiln serve --mirror` (live traffic); either way each pair of answers is compared here and
+the `shadow_*` thresholds of the gate policy are applied to the summary.
 
 Metrics: exact-match rate; matching-prefix length (characters, and tokens where both sides
 return token ids); first-divergence position; length ratio; format-error rate (invalid JSON
@@ -13,54 +13,17 @@ pairs (shortest shared prefix relative to the answer length) are kept for the re
 
 from __future__ import annotations
 
-import copy
 import json
 import re
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from kiln.gates.rules import Check, GatePolicy, threshold_check
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.traffic import TrafficRecord
-
-
-@dataclass(slots=True)
-class SideResponse:
-    """One side's answer to one request; `error` set means it failed to answer."""
-
-    text: str = ""
-    token_ids: list[int] | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    error: str | None = None
-    finish_reason: str | None = None
-
-
-class Side(Protocol):
-    """Something that answers OpenAI-style requests: an endpoint, an engine, a model."""
-
-    name: str
-
-    def complete(self, record: TrafficRecord) -> SideResponse:
-        """Answer one request (a single prompt or one chat) exactly as it is written."""
-        ...
-
-
-@dataclass(slots=True)
-class ReplaySettings:
-    """What replay forces on every request so both sides decode identically."""
-
-    temperature: float | None = 0.0  # None keeps each request's own sampling settings
-    max_tokens: int | None = None  # None keeps each request's own max_tokens
-    # For requests that name no limit: servers' defaults differ (16 for completions, the
-    # context for chats), so replay sets one explicitly and both sides stop alike.
-    default_max_tokens: int = 64
-    max_requests: int | None = None
-    concurrency: int = 1
-    worst: int = 5
 
 
 @dataclass(slots=True)
@@ -98,7 +61,7 @@ class LatencyStats:
 
 @dataclass(slots=True)
 class ShadowReport:
-    """Shadow replay summary: the metrics, the per-side latency, the worst pairs."""
+    """Shadow comparison summary: the metrics, the per-side latency, the worst pairs."""
 
     num_requests: int
     exact_match_rate: float
@@ -168,33 +131,6 @@ def is_valid_json(text: str) -> bool:
     return True
 
 
-def replay_requests(
-    records: Sequence[TrafficRecord], settings: ReplaySettings
-) -> list[TrafficRecord]:
-    """One request per prompt with the forced settings (a batched prompt list is split)."""
-    out: list[TrafficRecord] = []
-    for record in records:
-        prompts: list[str | None] = [None] if record.is_chat else list(record.prompts())
-        for i, prompt in enumerate(prompts):
-            request = copy.deepcopy(record.request)
-            request.pop("stream", None)
-            request["n"] = 1
-            if prompt is not None:
-                request["prompt"] = prompt
-            if settings.temperature is not None:
-                request["temperature"] = settings.temperature
-                if settings.temperature == 0:
-                    request.pop("top_p", None)
-                    request.pop("top_k", None)
-            if settings.max_tokens is not None:
-                request["max_tokens"] = settings.max_tokens
-            elif "max_tokens" not in request and "max_completion_tokens" not in request:
-                request["max_tokens"] = settings.default_max_tokens
-            rid = record.id if len(prompts) == 1 else f"{record.id}#{i}"
-            out.append(TrafficRecord(rid, record.time, record.endpoint, request))
-    return out[: settings.max_requests] if settings.max_requests else out
-
-
 # --- comparison -----------------------------------------------------------------------
 
 
@@ -207,7 +143,7 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def compare_pair(record: TrafficRecord, base: SideResponse, cand: SideResponse) -> PairDiff:
+def compare_pair(record: TrafficRecord, base: SideAnswer, cand: SideAnswer) -> PairDiff:
     """Compare one request's two answers."""
     prefix = common_prefix(base.text, cand.text)
     exact = base.error is None and cand.error is None and base.text == cand.text
@@ -236,7 +172,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def _latency(responses: list[SideResponse]) -> LatencyStats:
+def _latency(responses: list[SideAnswer]) -> LatencyStats:
     ttft = [r.ttft_s for r in responses if r.ttft_s is not None and r.error is None]
     tpot = [r.tpot_s for r in responses if r.tpot_s is not None and r.error is None]
     return LatencyStats(_pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99))
@@ -244,14 +180,16 @@ def _latency(responses: list[SideResponse]) -> LatencyStats:
 
 def summarize_pairs(
     pairs: list[PairDiff],
-    base: list[SideResponse],
-    cand: list[SideResponse],
-    settings: ReplaySettings,
+    base: list[SideAnswer],
+    cand: list[SideAnswer],
+    settings: dict[str, Any] | None = None,
+    worst: int = 5,
 ) -> ShadowReport:
-    """Aggregate per-request comparisons into the shadow report."""
+    """Aggregate per-request comparisons into the shadow report; `settings` says where the
+    pairs came from, `worst` how many of the least alike are kept."""
     n = len(pairs)
     if n == 0:
-        raise ValueError("shadow replay had no requests to compare")
+        raise ValueError("the shadow comparison has no requests to compare")
     token_prefixes = [p.prefix_tokens for p in pairs if p.prefix_tokens is not None]
     divergences = [p.first_divergence for p in pairs if p.first_divergence is not None]
     json_pairs = [p for p in pairs if p.wants_json]
@@ -262,7 +200,7 @@ def summarize_pairs(
         judged = [getattr(p, key) for p in json_pairs]
         return sum(1 for ok in judged if ok is False) / len(judged) if judged else 0.0
 
-    worst = sorted((p for p in pairs if not p.exact), key=lambda p: (p.agreement, p.id))
+    least_alike = sorted((p for p in pairs if not p.exact), key=lambda p: (p.agreement, p.id))
     return ShadowReport(
         num_requests=n,
         exact_match_rate=sum(p.exact for p in pairs) / n,
@@ -277,34 +215,9 @@ def summarize_pairs(
         candidate_error_rate=sum(r.error is not None for r in cand) / n,
         baseline_latency=_latency(base),
         candidate_latency=_latency(cand),
-        settings=asdict(settings),
-        worst=worst[: settings.worst],
+        settings=dict(settings or {}),
+        worst=least_alike[:worst],
     )
-
-
-def replay(
-    records: Sequence[TrafficRecord],
-    baseline: Side,
-    candidate: Side,
-    settings: ReplaySettings | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> ShadowReport:
-    """Send every request to both sides with identical settings and compare the answers."""
-    settings = settings or ReplaySettings()
-    requests = replay_requests(records, settings)
-
-    def one(record: TrafficRecord) -> tuple[SideResponse, SideResponse]:
-        # Sequential per request: the two sides never compete for the same machine.
-        return baseline.complete(record), candidate.complete(record)
-
-    with ThreadPoolExecutor(max_workers=max(1, settings.concurrency)) as pool:
-        answers = []
-        for i, pair in enumerate(pool.map(one, requests), start=1):
-            answers.append(pair)
-            if progress:
-                progress(f"shadow: {i}/{len(requests)} requests")
-    pairs = [compare_pair(r, b, c) for r, (b, c) in zip(requests, answers, strict=True)]
-    return summarize_pairs(pairs, [a[0] for a in answers], [a[1] for a in answers], settings)
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -312,7 +225,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def shadow_checks(report: ShadowReport, policy: GatePolicy) -> list[Check]:
-    """The shadow thresholds of a policy applied to a replay report."""
+    """The shadow thresholds of a policy applied to a shadow comparison's report."""
     deviation = abs(report.length_ratio - 1.0)
     format_increase = report.candidate_format_error_rate - report.baseline_format_error_rate
     base_lat, cand_lat = report.baseline_latency, report.candidate_latency

@@ -1,4 +1,4 @@
-"""The two sides a gate compares: what a side spec names, and the shadow `Side`s that answer.
+"""The two sides a gate compares: what a side spec names, and the replay `Side`s that answer.
 
 A side spec is one of
 - a kiln artifact directory (has `manifest.json`): evaluated through kiln's runtime;
@@ -16,7 +16,6 @@ timings are the engine's own, not a queue's.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from kiln.gates.shadow import SideResponse
+from kiln.runtime.answer import SideAnswer, answer_alone
 from kiln.runtime.artifact import MANIFEST, content_digest, file_digests, load_manifest
 from kiln.runtime.client import OpenAIClient
 from kiln.runtime.errors import UsageError
@@ -100,7 +99,7 @@ def resolve_side(spec: str, role: str = "side") -> SideSpec:
     )
 
 
-# --- shadow sides -----------------------------------------------------------------------
+# --- replay sides -----------------------------------------------------------------------
 
 
 class HttpSide:
@@ -121,14 +120,12 @@ class HttpSide:
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
                 self._client.model = None  # the server picks its default model
 
-    def complete(self, record: TrafficRecord) -> SideResponse:
+    def complete(self, record: TrafficRecord) -> SideAnswer:
         self._resolve_model()
         result = self._client.stream(record.endpoint, record.request)
         if result.error is not None:
-            return SideResponse(text=result.text, error=result.error)
-        return SideResponse(
-            result.text, None, result.ttft_s, result.tpot_s, None, result.finish_reason
-        )
+            return SideAnswer(text=result.text, error=result.error)
+        return SideAnswer(result.text, None, result.ttft_s, result.tpot_s, result.finish_reason)
 
     def close(self) -> None:
         self._client.close()
@@ -148,16 +145,6 @@ def sampling_from_request(request: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def prompt_token_ids(tokenizer: Any, record: TrafficRecord) -> list[int]:
-    """Token ids of a request: the chat template for chats, the plain prompt otherwise."""
-    if record.is_chat:
-        text = tokenizer.apply_chat_template(
-            record.request["messages"], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(record.prompts()[0])["input_ids"])
-
-
 class EngineSide:
     """kiln's runtime engine on an artifact (what ships) or a float source directory."""
 
@@ -173,43 +160,16 @@ class EngineSide:
 
         if side.path is None:
             raise UsageError(f"{side.spec}: an http side is served by HttpSide, not the engine")
-        if side.kind == "artifact":
-            return cls(Engine.from_artifact(side.path, **engine_config), side.name)
-        return cls(Engine.from_pretrained(side.path, **engine_config), side.name)
+        return cls(Engine.load(side.path, **engine_config), side.name)
 
-    def complete(self, record: TrafficRecord) -> SideResponse:
+    def complete(self, record: TrafficRecord) -> SideAnswer:
         from kiln.runtime import SamplingParams
 
         try:
-            ids = prompt_token_ids(self.engine.tokenizer, record)
             params = SamplingParams(**sampling_from_request(record.request))
         except (UsageError, ValueError, TypeError) as exc:
-            return SideResponse(error=f"bad request: {exc}")
-        texts: list[str] = []
-        tokens: list[int] = []
-        finish = None
-        first = None
+            return SideAnswer(error=f"bad request: {exc}")
         with self._lock:
-            sent = time.perf_counter()
-            try:
-                rid = self.engine.add_request(ids, params)
-            except UsageError as exc:
-                return SideResponse(error=exc.message)
-            done = False
-            while not done:
-                deltas = self.engine.step()
-                if not deltas and not self.engine.has_unfinished_requests():
-                    return SideResponse("".join(texts), tokens, error="engine dropped the request")
-                for delta in deltas:  # one request at a time: only ours
-                    if delta.request_id != rid:
-                        continue
-                    if delta.token_ids and first is None:
-                        first = time.perf_counter()
-                    texts.append(delta.text)
-                    tokens += delta.token_ids
-                    if delta.finished:
-                        done, finish = True, delta.finish_reason
-            end = time.perf_counter()
-        ttft = first - sent if first is not None else None
-        tpot = (end - first) / (len(tokens) - 1) if first is not None and len(tokens) > 1 else None
-        return SideResponse("".join(texts), tokens, ttft, tpot, None, finish)
+            if record.is_chat:
+                return answer_alone(self.engine, params, messages=record.request["messages"])
+            return answer_alone(self.engine, params, record.prompts()[0])

@@ -14,9 +14,9 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Unpack
 
-from kiln.runtime.engine import Engine, Prompt
+from kiln.runtime.engine import Engine, Prompt, RequestOptions
 from kiln.runtime.errors import UsageError
 from kiln.runtime.outputs import EngineStats, RequestOutput, delta_output
 from kiln.runtime.sampling import SamplingParams
@@ -56,13 +56,11 @@ class AsyncEngine:
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        **options: Unpack[RequestOptions],
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until one says `finished`; raises UsageError at once
         for a bad prompt or parameters."""
-        request = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
+        request = self.engine.make_request(prompt, params, **options)
         rid = request.request_id
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:

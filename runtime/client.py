@@ -2,7 +2,7 @@
 
 It sends one `/v1/completions` or `/v1/chat/completions` request with `stream: true`, reads
 the SSE frames (`data: {json}` ... `data: [DONE]`) and times every content chunk, so the
-shadow gate and `kiln bench` measure the same way `vllm bench serve` does:
+gate's replay and `kiln bench` measure the same way `vllm bench serve` does:
 
 - TTFT: first chunk carrying a token - request sent;
 - ITL: the gaps between consecutive content chunks;

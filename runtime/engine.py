@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -31,9 +31,22 @@ from kiln.runtime.outputs import EngineStats, RequestOutput, delta_output, final
 from kiln.runtime.sampling import Logprob, SamplingParams, make_generator, sample, token_logprobs
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Request, RequestStatus
-from kiln.runtime.speculative import SpeculativeConfig, build_speculator, from_manifest
+from kiln.runtime.speculative import (
+    SpeculativeConfig,
+    build_speculator,
+    from_manifest,
+    resolve_model_dir,
+)
 
 Prompt = str | list[int]
+
+
+class RequestOptions(TypedDict, total=False):
+    """What a request may set beyond its prompt and sampling parameters."""
+
+    request_id: str  # default: req-N
+    priority: int  # with the "priority" scheduling policy, lower runs first; default 0
+    cache_salt: str  # only requests with the same salt share prefix-cache blocks
 
 
 class Engine:
@@ -125,18 +138,34 @@ class Engine:
             raise ArtifactError(f"{path}: artifact has no {MODEL_DIR}/config.json")
         return cls.from_pretrained(model_dir, device=device, speculative=speculative, **config)
 
+    @classmethod
+    def load(cls, path: str | Path, **options: Any) -> Engine:
+        """Load whatever `path` is: a kiln artifact (`from_artifact`) or a Hugging Face
+        checkpoint directory (`from_pretrained`). `options` are `from_artifact`'s: device,
+        verify, speculative (a config, or for an artifact False/True to refuse/force the
+        draft its manifest names) and engine settings."""
+        from kiln.runtime.artifact import MANIFEST
+
+        if (Path(path) / MANIFEST).is_file():
+            return cls.from_artifact(path, **options)
+        model_dir = resolve_model_dir(path)  # a checkpoint directory, else UsageError
+        if options.pop("verify", False):
+            raise UsageError(f"{path}: verify needs a kiln artifact; a checkpoint has no digests")
+        if not isinstance(options.get("speculative"), SpeculativeConfig):
+            options.pop("speculative", None)  # True/False name a manifest's draft
+        return cls.from_pretrained(model_dir, **options)
+
     # -- requests -------------------------------------------------------------------------
 
     def make_request(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Request:
         """Validate and tokenise a prompt into a Request without queueing it."""
         params = params or SamplingParams()
+        request_id = options.get("request_id")
         if isinstance(prompt, str):
             if self.detokenizer is None:
                 raise UsageError("this engine has no tokenizer: pass token ids, not text")
@@ -167,7 +196,13 @@ class Engine:
                 f"request {rid}: needs {self.kv.blocks_needed(longest)} KV blocks but the "
                 f"cache has {self.num_blocks}; lower max_tokens or raise kv_cache_memory_bytes"
             )
-        request = Request(rid, token_ids, params, priority=priority, cache_salt=cache_salt)
+        request = Request(
+            rid,
+            token_ids,
+            params,
+            priority=options.get("priority", 0),
+            cache_salt=options.get("cache_salt"),
+        )
         request.generator = make_generator(params.seed, self.model.device)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -179,12 +214,10 @@ class Engine:
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        **options: Unpack[RequestOptions],
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
-        request = self.make_request(prompt, params, request_id, priority, cache_salt)
+        request = self.make_request(prompt, params, **options)
         self.add(request)
         return request.request_id
 

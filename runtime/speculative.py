@@ -98,7 +98,10 @@ def resolve_model_dir(path: str | Path) -> Path:
     if (path / "manifest.json").is_file() and (path / "model" / "config.json").is_file():
         return path / "model"
     if not (path / "config.json").is_file():
-        raise UsageError(f"{path}: no config.json; pass a model directory or a kiln artifact")
+        raise UsageError(
+            f"{path}: not a kiln artifact (no manifest.json) and not a Hugging Face checkpoint "
+            "directory (no config.json); pass one of those"
+        )
     return path
 
 
@@ -146,8 +149,9 @@ def ngram_propose(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> 
 
 
 @dataclass(slots=True)
-class _Shadow:
-    """The draft's copy of one request: its tokens (target's + drafts) and draft KV blocks."""
+class DraftSequence:
+    """The draft model's copy of one target request: its tokens (the target's plus drafts)
+    and its draft KV blocks."""
 
     request: Request
     synced: int = 0  # leading tokens known equal to the target's
@@ -169,56 +173,56 @@ class DraftProposer:
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching=False)
         self.runner = ModelRunner(model, cache)
         self.vocab_size = vocab_size
-        self.shadows: dict[str, _Shadow] = {}
+        self.sequences: dict[str, DraftSequence] = {}
 
     def release(self, request_id: str) -> None:
         """Free a request's draft blocks (finished, aborted or preempted)."""
-        shadow = self.shadows.pop(request_id, None)
-        if shadow is not None:
-            self.kv.free(shadow.request)
+        sequence = self.sequences.pop(request_id, None)
+        if sequence is not None:
+            self.kv.free(sequence.request)
 
     def _sync(self, target: Request) -> Request:
-        """Bring the shadow's tokens level with the target's; keep only KV still valid."""
-        state = self.shadows.get(target.request_id)
-        if state is None:
-            shadow = Request(target.request_id, list(target.prompt_token_ids), SamplingParams())
-            state = self.shadows[target.request_id] = _Shadow(shadow)
-        shadow, tokens = state.request, target.all_token_ids
-        own = shadow.all_token_ids
-        limit = min(len(own), len(tokens), shadow.num_computed_tokens)
-        same = min(state.synced, limit)
+        """Bring the draft sequence level with the target's tokens; keep only KV still valid."""
+        sequence = self.sequences.get(target.request_id)
+        if sequence is None:
+            request = Request(target.request_id, list(target.prompt_token_ids), SamplingParams())
+            sequence = self.sequences[target.request_id] = DraftSequence(request)
+        draft, tokens = sequence.request, target.all_token_ids
+        own = draft.all_token_ids
+        limit = min(len(own), len(tokens), draft.num_computed_tokens)
+        same = min(sequence.synced, limit)
         while same < limit and own[same] == tokens[same]:
             same += 1
-        shadow.num_computed_tokens = same  # rejected draft positions roll back here
-        self.kv.trim(shadow, same)
+        draft.num_computed_tokens = same  # rejected draft positions roll back here
+        self.kv.trim(draft, same)
         del own[same:]
         own.extend(tokens[same:])
-        state.synced = len(tokens)
-        return shadow
+        sequence.synced = len(tokens)
+        return draft
 
     def propose(
         self, requests: list[Request], ks: list[int]
     ) -> list[tuple[list[int], torch.Tensor | None]]:
         """Up to ks[i] draft tokens for each request, with the draft's processed
         distribution at each ([k, vocab]; None for greedy requests)."""
-        shadows = [self._sync(r) for r in requests]
+        copies = [self._sync(r) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
         for depth in range(max(ks, default=0)):
             batch, counts = [], []
             for i in active:
-                shadow = shadows[i]
-                count = shadow.num_tokens - shadow.num_computed_tokens
-                if ks[i] > depth and self.kv.allocate_slots(shadow, count):
+                own = copies[i]
+                count = own.num_tokens - own.num_computed_tokens
+                if ks[i] > depth and self.kv.allocate_slots(own, count):
                     batch.append(i)
                     counts.append(count)
             active = batch
             if not active:
                 break
-            step = self.runner.run(SchedulerOutput([shadows[i] for i in active], counts))
+            step = self.runner.run(SchedulerOutput([copies[i] for i in active], counts))
             row_of = {id(request): row for request, row in step.sample_rows}
-            rows = torch.tensor([row_of[id(shadows[i])] for i in active], device=step.logits.device)
+            rows = torch.tensor([row_of[id(copies[i])] for i in active], device=step.logits.device)
             logits = self._target_vocab(step.logits[rows])
             tokens = logits.argmax(dim=-1)
             sampled = [j for j, i in enumerate(active) if not requests[i].params.greedy]
@@ -229,8 +233,8 @@ class DraftProposer:
                 for row, j in enumerate(sampled):
                     probs[active[j]].append(dist[row])
             for i, count, token in zip(active, counts, tokens.tolist(), strict=True):
-                shadows[i].num_computed_tokens += count
-                shadows[i].all_token_ids.append(token)
+                copies[i].num_computed_tokens += count
+                copies[i].all_token_ids.append(token)
                 drafts[i].append(token)
         return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, probs, strict=True)]
 
@@ -384,7 +388,7 @@ def measure_acceptance(
     from kiln.runtime.engine import Engine  # engine.py imports this module
 
     spec = SpeculativeConfig(draft=draft_dir, num_speculative_tokens=max_k)
-    engine = Engine.from_pretrained(resolve_model_dir(target_dir), device, speculative=spec)
+    engine = Engine.load(target_dir, device=device, speculative=spec)
     assert engine.speculator is not None and engine.speculator.proposer is not None
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts, params)

@@ -11,7 +11,7 @@ is inferred and whose id is `line-N`. A server that does not store prompts (the 
 `kiln serve --record`) writes a redacted request instead: no `prompt` / `messages`, but
 `"redacted": {"sha256": ..., "prompt_tokens": N}`; such lines are refused by readers that
 need the text (replay, calibration) unless they pass `allow_redacted=True`.
-Calibration (quant), shadow replay (gates) and the
+Calibration (quant), the gate's replay (gates) and the
 server (runtime) all read and write through this module; it uses the standard library only.
 """
 

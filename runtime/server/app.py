@@ -4,7 +4,7 @@ Lifecycle: the backend starts with the app and a one-token warm-up request runs 
 it; /health answers 503 until that finished, then 200, and 503 again while draining.
 Requests arriving before warm-up get 503 with Retry-After. On shutdown the server stops
 taking requests, waits for the in-flight ones (uvicorn's graceful shutdown, see runner.py),
-then stops the engine thread and the shadow mirror.
+then stops the engine thread and the mirror.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from kiln.runtime.server import routes
 from kiln.runtime.server.auth import require_api_key
 from kiln.runtime.server.backend import Backend
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.runtime.server.mirror import Mirror
 from kiln.runtime.server.protocol import error_body, now
 from kiln.runtime.server.record import TrafficRecorder
-from kiln.runtime.server.shadow import ShadowMirror
 from kiln.runtime.server.state import APIError, ServerConfig, ServerState
 
 log = logging.getLogger("kiln.serve")
@@ -73,20 +73,20 @@ def create_app(
     backend: Backend,
     config: ServerConfig,
     recorder: TrafficRecorder | None = None,
-    shadow: ShadowMirror | None = None,
+    mirror: Mirror | None = None,
     drain_timeout_s: float = 30.0,
     digest: str = "",
 ) -> FastAPI:
     """An OpenAI-compatible app serving `backend`."""
     metrics = ServerMetrics(backend.stats, config.model_name)
-    state = ServerState(backend, config, metrics, recorder, shadow)
+    state = ServerState(backend, config, metrics, recorder, mirror)
     state.extra["digest"] = digest
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         backend.start()
-        if shadow is not None:
-            shadow.start()
+        if mirror is not None:
+            mirror.start()
         warm = None
         if config.warmup:
             warm = asyncio.ensure_future(_warm_up(state))
@@ -103,8 +103,8 @@ def create_app(
                 await asyncio.sleep(DRAIN_POLL_S)
                 waited += DRAIN_POLL_S
             await asyncio.to_thread(backend.shutdown)
-            if shadow is not None:
-                await asyncio.to_thread(shadow.shutdown)
+            if mirror is not None:
+                await asyncio.to_thread(mirror.shutdown)
 
     app = FastAPI(title="kiln serve", version="1", lifespan=lifespan,
                   summary="OpenAI-compatible serving of kiln artifacts")  # fmt: skip

@@ -3,7 +3,7 @@ stream of RequestOutput deltas.
 
 `NativeBackend` is kiln's own engine (runtime.Engine behind an AsyncEngine thread);
 `TrtllmBackend` (trtllm.py) adapts TensorRT-LLM's LLM API to the same surface, so routes,
-metrics, recording and shadowing do not care which one runs.
+metrics, recording and mirroring do not care which one runs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
-from kiln.runtime.errors import UsageError
+from kiln.runtime.answer import chat_token_ids
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.sampling import SamplingParams
 
@@ -102,21 +102,3 @@ class NativeBackend:
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_token_ids(self.tokenizer, messages, self._lock())
-
-
-def chat_token_ids(
-    tokenizer: Any, messages: list[dict[str, str]], lock: AbstractContextManager[Any]
-) -> list[int]:
-    """Render a chat with the tokenizer's template and tokenise it without adding special
-    tokens again (the template writes them). UsageError when there is no template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise UsageError(
-            "this model's tokenizer has no chat template; use /v1/completions or serve a "
-            "model whose tokenizer_config.json sets chat_template"
-        )
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # jinja raises TemplateError for chats the template refuses
-        raise UsageError(f"the chat template refused these messages: {exc}") from None
-    with lock:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])

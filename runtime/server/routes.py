@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.server import formatting as fmt
 from kiln.runtime.server.auth import require_api_key
 from kiln.runtime.server.formatting import ChoiceResult
@@ -22,10 +23,10 @@ from kiln.runtime.server.generation import (
     stream_choice,
     unless_disconnected,
 )
+from kiln.runtime.server.mirror import MirrorJob
+from kiln.runtime.server.mirror_log import MirrorEntry
 from kiln.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from kiln.runtime.server.record import prompt_digest
-from kiln.runtime.server.shadow import ShadowJob
-from kiln.runtime.server.shadow_log import ShadowEntry, SideResult
 from kiln.runtime.server.state import APIError, ServerState
 from kiln.runtime.traffic import CHAT_COMPLETIONS, COMPLETIONS
 
@@ -312,8 +313,8 @@ def _mirror(
     results: list[ChoiceResult],
     messages: list[dict[str, str]] | None,
 ) -> None:
-    shadow = state.shadow
-    if shadow is None or len(results) != 1 or not shadow.sample():
+    mirror = state.mirror
+    if mirror is None or len(results) != 1 or not mirror.sample():
         return
     [result] = results
     data = body_dict(body)
@@ -323,14 +324,14 @@ def _mirror(
     text = prompt_texts[0]
     if not state.config.store_prompts or text is None:
         text = f"<redacted sha256:{prompt_digest(content)}>"
-    primary = SideResult(state.config.model_name, state.extra.get("digest", ""), result.text,
-                         list(result.token_ids), result.ttft_s, result.tpot_s,
-                         result.finish_reason)  # fmt: skip
-    entry = ShadowEntry(rid, time.time(), endpoint, text, data, primary)
+    primary = SideAnswer(result.text, list(result.token_ids), result.ttft_s, result.tpot_s,
+                         result.finish_reason, model=state.config.model_name,
+                         digest=state.extra.get("digest", ""))  # fmt: skip
+    entry = MirrorEntry(rid, time.time(), endpoint, text, data, primary)
     prompt = prompt_texts[0] if prompt_texts[0] is not None else prompts[0]
-    job = ShadowJob(entry, None if messages is not None else prompt, messages,
+    job = MirrorJob(entry, None if messages is not None else prompt, messages,
                     _greedy_equal(params))  # fmt: skip
-    shadow.offer(job)
+    mirror.offer(job)
 
 
 def _greedy_equal(params: Any) -> Any:

@@ -2,7 +2,7 @@
 
 On the signal uvicorn stops listening, lets every in-flight response finish (up to
 `drain_timeout_s`, then cancels what is left, which aborts those engine requests), and runs
-the app's shutdown (engine thread and shadow mirror stop). /health turns 503 at the signal,
+the app's shutdown (engine thread and mirror stop). /health turns 503 at the signal,
 so a load balancer that still holds a connection stops sending. A drained SIGTERM exits 0.
 """
 

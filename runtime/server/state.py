@@ -1,4 +1,4 @@
-"""The server's shared state: backend, settings, admission control, metrics, recorder, shadow."""
+"""The server's shared state: backend, settings, admission control, metrics, recorder, mirror."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 from kiln.runtime.errors import UsageError
 from kiln.runtime.server.backend import Backend
 from kiln.runtime.server.metrics import ServerMetrics
+from kiln.runtime.server.mirror import Mirror
 from kiln.runtime.server.record import TrafficRecorder
-from kiln.runtime.server.shadow import ShadowMirror
 
 API_KEY_ENV = "KILN_API_KEY"
 
@@ -49,7 +49,7 @@ class ServerConfig:
     retry_after_s: int = 1
     warmup: bool = True
     model_root: str = ""  # shown in /v1/models (the artifact path)
-    store_prompts: bool = False  # shadow log keeps prompt text (same switch as --record-prompts)
+    store_prompts: bool = False  # mirror log keeps prompt text (same switch as --record-prompts)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -72,7 +72,7 @@ class ServerState:
     config: ServerConfig
     metrics: ServerMetrics
     recorder: TrafficRecorder | None = None
-    shadow: ShadowMirror | None = None
+    mirror: Mirror | None = None
     ready: bool = False
     draining: bool = False
     in_flight: int = 0

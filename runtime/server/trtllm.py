@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.answer import chat_token_ids
 from kiln.runtime.errors import UsageError
 from kiln.runtime.outputs import EngineStats, RequestOutput
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.server.backend import chat_token_ids
 
 
 def trtllm_available() -> bool:
@@ -151,6 +151,4 @@ class TrtllmBackend:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        from contextlib import nullcontext
-
-        return chat_token_ids(self.tokenizer, messages, nullcontext())
+        return chat_token_ids(self.tokenizer, messages)

@@ -10,7 +10,10 @@ from click.testing import CliRunner
 
 from kiln.gates.cli import gate, promote, registry, rollback
 from kiln.gates.registry import Registry
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.artifact import load_manifest
+from kiln.runtime.server.mirror_log import MirrorEntry, append_entry
+from kiln.runtime.traffic import COMPLETIONS
 from tests.gates.conftest import (
     OpenAIStub,
     answers_with,
@@ -95,6 +98,33 @@ def test_usage_mistakes_exit_2(tmp_path: Path, openai_stub: Callable[..., OpenAI
     assert code == 2 and "gates.thresholds.recovry" in err and str(bad) in err
     code, _, _ = run(gate, [base.url])  # click: missing --baseline
     assert code == 2
+
+
+def test_a_mirror_log_gate_writes_reports_and_records_like_any_gate(tmp_path: Path) -> None:
+    log, db, out = tmp_path / "mirror.jsonl", tmp_path / "r.db", tmp_path / "out"
+    for i, (primary, candidate) in enumerate([("4", "4"), ('{"a": 1}', '{"a": 1}')]):
+        entry = MirrorEntry(f"m{i}", 0.0, COMPLETIONS, f"prompt {i} in JSON", {"max_tokens": 4},
+                            SideAnswer(primary, [1]), SideAnswer(candidate, [1]))  # fmt: skip
+        append_entry(log, entry)
+    args = ["http://cand:1", "--baseline", "http://base:1", "--mirror-log", str(log)]
+    code, out_text, err = run(gate, [*args, "--registry", str(db), "--out", str(out)])
+    assert code == 0, err
+    assert "## kiln gate: PASS" in out_text and "recorded as gate run 1" in out_text
+    data = json.loads((out / "gate.json").read_text())
+    assert data["shadow"]["num_requests"] == 2 and data["shadow"]["exact_match_rate"] == 1.0
+    assert data["shadow"]["settings"] == {"mirror_log": str(log)}
+    assert data["notes"][0].startswith(f"mirror log {log}: 2 mirrored requests")
+    assert (out / "gate.html").is_file()
+    with Registry(db) as reg:
+        assert reg.gate_runs()[0]["baseline"] == "http://base:1"
+
+
+def test_the_old_shadow_log_spelling_still_works_unlisted(tmp_path: Path) -> None:
+    missing = tmp_path / "m.jsonl"
+    args = ["http://127.0.0.1:9", "--baseline", "http://127.0.0.1:9", "--no-record"]
+    code, _, err = run(gate, [*args, "--shadow-log", str(missing)])
+    assert code == 2 and f"{missing}: mirror log not found" in err
+    assert "shadow-log" not in run(gate, ["--help"])[1]
 
 
 def test_a_damaged_candidate_artifact_exits_3(

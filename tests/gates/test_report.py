@@ -12,8 +12,9 @@ import pytest
 from kiln.gates.divergence import summarize
 from kiln.gates.report import to_markdown, write_reports
 from kiln.gates.rules import GatePolicy
-from kiln.gates.shadow import LatencyStats, PairDiff, ReplaySettings, SideResponse, summarize_pairs
+from kiln.gates.shadow import LatencyStats, PairDiff, summarize_pairs
 from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.runtime.answer import SideAnswer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = '<script>alert("x")</script> & <img src="http://example.com/x.png">'
@@ -29,8 +30,8 @@ def full_verdict() -> GateVerdict:
         ),
         PairDiff("r2", HOSTILE, '{"a": 1}', HOSTILE, False, 0, 0, 0, True, True, False),
     ]
-    responses = [SideResponse("x", ttft_s=0.01, tpot_s=0.002)] * 2
-    shadow = summarize_pairs(pairs, responses, responses, ReplaySettings())
+    responses = [SideAnswer("x", ttft_s=0.01, tpot_s=0.002)] * 2
+    shadow = summarize_pairs(pairs, responses, responses)
     kl = np.array([0.0, 1e-4, 5e-3, 0.02, 0.2, 2.5, 7.0])
     return build_verdict(
         {"spec": "art/", "kind": "artifact", "name": "cand", "digest": "c" * 64},

@@ -1,4 +1,5 @@
-"""The engine's public API: generate, artifacts, abort, stats, and async streaming."""
+"""The engine's public API: generate, artifacts, abort, stats, async streaming, and one
+request answered alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kiln.runtime import AsyncEngine, Engine, SamplingParams
+from kiln.runtime.answer import answer_alone, chat_token_ids
 from kiln.runtime.artifact import MODEL_DIR, Manifest, assemble
 from kiln.runtime.errors import ArtifactError, UsageError
 from tests.runtime.conftest import PROMPTS, prompt_ids
@@ -29,18 +31,36 @@ def test_generate_takes_text_and_per_prompt_params(tiny_llama: Path) -> None:
         engine.generate(PROMPTS[:2], [*params, params[0]])
 
 
-def test_from_artifact_loads_the_model_directory(tiny_llama: Path, tmp_path: Path) -> None:
-    with assemble(tmp_path, Manifest(name="tiny")) as staging:
+def tiny_artifact(tiny_llama: Path, root: Path) -> Path:
+    """An artifact holding only the tiny model."""
+    with assemble(root, Manifest(name="tiny")) as staging:
         shutil.copytree(tiny_llama, staging.dir / MODEL_DIR)
     assert staging.path is not None
-    from_artifact = Engine.from_artifact(staging.path, verify=True).generate(PROMPTS[:1], GREEDY)[0]
+    return staging.path
+
+
+def test_from_artifact_loads_the_model_directory(tiny_llama: Path, tmp_path: Path) -> None:
+    path = tiny_artifact(tiny_llama, tmp_path)
+    from_artifact = Engine.from_artifact(path, verify=True).generate(PROMPTS[:1], GREEDY)[0]
     direct = Engine.from_pretrained(tiny_llama).generate(PROMPTS[:1], GREEDY)[0]
     assert from_artifact.token_ids == direct.token_ids
     with pytest.raises(ArtifactError, match="not a kiln artifact"):
         Engine.from_artifact(tiny_llama)
-    (staging.path / MODEL_DIR / "config.json").write_text("{}")
+    (path / MODEL_DIR / "config.json").write_text("{}")
     with pytest.raises(ArtifactError, match="does not verify"):
-        Engine.from_artifact(staging.path, verify=True)
+        Engine.from_artifact(path, verify=True)
+
+
+def test_load_takes_an_artifact_or_a_checkpoint_directory(tiny_llama: Path, tmp_path: Path) -> None:
+    artifact = Engine.load(tiny_artifact(tiny_llama, tmp_path), verify=True).generate(
+        PROMPTS[:1], GREEDY
+    )[0]
+    checkpoint = Engine.load(tiny_llama).generate(PROMPTS[:1], GREEDY)[0]
+    assert artifact.token_ids == checkpoint.token_ids
+    with pytest.raises(UsageError, match=r"not a kiln artifact .* not a Hugging Face checkpoint"):
+        Engine.load(tmp_path / "nothing")
+    with pytest.raises(UsageError, match="verify needs a kiln artifact"):
+        Engine.load(tiny_llama, verify=True)
 
 
 def test_unknown_engine_option_is_named(tiny_llama: Path) -> None:
@@ -140,3 +160,19 @@ def test_async_rejects_bad_requests_before_queueing(tiny_llama: Path) -> None:
     with pytest.raises(UsageError, match="prompt is empty"):
         asyncio.run(main())
     server.shutdown()
+
+
+def test_answer_alone_is_generate_with_timings(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    expected = engine.generate(PROMPTS[:1], GREEDY)[0]
+    answer = answer_alone(engine, GREEDY, PROMPTS[0])
+    assert (answer.text, answer.token_ids) == (expected.text, expected.token_ids)
+    assert answer.finish_reason == "length" and answer.error is None
+    assert answer.ttft_s is not None and answer.tpot_s is not None and answer.tpot_s > 0
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = chat_token_ids(engine.tokenizer, chat)
+    by_chat = answer_alone(engine, GREEDY, messages=chat)
+    assert by_chat.token_ids == answer_alone(engine, GREEDY, rendered).token_ids
+    refused = answer_alone(engine, GREEDY, [])
+    assert refused.error is not None and refused.error.startswith("bad request: ")
+    assert "prompt is empty" in refused.error and not engine.has_unfinished_requests()

@@ -173,11 +173,11 @@ def held_blocks(engine: Engine) -> tuple[int, int]:
         assert len(request.block_table) == kv.blocks_needed(request.num_computed_tokens)
     assert engine.speculator is not None and engine.speculator.proposer is not None
     draft = engine.speculator.proposer
-    for state in draft.shadows.values():
-        shadow = state.request
-        assert len(shadow.block_table) == draft.kv.blocks_needed(shadow.num_computed_tokens)
+    for state in draft.sequences.values():
+        sequence = state.request
+        assert len(sequence.block_table) == draft.kv.blocks_needed(sequence.num_computed_tokens)
     target_held = sum(len(r.block_table) for r in engine.scheduler.running)
-    draft_held = sum(len(s.request.block_table) for s in draft.shadows.values())
+    draft_held = sum(len(s.request.block_table) for s in draft.sequences.values())
     assert kv.pool.num_free_blocks == kv.pool.num_blocks - target_held
     assert draft.kv.pool.num_free_blocks == draft.kv.pool.num_blocks - draft_held
     return target_held, draft_held
@@ -207,7 +207,7 @@ def test_rollback_leaves_block_counts_exact(tiny_llama: Path, other_draft: Path)
     draft_pool = engine.speculator.proposer.kv.pool
     assert draft_pool.num_free_blocks == draft_pool.num_blocks
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
-    assert not engine.speculator.proposer.shadows
+    assert not engine.speculator.proposer.sequences
 
 
 def test_preemption_under_a_small_pool_stays_exact(tiny_llama: Path, shallow_draft: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kiln.gates.shadow import ReplaySettings, replay_requests
+from kiln.gates.replay import ReplaySettings, replay_requests
 from kiln.gates.sides import HttpSide
 from kiln.runtime.server.record import RecordSettings, TrafficRecorder, prompt_digest
 from kiln.runtime.traffic import TrafficError, read_traffic
@@ -60,7 +60,7 @@ def test_default_recording_keeps_settings_and_hashes_not_prompts(
     assert "Tell me" not in path.read_text()
 
 
-def test_opted_in_prompts_and_responses_replay_in_the_shadow_gate(
+def test_opted_in_prompts_and_responses_replay_in_the_gate(
     start_server: ServerFactory, tmp_path: Path
 ) -> None:
     path = tmp_path / "traffic.jsonl"
@@ -79,7 +79,7 @@ def test_opted_in_prompts_and_responses_replay_in_the_shadow_gate(
     assert streamed.response is not None and "stream" not in streamed.request
     replayed = replay_requests(records, ReplaySettings(max_tokens=3))
     assert len(replayed) == 4
-    side = HttpSide(server.url)  # the shadow gate's endpoint side reads our SSE
+    side = HttpSide(server.url)  # the replay's endpoint side reads our SSE
     try:
         answers_again = [side.complete(r) for r in replayed]
     finally:

@@ -96,10 +96,21 @@ def test_cli_refuses_trtllm_here_and_checks_options(tiny_llama: Path, tmp_path: 
     result = runner.invoke(main, ["serve", str(artifact), "--backend", "trtllm"])
     assert result.exit_code == 2
     assert "built for sm90" in result.output and "--backend native" in result.output
-    result = runner.invoke(main, ["serve", str(tiny_llama), "--shadow", str(tiny_llama)])
-    assert result.exit_code == 2 and "--shadow-log" in result.output
+    result = runner.invoke(main, ["serve", str(tiny_llama), "--mirror", str(tiny_llama)])
+    assert result.exit_code == 2 and "--mirror-log" in result.output
     result = runner.invoke(main, ["serve", str(tmp_path / "none")])
     assert result.exit_code == 2 and "not a kiln artifact" in result.output
+
+
+def test_the_old_shadow_spellings_still_work_unlisted(tiny_llama: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(main, ["serve", str(tiny_llama), "--shadow", str(tiny_llama)])
+    assert result.exit_code == 2 and "--mirror needs --mirror-log" in result.output
+    old = ["--shadow", str(tiny_llama), "--shadow-log", str(tmp_path / "m.jsonl"),
+           "--shadow-queue=4", "--shadow-fraction", "2"]  # fmt: skip
+    result = runner.invoke(main, ["serve", str(tiny_llama), "--max-model-len", "64", *old])
+    assert result.exit_code == 2 and "--mirror-fraction 2.0: must be in (0, 1]" in result.output
+    assert "shadow" not in runner.invoke(main, ["serve", "--help"]).output
 
 
 @pytest.mark.trtllm

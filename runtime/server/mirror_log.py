@@ -1,8 +1,8 @@
-"""The live-shadow log: one JSON line per mirrored request with both sides' answers.
+"""The mirror log: one JSON line per mirrored request with both sides' answers.
 
-Written by `kiln serve --shadow CANDIDATE --shadow-log FILE` and judged by
-`kiln gate CANDIDATE --baseline PRIMARY --shadow-log FILE` with the same comparison as the
-replay gate (gates/shadow.py). A line:
+Written by `kiln serve --mirror CANDIDATE --mirror-log FILE` and judged by
+`kiln gate CANDIDATE --baseline PRIMARY --mirror-log FILE` with the shadow comparison the
+gate applies to replayed traffic (gates/shadow.py). A line:
 
     {"id": "cmpl-1", "time": 1760000000.0, "endpoint": "/v1/completions",
      "prompt": "...",                       # or "<redacted sha256:...>" without --record-prompts
@@ -21,26 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.errors import UsageError
 from kiln.runtime.traffic import append_line
 
 
 @dataclass(slots=True)
-class SideResult:
-    """One side's answer to a mirrored request."""
-
-    model: str = ""
-    digest: str = ""
-    text: str = ""
-    token_ids: list[int] | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class ShadowEntry:
+class MirrorEntry:
     """One mirrored request: what was asked, and both answers."""
 
     id: str
@@ -48,46 +35,46 @@ class ShadowEntry:
     endpoint: str
     prompt: str
     settings: dict[str, Any]
-    primary: SideResult
-    candidate: SideResult = field(default_factory=SideResult)
+    primary: SideAnswer
+    candidate: SideAnswer = field(default_factory=SideAnswer)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShadowEntry:
+    def from_dict(cls, data: dict[str, Any]) -> MirrorEntry:
         return cls(
             id=str(data["id"]),
             time=float(data["time"]),
             endpoint=str(data["endpoint"]),
             prompt=str(data["prompt"]),
             settings=dict(data.get("settings") or {}),
-            primary=SideResult(**data["primary"]),
-            candidate=SideResult(**data["candidate"]),
+            primary=SideAnswer(**data["primary"]),
+            candidate=SideAnswer(**data["candidate"]),
         )
 
 
-def append_entry(path: str | Path, entry: ShadowEntry) -> None:
+def append_entry(path: str | Path, entry: MirrorEntry) -> None:
     """Append one entry as one line (whole even with concurrent writers)."""
     append_line(path, entry.to_dict())
 
 
-def read_shadow_log(path: str | Path) -> list[ShadowEntry]:
-    """Every entry of a shadow log; a bad line raises UsageError naming `file:line`."""
+def read_mirror_log(path: str | Path) -> list[MirrorEntry]:
+    """Every entry of a mirror log; a bad line raises UsageError naming `file:line`."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"{path}: shadow log not found (write one with kiln serve --shadow-log)")
+        raise UsageError(f"{path}: mirror log not found (write one with kiln serve --mirror-log)")
     entries = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
-                entries.append(ShadowEntry.from_dict(json.loads(line)))
+                entries.append(MirrorEntry.from_dict(json.loads(line)))
             except (ValueError, KeyError, TypeError) as exc:
                 raise UsageError(
-                    f"{path}:{number}: not a shadow-log line ({type(exc).__name__}: {exc})"
+                    f"{path}:{number}: not a mirror-log line ({type(exc).__name__}: {exc})"
                 ) from None
     if not entries:
-        raise UsageError(f"{path}: the shadow log is empty; no request was mirrored yet")
+        raise UsageError(f"{path}: the mirror log is empty; no request was mirrored yet")
     return entries

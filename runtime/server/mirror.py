@@ -1,12 +1,12 @@
-"""Live shadow: mirror a fraction of served requests to a candidate engine and log both answers.
+"""The mirror: send a fraction of served requests to a candidate engine and log both answers.
 
 The candidate is a separate Engine stepped by its own thread, fed through a bounded queue:
 `offer` never blocks and drops the request when the queue is full, so a slow candidate
 costs the primary nothing but the enqueue. A request is mirrored after the primary has
 answered it (both answers are then at hand for one log line); the candidate gets the same
 request (a chat rendered by its own chat template), with the same sampling settings and seed.
-The candidate's latencies are its own, measured alone on its thread; the primary's are the
-server's, measured under the live load.
+The candidate's latencies are its own, measured alone on its thread (`answer_alone`); the
+primary's are the server's, measured under the live load.
 """
 
 from __future__ import annotations
@@ -15,30 +15,30 @@ import logging
 import queue
 import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.answer import SideAnswer, answer_alone
 from kiln.runtime.errors import UsageError
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.server.shadow_log import ShadowEntry, SideResult, append_entry
+from kiln.runtime.server.mirror_log import MirrorEntry, append_entry
 
-log = logging.getLogger("kiln.serve.shadow")
+log = logging.getLogger("kiln.serve.mirror")
 
 
 @dataclass(slots=True)
-class ShadowJob:
+class MirrorJob:
     """A primary's finished request, waiting for the candidate's answer."""
 
-    entry: ShadowEntry
+    entry: MirrorEntry
     prompt: str | list[int] | None  # completion prompt (text or ids); None for a chat
     messages: list[dict[str, str]] | None
     params: SamplingParams
 
 
-class ShadowMirror:
+class Mirror:
     """Owns the candidate engine, its thread and its bounded queue."""
 
     def __init__(
@@ -50,20 +50,20 @@ class ShadowMirror:
         digest: str = "",
         max_queue: int = 16,
         seed: int | None = None,
-        on_done: Callable[[ShadowEntry], None] | None = None,
+        on_done: Callable[[MirrorEntry], None] | None = None,
     ) -> None:
         if not 0.0 < fraction <= 1.0:
-            raise UsageError(f"--shadow-fraction {fraction}: must be in (0, 1]")
+            raise UsageError(f"--mirror-fraction {fraction}: must be in (0, 1]")
         self.engine = engine
         self.log_path = Path(log_path)
         self.fraction = fraction
         self.model = model
         self.digest = digest
-        self._queue: queue.Queue[ShadowJob | None] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[MirrorJob | None] = queue.Queue(maxsize=max_queue)
         self._random = random.Random(seed)
         self._on_done = on_done
         self.offered = self.dropped = self.completed = 0
-        self._thread = threading.Thread(target=self._loop, name="kiln-shadow", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="kiln-mirror", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -72,7 +72,7 @@ class ShadowMirror:
         """Whether to mirror the next request."""
         return self.fraction >= 1.0 or self._random.random() < self.fraction
 
-    def offer(self, job: ShadowJob) -> bool:
+    def offer(self, job: MirrorJob) -> bool:
         """Queue a job for the candidate; False (dropped) when the queue is full."""
         self.offered += 1
         try:
@@ -97,51 +97,16 @@ class ShadowMirror:
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
-                job.entry.candidate = self._run(job)
+                # A chat is rendered here, on the only thread that uses the candidate's tokenizer.
+                answer = answer_alone(self.engine, job.params, job.prompt, job.messages)
             except Exception as exc:  # a failing candidate is logged, never raised
-                job.entry.candidate = SideResult(self.model, self.digest, error=repr(exc))
+                answer = SideAnswer(error=repr(exc))
+            answer.model, answer.digest = self.model, self.digest
+            job.entry.candidate = answer
             try:
                 append_entry(self.log_path, job.entry)
             except OSError as exc:
-                log.warning("shadow log %s: %s", self.log_path, exc)
+                log.warning("mirror log %s: %s", self.log_path, exc)
             self.completed += 1
             if self._on_done is not None:
                 self._on_done(job.entry)
-
-    def _run(self, job: ShadowJob) -> SideResult:
-        engine = self.engine
-        sent = time.perf_counter()
-        prompt = job.prompt
-        if job.messages is not None:
-            # Rendered here, on the only thread that touches the candidate's tokenizer.
-            text = engine.tokenizer.apply_chat_template(
-                job.messages, tokenize=False, add_generation_prompt=True
-            )
-            prompt = list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-        assert prompt is not None
-        try:
-            rid = engine.add_request(prompt, job.params)
-        except UsageError as exc:
-            return SideResult(self.model, self.digest, error=f"bad request: {exc.message}")
-        texts: list[str] = []
-        tokens: list[int] = []
-        first: float | None = None
-        finish = None
-        while finish is None:
-            outputs = engine.step()
-            if not outputs and not engine.has_unfinished_requests():
-                return SideResult(self.model, self.digest, "".join(texts), tokens,
-                                  error="candidate engine dropped the request")  # fmt: skip
-            for out in outputs:
-                if out.request_id != rid:
-                    continue
-                if out.token_ids and first is None:
-                    first = time.perf_counter()
-                texts.append(out.text)
-                tokens += out.token_ids
-                if out.finished:
-                    finish = out.finish_reason
-        end = time.perf_counter()
-        ttft = first - sent if first is not None else None
-        tpot = (end - first) / (len(tokens) - 1) if first is not None and len(tokens) > 1 else None
-        return SideResult(self.model, self.digest, "".join(texts), tokens, ttft, tpot, finish)

@@ -1,4 +1,4 @@
-"""Live shadow: mirrored requests logged with both answers, judged by `kiln gate --shadow-log`;
+"""The mirror: mirrored requests logged with both answers, judged by `kiln gate --mirror-log`;
 a saturated candidate drops requests instead of slowing the primary."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli import main
 from kiln.runtime import SamplingParams
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.artifact import load_manifest
-from kiln.runtime.server.shadow import ShadowJob, ShadowMirror
-from kiln.runtime.server.shadow_log import ShadowEntry, SideResult, read_shadow_log
+from kiln.runtime.server.mirror import Mirror, MirrorJob
+from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
 from tests.gates.conftest import build_artifact
 from tests.serve.conftest import MODEL, ServerFactory, tiny_engine
 
@@ -53,7 +54,7 @@ def _mirrored(start_server: ServerFactory, primary: Path, candidate: Path, log: 
     from kiln.runtime import Engine
 
     manifest = load_manifest(candidate)
-    mirror = ShadowMirror(
+    mirror = Mirror(
         Engine.from_artifact(candidate, max_model_len=128, num_threads=1),
         log,
         fraction=1.0,
@@ -63,7 +64,7 @@ def _mirrored(start_server: ServerFactory, primary: Path, candidate: Path, log: 
     server = start_server(
         tiny_engine(primary / "model"),
         {"store_prompts": True},
-        shadow=mirror,
+        mirror=mirror,
         digest=load_manifest(primary).digest,
     )
     for prompt in PROMPTS:
@@ -82,7 +83,7 @@ def _mirrored(start_server: ServerFactory, primary: Path, candidate: Path, log: 
 def _gate(candidate: Path, baseline: Path, log: Path, out: Path) -> tuple[int, str]:
     result = CliRunner().invoke(
         main,
-        ["gate", str(candidate), "--baseline", str(baseline), "--shadow-log", str(log),
+        ["gate", str(candidate), "--baseline", str(baseline), "--mirror-log", str(log),
          "--no-record", "--out", str(out), "--json"],
     )  # fmt: skip
     return result.exit_code, result.output
@@ -92,7 +93,7 @@ def test_same_weights_candidate_passes_the_gate(
     start_server: ServerFactory, artifacts: dict[str, Path], tmp_path: Path
 ) -> None:
     log = _mirrored(start_server, artifacts["primary"], artifacts["same"], tmp_path / "s.jsonl")
-    entries = read_shadow_log(log)
+    entries = read_mirror_log(log)
     assert [e.prompt for e in entries[:3]] == PROMPTS
     assert entries[3].endpoint == "/v1/chat/completions"
     for e in entries:
@@ -125,28 +126,28 @@ def test_redacted_prompts_by_default(
     from kiln.runtime import Engine
 
     log = tmp_path / "r.jsonl"
-    mirror = ShadowMirror(Engine.from_artifact(artifacts["same"], max_model_len=128), log, 1.0,
+    mirror = Mirror(Engine.from_artifact(artifacts["same"], max_model_len=128), log, 1.0,
                           "same")  # fmt: skip
-    server = start_server(shadow=mirror)
+    server = start_server(mirror=mirror)
     body = {"prompt": "secret words", "max_tokens": 2, "temperature": 0}
     assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
     deadline = time.monotonic() + 30
     while mirror.completed < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    [entry] = read_shadow_log(log)
+    [entry] = read_mirror_log(log)
     assert entry.prompt.startswith("<redacted sha256:") and "secret" not in log.read_text()
 
 
 def test_saturated_candidate_drops_without_blocking(tiny_llama: Path, tmp_path: Path) -> None:
-    mirror = ShadowMirror(tiny_engine(tiny_llama), tmp_path / "d.jsonl", 1.0, "c", max_queue=2)
+    mirror = Mirror(tiny_engine(tiny_llama), tmp_path / "d.jsonl", 1.0, "c", max_queue=2)
     mirror.start()
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     waits = []
     accepted = 0
     for i in range(30):
-        entry = ShadowEntry(f"r{i}", time.time(), "/v1/completions", "p", {}, SideResult())
+        entry = MirrorEntry(f"r{i}", time.time(), "/v1/completions", "p", {}, SideAnswer())
         began = time.perf_counter()
-        accepted += mirror.offer(ShadowJob(entry, "a b c", None, params))
+        accepted += mirror.offer(MirrorJob(entry, "a b c", None, params))
         waits.append(time.perf_counter() - began)
     assert max(waits) < 0.01  # offering never waits for the candidate
     assert mirror.dropped == 30 - accepted and mirror.dropped >= 25

@@ -24,7 +24,7 @@ from kiln.runtime.config import EngineConfig, engine_config
 from kiln.runtime.detokenizer import Detokenizer, find_stop
 from kiln.runtime.errors import ArtifactError, UsageError
 from kiln.runtime.kv_cache import KVCacheManager, build_kv_cache
-from kiln.runtime.loader import KVCacheSpec, load_model, read_config
+from kiln.runtime.loader import KVCacheSpec, load_model
 from kiln.runtime.model import CausalLM
 from kiln.runtime.model_runner import ModelRunner, StepLogits
 from kiln.runtime.outputs import EngineStats, RequestOutput, delta_output, final_output
@@ -105,9 +105,9 @@ class Engine:
 
         model_dir = Path(model_dir)
         options = engine_config(device=device, **config)
-        raw = read_config(model_dir)
-        max_len = options.max_model_len or _model_len_limit(raw)
-        model, kv_spec = load_model(model_dir, options.dtype, torch.device(device), max_len)
+        model, kv_spec = load_model(
+            model_dir, options.dtype, torch.device(device), options.max_model_len
+        )
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         eos = set(_generation_eos(model_dir))
@@ -424,10 +424,6 @@ class Engine:
                 "implement); lower it"
             )
         return config.max_model_len
-
-
-def _model_len_limit(config: dict[str, Any]) -> int:
-    return int(config.get("max_position_embeddings", 2048))
 
 
 def _generation_eos(model_dir: Path) -> list[int]:

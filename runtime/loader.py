@@ -74,9 +74,10 @@ def check_servable(ckpt: Checkpoint) -> None:
 
 
 def load_model(
-    model_dir: Path, dtype: str, device: torch.device, max_model_len: int
+    model_dir: Path, dtype: str, device: torch.device, max_model_len: int | None = None
 ) -> tuple[CausalLM, KVCacheSpec]:
-    """Build the model and describe its KV-cache encoding from a checkpoint directory."""
+    """Build the model and describe its KV-cache encoding from a checkpoint directory
+    (rotary tables for `max_model_len` positions; None: the model's own limit)."""
     raw = read_config(model_dir)
     config = ModelInfo.for_runtime(raw, str(model_dir))
     compute = resolve_dtype(dtype, raw, device)
@@ -112,7 +113,8 @@ def load_model(
         lm_head = linear("", ("lm_head",))
     else:
         lm_head = make_linear([LinearWeights(WeightScheme(), embed)], compute, device)
-    model = CausalLM(config, embed, layers, tensor("model.norm.weight"), lm_head, max_model_len)
+    positions = max_model_len or config.max_position_embeddings
+    model = CausalLM(config, embed, layers, tensor("model.norm.weight"), lm_head, positions)
     return model, kv_cache_spec(ckpt, config.num_layers)
 
 

@@ -316,6 +316,27 @@ class Fp8Linear(Linear):
             and (a is None or a.dynamic or w.input_scale is not None)
         )
 
+    def _scaled_mm(self, x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """FP8 x FP8 on the GPU, accumulated in fp32 by cuBLASLt.
+
+        With row (token) or column (channel) scales cuBLASLt writes bf16 only. An fp32 engine
+        therefore multiplies with unit scales, keeps the fp32 product and applies the scales
+        itself: one elementwise pass, and its answers match the CPU's fp32 path.
+        """
+        if self.dtype == torch.float32:
+            one = torch.ones((), device=self.device)
+            y = torch._scaled_mm(
+                x_fp8, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+            )
+            return y * scale * self.weight_scale.t()
+        return torch._scaled_mm(
+            x_fp8,
+            self.weight.t(),
+            scale_a=scale.expand(x_fp8.shape[0], 1).contiguous(),
+            scale_b=self.weight_scale.t().contiguous(),
+            out_dtype=torch.bfloat16,
+        ).to(self.dtype)
+
     def _activation_scale(self, x: torch.Tensor) -> torch.Tensor:
         assert self.act is not None
         if not self.act.dynamic:
@@ -330,13 +351,7 @@ class Fp8Linear(Linear):
             scale = self._activation_scale(x)
             x_fp8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             if self.device.type == "cuda":
-                y = torch._scaled_mm(
-                    x_fp8,
-                    self.weight.t(),
-                    scale_a=scale.expand(x.shape[0], 1).contiguous(),
-                    scale_b=self.weight_scale.t().contiguous(),
-                    out_dtype=torch.bfloat16,
-                ).to(self.dtype)
+                y = self._scaled_mm(x_fp8, scale)
                 return y if self.bias is None else y + self.bias
             x = (x_fp8.to(torch.float32) * scale).to(self.dtype)
         weight = (self.weight.to(torch.float32) * self.weight_scale).to(self.dtype)

@@ -42,5 +42,7 @@ def test_cuda_quantized_kernels_match_cpu(mode: str, quantized: Callable[[str], 
     gpu = Engine.from_pretrained(model_dir, device="cuda", dtype="float32")
     assert isinstance(gpu.model.layers[0].qkv, Fp8Linear | Int8Linear)
     gpu_lp, _ = prompt_logprobs(gpu, prompt)
-    # _scaled_mm accumulates in fp32 but rounds its output to bf16.
+    # Measured on an H100, fp32 engines: mean |diff| 0.030 fp8_dynamic, 0.025 fp8_static_kv_fp8,
+    # 0.020 w8a8_int8 (dense: 2e-6). The devices' divisions differ by one ulp in the activation
+    # scale, which flips codes that sit on a rounding boundary; GEMMs and weights agree exactly.
     assert (gpu_lp - cpu_lp).abs().mean() <= 0.05

@@ -10,6 +10,7 @@ then stops the engine thread and the mirror.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -35,21 +36,31 @@ log = logging.getLogger("kiln.serve")
 DRAIN_POLL_S = 0.05
 
 
+class _ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: a message that quotes a client's text stays encodable
+    (and the connection open) even when that text is not valid Unicode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None,
            headers: Mapping[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    return JSONResponse(error_body(message, kind, status, param), status, headers=headers)
+    return _ErrorResponse(error_body(message, kind, status, param), status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line per problem; the first offending field as `param`."""
+    """One readable line per problem; the first offending field as `param` (a check of the
+    whole body names its field in its context's `param`)."""
     lines, param = [], None
     for error in exc.errors():
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         if error.get("type") == "json_invalid":
             return f"malformed JSON body: {error.get('msg')}", None
+        named = (error.get("ctx") or {}).get("param")
+        param = param or (loc[0] if loc else named if named != "body" else None)
         where = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        lines.append(f"{where}: {error.get('msg')}")
+        lines.append(f"{where}: {error.get('msg')}" if named is None else str(error.get("msg")))
     return "invalid request: " + "; ".join(lines), param
 
 

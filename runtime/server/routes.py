@@ -45,6 +45,17 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        "model")  # fmt: skip
 
 
+def _check_room(state: ServerState, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+    """400 when the prompt and the tokens asked for pass the context, as OpenAI answers,
+    rather than generating until the context is full."""
+    context = state.backend.max_model_len
+    if len(prompt_ids) + max_tokens > context:
+        raise APIError(400, f"this model's context is {context} tokens: the prompt has "
+                       f"{len(prompt_ids)} and `{param}` asks for {max_tokens} more; lower "
+                       f"{param} to at most {context - len(prompt_ids)} or shorten the prompt",
+                       param=param)  # fmt: skip
+
+
 def register(app: FastAPI) -> None:
     """Add the two generation routes to `app`."""
     auth = [Depends(require_api_key)]
@@ -60,6 +71,7 @@ def register(app: FastAPI) -> None:
         rid = new_id("cmpl")
         for prompt_ids in ids:
             backend.validate(prompt_ids, params, rid)
+            _check_room(state, prompt_ids, params.max_tokens, "max_tokens")
         echo = [p if isinstance(p, str) else backend.decode(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         top_n = body.logprobs or 0
@@ -105,6 +117,8 @@ def register(app: FastAPI) -> None:
         params = body.sampling_params(backend.max_model_len - len(ids))
         rid = new_id("chatcmpl")
         backend.validate(ids, params, rid)
+        limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        _check_room(state, ids, params.max_tokens, limit)
         top_n = body.top_logprobs or 0
 
         def logprobs(tokens: list[int], entries: list[Any]) -> dict[str, Any] | None:

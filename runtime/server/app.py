@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import PurePath
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -117,9 +118,22 @@ def create_app(
             if mirror is not None:
                 await asyncio.to_thread(mirror.shutdown)
 
+    # With API keys the schema needs a key too, and the browser pages (which fetch the
+    # schema without one) are not served.
+    open_docs = not config.api_keys
     app = FastAPI(title="kiln serve", version="1", lifespan=lifespan,
-                  summary="OpenAI-compatible serving of kiln artifacts")  # fmt: skip
+                  summary="OpenAI-compatible serving of kiln artifacts",
+                  openapi_url="/openapi.json" if open_docs else None,
+                  docs_url="/docs" if open_docs else None,
+                  redoc_url="/redoc" if open_docs else None)  # fmt: skip
     app.state.kiln = state
+
+    if not open_docs:
+
+        @app.get("/openapi.json", dependencies=[Depends(require_api_key)],
+                 include_in_schema=False)  # fmt: skip
+        async def openapi() -> dict[str, Any]:
+            return app.openapi()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -162,7 +176,8 @@ def create_app(
             "object": "model",
             "created": now(),
             "owned_by": "kiln",
-            "root": config.model_root or config.model_name,
+            # The artifact's name, never where it lies on the host.
+            "root": PurePath(config.model_root).name or config.model_name,
             "max_model_len": backend.max_model_len,
         }
         return {"object": "list", "data": [card]}

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.artifact import json_dumps, load_manifest, verify
+from kiln.runtime.artifact import json_dumps, load_manifest
+from kiln.runtime.artifact.verified import Mode, verify_artifact
 from kiln.runtime.errors import ArtifactError, UsageError, VerdictFailure
 
 ENV_VAR = "KILN_REGISTRY"
@@ -246,18 +247,18 @@ class Registry:
     # -- promotion --------------------------------------------------------------------
 
     def promote(
-        self, artifact_path: str | Path, channel: str, reason: str = "", actor: str | None = None
+        self,
+        artifact_path: str | Path,
+        channel: str,
+        reason: str = "",
+        actor: str | None = None,
+        verify: Mode = "fast",
     ) -> dict[str, Any]:
-        """Point `channel` at the artifact, if a passing gate run allows it; returns the event."""
+        """Point `channel` at the artifact, if it verifies and a passing gate run allows it;
+        returns the event."""
         path = Path(artifact_path)
-        problems = verify(path)  # hashing is slow: outside the write lock
-        if problems:
-            raise ArtifactError(
-                f"{path}: refusing to promote to {channel}: the artifact does not verify:\n  "
-                + "\n  ".join(problems)
-                + "\nrebuild it with `kiln compile`"
-            )
-        manifest = load_manifest(path)
+        # Hashing is slow: outside the write lock.
+        manifest = verify_artifact(path, mode=verify, action=f"promote it to {channel}").manifest
         digest, actor = manifest.digest, actor or default_actor()
         with self._write() as db:
             db.execute("INSERT OR IGNORE INTO channels (name) VALUES (?)", (channel,))
@@ -313,35 +314,57 @@ class Registry:
             f"thresholds, then {fix}"
         )
 
-    def rollback(self, channel: str, reason: str = "", actor: str | None = None) -> dict[str, Any]:
-        """Move the channel back to the artifact it served before its current one."""
+    def rollback(
+        self, channel: str, reason: str = "", actor: str | None = None, verify: Mode = "fast"
+    ) -> dict[str, Any]:
+        """Move the channel back to the artifact it served before its current one, once that
+        artifact verifies against the digest the channel recorded for it."""
         actor = actor or default_actor()
+        target, _ = self._rollback_step(self._db, channel)
+        row = self._db.execute("SELECT path FROM artifacts WHERE digest = ?", (target,)).fetchone()
+        where = Path(row["path"]) if row else None
+        if where is None or not where.is_dir():
+            raise ArtifactError(
+                f"channel {channel}: refusing to roll back to {target[:12]}: the artifact is not "
+                f"on disk ({where or 'no path registered'}); restore it there, or promote "
+                "another artifact"
+            )
+        action = f"roll {channel} back to it"
+        verify_artifact(where, mode=verify, expect_digest=target, action=action)
         with self._write() as db:
-            state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
-            if state is None:
+            now_target, current = self._rollback_step(db, channel)
+            if now_target != target:
                 raise UsageError(
-                    f"channel {channel}: no such channel; `kiln registry ls` lists them"
+                    f"channel {channel}: it changed while {target[:12]} was being verified; "
+                    "run `kiln rollback` again"
                 )
-            stack: list[str] = []
-            for event in db.execute(
-                "SELECT action, digest FROM promotion_events WHERE channel = ? ORDER BY id",
-                (channel,),
-            ):
-                if event["action"] == "promote":
-                    stack.append(event["digest"])
-                elif stack:
-                    stack.pop()
-            if len(stack) < 2:
-                raise UsageError(
-                    f"channel {channel}: nothing to roll back to (it has served only "
-                    f"{stack[0][:12] if stack else 'nothing'}); promote an artifact instead"
-                )
-            target, current = stack[-2], stack[-1]
             db.execute(
                 "UPDATE channels SET current_digest = ?, updated_at = ? WHERE name = ?",
                 (target, _now(), channel),
             )
             return self._event(db, channel, target, current, "rollback", reason, actor)
+
+    @staticmethod
+    def _rollback_step(db: sqlite3.Connection, channel: str) -> tuple[str, str]:
+        """(the digest a rollback moves `channel` to, the one it serves now)."""
+        state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
+        if state is None:
+            raise UsageError(f"channel {channel}: no such channel; `kiln registry ls` lists them")
+        stack: list[str] = []
+        for event in db.execute(
+            "SELECT action, digest FROM promotion_events WHERE channel = ? ORDER BY id",
+            (channel,),
+        ):
+            if event["action"] == "promote":
+                stack.append(event["digest"])
+            elif stack:
+                stack.pop()
+        if len(stack) < 2:
+            raise UsageError(
+                f"channel {channel}: nothing to roll back to (it has served only "
+                f"{stack[0][:12] if stack else 'nothing'}); promote an artifact instead"
+            )
+        return stack[-2], stack[-1]
 
     @staticmethod
     def _event(

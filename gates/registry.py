@@ -7,9 +7,16 @@ promotion raises before COMMIT and changes nothing.
 
 Which baseline a channel requires (`channels.baseline_rule`):
 - ``current`` (default): a passing gate run of the candidate against the artifact the
-  channel serves now; an empty channel accepts a passing run against any baseline.
+  channel serves now; an empty channel opens only with a passing run against a float
+  source checkpoint (baseline kind `source`: the model before quantisation), never one
+  against another artifact or an endpoint, which would only say the candidate is no worse
+  than something the channel never vouched for.
 - ``fixed``: a passing gate run against the channel's configured `baseline_digest` (for
   example the float source's content digest), whatever the channel serves.
+
+A gate run is bound to both digests: it is recorded only for the artifact its verdict names
+as the candidate, and never when candidate and baseline are the same content; such a run
+counts for nothing.
 
 Rollback replays the channel's events as a stack (promote pushes, rollback pops) and moves
 to the digest below the top, so repeated rollbacks walk back through history.
@@ -151,11 +158,23 @@ class Registry:
         return manifest.digest
 
     def record_gate_run(self, verdict: dict[str, Any], artifact_path: str | Path | None) -> int:
-        """Store a gate.json verdict (and register the candidate artifact); returns its id."""
+        """Store a gate.json verdict (and register the candidate artifact, which must be the
+        one the verdict names); returns its id."""
         candidate, baseline = verdict["candidate"], verdict["baseline"]
+        if candidate["digest"] == baseline["digest"]:
+            raise UsageError(
+                f"gate run of {candidate['digest'][:12]}: its baseline is the candidate itself; "
+                "such a run proves nothing and is not recorded"
+            )
         with self._write() as db:
             if artifact_path is not None:
-                self._upsert_artifact(db, Path(artifact_path))
+                registered = self._upsert_artifact(db, Path(artifact_path))
+                if registered != candidate["digest"]:
+                    raise UsageError(
+                        f"{artifact_path}: its digest is {registered[:12]}, but the verdict is "
+                        f"for {candidate['digest'][:12]}; record a verdict with the artifact "
+                        "it judged"
+                    )
             cursor = db.execute(
                 "INSERT INTO gate_runs (candidate_digest, baseline, baseline_kind, passed, "
                 "verdict, created_at) VALUES (?, ?, ?, ?, ?, ?)",
@@ -289,20 +308,31 @@ class Registry:
         required: str | None,
         why: str,
     ) -> None:
-        runs = db.execute(
-            "SELECT baseline, passed FROM gate_runs WHERE candidate_digest = ?", (digest,)
+        gated = db.execute(
+            "SELECT baseline, baseline_kind, passed FROM gate_runs WHERE candidate_digest = ? "
+            "AND baseline != candidate_digest",
+            (digest,),
         ).fetchall()
+        # An empty channel: only a run against the float source opens it.
+        runs = [r for r in gated if required is not None or r["baseline_kind"] == "source"]
         if any(r["passed"] and (required is None or r["baseline"] == required) for r in runs):
             return
         refusal = f"{path}: refusing to promote {name} ({digest[:12]}) to {channel}"
         if required is None:
-            against, hint = "against any baseline", "<float source, artifact or URL>"
+            against, hint = "against its float source", "<the float source checkpoint>"
         else:
             row = db.execute("SELECT path FROM artifacts WHERE digest = ?", (required,)).fetchone()
             against, hint = f"against {required[:12]}", row["path"] if row else required
         fix = f"run `kiln gate {path} --baseline {hint}` first"
-        if not runs:
+        if not gated:
             raise UsageError(f"{refusal}: it has never been gated; {fix}")
+        if not runs:
+            kinds = ", ".join(sorted({f"{r['baseline_kind']} {r['baseline'][:12]}" for r in gated}))
+            raise UsageError(
+                f"{refusal}: {channel} serves nothing yet, so it opens only with a passing gate "
+                f"run against the float source (the model before quantisation), and this "
+                f"artifact was gated only against {kinds}; {fix}"
+            )
         if required is not None and not any(r["baseline"] == required for r in runs):
             others = ", ".join(sorted({r["baseline"][:12] for r in runs}))
             raise UsageError(

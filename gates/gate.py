@@ -164,7 +164,7 @@ def run_gate(
     base_dir = base_dir or Path.cwd()
     cand = resolve_side(candidate, "candidate", verify)
     base = resolve_side(baseline, "baseline", verify)
-    check_distinct(cand, base)
+    check_distinct(cand, base, registry is not None)
     if cand.kind == "source":
         raise UsageError(
             f"candidate {candidate!r} is a model source; the gate evaluates what ships: pass "
@@ -247,7 +247,7 @@ def gate_mirror_log(
     began = time.perf_counter()
     cand = resolve_side(candidate, "candidate", verify)
     base = resolve_side(baseline, "baseline", verify)
-    check_distinct(cand, base)
+    check_distinct(cand, base, registry is not None)
     entries = read_mirror_log(log)
     for entry in entries:
         _check_mirrored(log, entry, cand, base)

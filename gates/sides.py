@@ -102,14 +102,23 @@ def resolve_side(spec: str, role: str = "side", verify: Mode = "fast") -> SideSp
     )
 
 
-def check_distinct(cand: SideSpec, base: SideSpec) -> None:
-    """Refuse gating an artifact against the same content: such a pass says nothing. (An
-    endpoint's URL does not name its content, so two equal URLs are not refused.)"""
-    if cand.kind != "http" and cand.digest == base.digest:
+def check_distinct(cand: SideSpec, base: SideSpec, recording: bool) -> None:
+    """Refuse gating an artifact against itself: such a pass says nothing. Two copies of the
+    same content may be compared (serving determinism, say), but never recorded as a gate
+    run. (An endpoint's URL does not name its content, so equal URLs are not refused.)"""
+    if cand.kind == "http" or cand.digest != base.digest:
+        return
+    same = f"candidate {cand.spec} and baseline {base.spec}"
+    if cand.path == base.path:
         raise UsageError(
-            f"candidate {cand.spec} and baseline {base.spec} are the same "
-            f"{cand.kind} ({cand.digest[:12]}); a gate compares two things, so pass the "
-            "baseline it must not be worse than (the float source, or what serves now)"
+            f"{same} are the same {cand.kind}; a gate compares two things: pass the baseline "
+            "the candidate must not be worse than (its float source, or what serves now)"
+        )
+    if recording:
+        raise UsageError(
+            f"{same} hold the same content ({cand.digest[:12]}); such a run proves nothing and "
+            "is not recorded: gate against another baseline, or pass --no-record to compare "
+            "the two copies anyway"
         )
 
 

@@ -199,6 +199,14 @@ def _old_spelling(name: str) -> str:
 @click.option("--max-num-seqs", type=int, help="Sequences in the running batch.")
 @click.option("--kv-cache-memory", help="KV-cache budget, e.g. 2GiB.")
 @click.option("--max-model-len", type=int, help="Context limit (default: the model's).")
+@click.option(
+    "--long-prefill-tokens",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Most prompt tokens one request prefills per step, so a long prompt interleaves "
+    "with other requests' decodes and prefills (0: a chunk may take the whole step).",
+)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--num-threads", type=int, help="torch CPU threads.")
@@ -263,6 +271,7 @@ def serve(
     max_num_seqs: int | None,
     kv_cache_memory: str | None,
     max_model_len: int | None,
+    long_prefill_tokens: int,
     device: str,
     dtype: str,
     num_threads: int | None,
@@ -299,6 +308,7 @@ def serve(
         max_num_seqs=max_num_seqs,
         kv_cache_memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
         max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_tokens or None,
         num_threads=num_threads,
         device=device,
         dtype=dtype,

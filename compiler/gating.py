@@ -13,7 +13,9 @@ serves now, or its fixed baseline), else `gates.baseline` (`source` = the recipe
 unquantised model as the source stage materialised it).
 
 Like every stage, the gate is keyed by its inputs (artifact digest, baseline digest,
-settings, traffic file): an unchanged re-run reuses the recorded verdict.
+settings, traffic file): an unchanged re-run reuses the verdict the registry recorded for
+those two digests, and only while gate.json still agrees with it; a registry without that
+run, or a gate.json edited since, runs the gate again.
 """
 
 from __future__ import annotations
@@ -114,9 +116,11 @@ def gate_compiled(
     out_dir = path.parent / GATE_REPORTS_DIR / _safe(f"{manifest.name}-{manifest.digest[:12]}")
     gate_json = out_dir / GATE_JSON
     recorded = manifest.gate
-    if not force and recorded is not None and recorded.key == key and gate_json.is_file():
-        verdict = json.loads(gate_json.read_text())
-        run_id = _ensure_recorded(registry, verdict, path)
+    cached = None
+    if not force and recorded is not None and recorded.key == key:
+        cached = _recorded_verdict(registry, gate_json, manifest.digest, base.digest)
+    if cached is not None:
+        run_id, verdict = cached
         step = GateStep(verdict, out_dir, base, True, run_id)
     else:
         say(f"gate: {manifest.name} against {base.name} ({base.kind})")
@@ -190,13 +194,21 @@ def _traffic(gates: GatesSection, base_dir: Path) -> str | None:
     return artifact.sha256_file(path) if path.is_file() else str(path)
 
 
-def _ensure_recorded(registry: Registry, verdict: dict[str, Any], path: Path) -> int | None:
-    """A cached verdict still belongs in this registry (it may be a fresh one)."""
-    baseline = verdict["baseline"]["digest"]
-    for run in registry.gate_runs(verdict["candidate"]["digest"]):
-        if run["baseline"] == baseline and bool(run["passed"]) == bool(verdict["passed"]):
-            return int(run["id"])
-    return registry.record_gate_run(verdict, path)
+def _recorded_verdict(
+    registry: Registry, gate_json: Path, candidate: str, baseline: str
+) -> tuple[int, dict[str, Any]] | None:
+    """(run id, verdict) of this registry's latest run of `candidate` against `baseline`,
+    when gate.json beside the artifact still says exactly that; else None and the gate runs
+    again. gate.json lies outside the digest: alone it is never trusted, nor recorded."""
+    try:
+        on_disk = json.loads(gate_json.read_text())
+    except (OSError, ValueError):
+        return None
+    for run in registry.gate_runs(candidate):
+        if run["baseline"] == baseline:
+            verdict = registry.verdict(int(run["id"]))
+            return (int(run["id"]), verdict) if verdict == on_disk else None
+    return None
 
 
 def _safe(label: str) -> str:

@@ -15,12 +15,18 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from kiln.gates.cli import VERIFY_OPTION
 from kiln.runtime.errors import UsageError
 from kiln.runtime.exits import handle_errors
+
+log = logging.getLogger("kiln.serve")
+
+if TYPE_CHECKING:
+    from kiln.runtime.artifact.verified import Mode
 
 REGISTRY_SCHEME = "registry://"
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -55,11 +61,16 @@ def parse_size(text: str) -> int:
     return int(float(number) * _UNITS[unit])
 
 
-def resolve_model(spec: str, registry_spec: str | None, role: str = "ARTIFACT") -> ServedModel:
-    """An artifact directory, a Hugging Face model directory, or registry://CHANNEL."""
-    from kiln.runtime.artifact import MANIFEST, load_manifest
+def resolve_model(
+    spec: str, registry_spec: str | None, role: str = "ARTIFACT", verify: Mode = "fast"
+) -> ServedModel:
+    """An artifact directory, a Hugging Face model directory, or registry://CHANNEL. An
+    artifact is checked against its manifest (`verify`), and a channel's against the digest
+    the channel recorded, before anything of it is loaded."""
+    from kiln.runtime.artifact import MANIFEST
+    from kiln.runtime.artifact.verified import verify_artifact
 
-    original = spec
+    original, expect = spec, None
     if spec.startswith(REGISTRY_SCHEME):
         from kiln.gates.registry import Registry
 
@@ -72,11 +83,22 @@ def resolve_model(spec: str, registry_spec: str | None, role: str = "ARTIFACT") 
                 f"{role} {spec}: channel {channel!r} serves nothing in {where}; promote an "
                 f"artifact first (kiln promote ARTIFACT --channel {channel})"
             )
-        spec = state.current_path
+        spec, expect = state.current_path, state.current_digest
     path = Path(spec).expanduser()
     if (path / MANIFEST).is_file():
-        manifest = load_manifest(path)
+        action = f"serve it as {original}" if expect else "serve it"
+        checked = verify_artifact(path, mode=verify, expect_digest=expect, action=action)
+        manifest = checked.manifest
+        log.info("%s", checked.describe())
+        for engine in checked.built_later:
+            log.warning("%s: %s was built after publication; its files lie outside the digest "
+                        "and are not verified", path, engine)  # fmt: skip
         return ServedModel(original, path.resolve(), manifest.name, manifest.digest, True)
+    if expect is not None:
+        raise UsageError(
+            f"{role} {original}: channel serves {expect[:12]} at {path}, which holds no kiln "
+            "artifact now; restore the artifact there or promote another"
+        )
     if (path / "config.json").is_file():
         return ServedModel(original, path.resolve(), path.resolve().name, "", False)
     raise UsageError(
@@ -177,6 +199,14 @@ def _old_spelling(name: str) -> str:
 @click.option("--max-num-seqs", type=int, help="Sequences in the running batch.")
 @click.option("--kv-cache-memory", help="KV-cache budget, e.g. 2GiB.")
 @click.option("--max-model-len", type=int, help="Context limit (default: the model's).")
+@click.option(
+    "--long-prefill-tokens",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Most prompt tokens one request prefills per step, so a long prompt interleaves "
+    "with other requests' decodes and prefills (0: a chunk may take the whole step).",
+)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--num-threads", type=int, help="torch CPU threads.")
@@ -227,6 +257,7 @@ def _old_spelling(name: str) -> str:
     envvar="KILN_REGISTRY",
     help="Registry for registry://CHANNEL (default: $KILN_REGISTRY).",
 )
+@VERIFY_OPTION
 @click.option("--log-level", default="info", show_default=True)
 @handle_errors
 def serve(
@@ -240,6 +271,7 @@ def serve(
     max_num_seqs: int | None,
     kv_cache_memory: str | None,
     max_model_len: int | None,
+    long_prefill_tokens: int,
     device: str,
     dtype: str,
     num_threads: int | None,
@@ -253,6 +285,7 @@ def serve(
     mirror_queue: int,
     drain_timeout: float,
     registry_spec: str | None,
+    verify: Mode,
     log_level: str,
 ) -> None:
     """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
@@ -270,11 +303,12 @@ def serve(
         recorder = TrafficRecorder(
             RecordSettings(record_path, record_sample_rate, record_prompts, record_responses)
         )
-    model = resolve_model(artifact, registry_spec)
+    model = resolve_model(artifact, registry_spec, verify=verify)
     options = _engine_options(
         max_num_seqs=max_num_seqs,
         kv_cache_memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
         max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_tokens or None,
         num_threads=num_threads,
         device=device,
         dtype=dtype,
@@ -296,7 +330,7 @@ def serve(
     mirror = None
     if mirror_spec:
         assert mirror_log is not None
-        candidate = resolve_model(mirror_spec, registry_spec, "--mirror")
+        candidate = resolve_model(mirror_spec, registry_spec, "--mirror", verify)
         mirror = Mirror(
             Engine.load(candidate.path, **options),
             mirror_log,

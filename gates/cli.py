@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kiln.runtime.errors import VerdictFailure
 from kiln.runtime.exits import handle_errors
+
+if TYPE_CHECKING:
+    from kiln.runtime.artifact.verified import Mode
 
 _REGISTRY = click.option(
     "--registry",
@@ -23,6 +26,18 @@ _REGISTRY = click.option(
     envvar="KILN_REGISTRY",
     help="Registry file or sqlite:/// URL (default: $KILN_REGISTRY, "
     "else ~/.local/share/kiln/registry.db).",
+)
+
+
+# Used by every command that reads an artifact it is about to serve, gate, promote or
+# roll back to (runtime/artifact/verified.py says what each mode trusts).
+VERIFY_OPTION = click.option(
+    "--verify",
+    type=click.Choice(["fast", "full"]),
+    default="fast",
+    show_default=True,
+    help="Check artifacts against their manifests first: `fast` trusts an earlier full check "
+    "while no file changed since, `full` re-hashes every file.",
 )
 
 
@@ -63,6 +78,7 @@ def _old_spelling(name: str) -> str:
 @click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
 @_REGISTRY
 @click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
+@VERIFY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
 @handle_errors
 def gate(
@@ -75,6 +91,7 @@ def gate(
     limit: int | None,
     registry_spec: str | None,
     no_record: bool,
+    verify: Mode,
     as_json: bool,
 ) -> None:
     """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
@@ -84,7 +101,7 @@ def gate(
     from kiln.gates.sides import resolve_side
     from kiln.runtime.artifact import load_manifest
 
-    cand = resolve_side(candidate, "candidate")
+    cand = resolve_side(candidate, "candidate", verify)
     base_dir = Path.cwd()
     if gate_file is not None:
         gates = load_gate_file(gate_file)
@@ -101,7 +118,9 @@ def gate(
         out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
     registry = None if no_record else _open_registry(registry_spec)
     if mirror_log is not None:
-        outcome = gate_mirror_log(candidate, baseline, mirror_log, gates, out, registry=registry)
+        outcome = gate_mirror_log(
+            candidate, baseline, mirror_log, gates, out, registry=registry, verify=verify
+        )
     else:
         outcome = run_gate(
             candidate,
@@ -112,6 +131,7 @@ def gate(
             traffic=traffic,
             registry=registry,
             progress=_echo_err,
+            verify=verify,
         )
     verdict = outcome.verdict
     if as_json:
@@ -133,11 +153,15 @@ def gate(
 @click.option("--channel", required=True, help="Release channel, e.g. prod or staging.")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
+@VERIFY_OPTION
 @handle_errors
-def promote(artifact: Path, channel: str, reason: str, registry_spec: str | None) -> None:
-    """Point CHANNEL at ARTIFACT; needs a passing gate run against the channel's baseline."""
+def promote(
+    artifact: Path, channel: str, reason: str, registry_spec: str | None, verify: Mode
+) -> None:
+    """Point CHANNEL at ARTIFACT; it must verify and have a passing gate run against the
+    channel's baseline."""
     with _open_registry(registry_spec) as registry:
-        event = registry.promote(artifact, channel, reason)
+        event = registry.promote(artifact, channel, reason, verify=verify)
     previous = (event["previous_digest"] or "nothing")[:12]
     click.echo(f"{channel}: {event['digest'][:12]} (was {previous})")
 
@@ -146,11 +170,13 @@ def promote(artifact: Path, channel: str, reason: str, registry_spec: str | None
 @click.argument("channel")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @_REGISTRY
+@VERIFY_OPTION
 @handle_errors
-def rollback(channel: str, reason: str, registry_spec: str | None) -> None:
-    """Move CHANNEL back to the artifact it served before its current one."""
+def rollback(channel: str, reason: str, registry_spec: str | None, verify: Mode) -> None:
+    """Move CHANNEL back to the artifact it served before its current one, once that artifact
+    verifies against the digest CHANNEL recorded."""
     with _open_registry(registry_spec) as registry:
-        event = registry.rollback(channel, reason)
+        event = registry.rollback(channel, reason, verify=verify)
     click.echo(
         f"{channel}: {event['digest'][:12]} (rolled back from {event['previous_digest'][:12]})"
     )

@@ -31,7 +31,7 @@ from kiln.gates.replay import Side, replay
 from kiln.gates.report import write_reports
 from kiln.gates.rules import GatePolicy
 from kiln.gates.shadow import ShadowReport, compare_pair, summarize_pairs
-from kiln.gates.sides import EngineSide, HttpSide, SideSpec, resolve_side
+from kiln.gates.sides import EngineSide, HttpSide, SideSpec, check_distinct, resolve_side
 from kiln.gates.tasks import BUILTIN_TASKS_DIR, TaskResult
 from kiln.gates.verdict import (
     GateVerdict,
@@ -40,6 +40,7 @@ from kiln.gates.verdict import (
     build_verdict,
     compare_task,
 )
+from kiln.runtime.artifact.verified import Mode
 from kiln.runtime.errors import UsageError
 from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
 from kiln.runtime.traffic import COMPLETIONS, TrafficRecord, read_traffic
@@ -154,13 +155,16 @@ def run_gate(
     traffic: str | Path | None = None,
     registry: Registry | None = None,
     progress: Progress | None = None,
+    verify: Mode = "fast",
 ) -> GateOutcome:
-    """Gate `candidate` against `baseline`; writes reports and records the run."""
+    """Gate `candidate` against `baseline`; writes reports and records the run. Artifact
+    sides are checked against their manifests first (`verify`)."""
     say = progress or (lambda _msg: None)
     began = time.perf_counter()
     base_dir = base_dir or Path.cwd()
-    cand = resolve_side(candidate, "candidate")
-    base = resolve_side(baseline, "baseline")
+    cand = resolve_side(candidate, "candidate", verify)
+    base = resolve_side(baseline, "baseline", verify)
+    check_distinct(cand, base, registry is not None)
     if cand.kind == "source":
         raise UsageError(
             f"candidate {candidate!r} is a model source; the gate evaluates what ships: pass "
@@ -235,13 +239,15 @@ def gate_mirror_log(
     out_dir: str | Path,
     *,
     registry: Registry | None = None,
+    verify: Mode = "fast",
 ) -> GateOutcome:
     """Gate `candidate` against `baseline` on the answer pairs of a mirror log (`kiln serve
     --mirror`, baseline = the primary): the shadow comparison only; writes reports and
     records the run like `run_gate`."""
     began = time.perf_counter()
-    cand = resolve_side(candidate, "candidate")
-    base = resolve_side(baseline, "baseline")
+    cand = resolve_side(candidate, "candidate", verify)
+    base = resolve_side(baseline, "baseline", verify)
+    check_distinct(cand, base, registry is not None)
     entries = read_mirror_log(log)
     for entry in entries:
         _check_mirrored(log, entry, cand, base)

@@ -7,9 +7,16 @@ promotion raises before COMMIT and changes nothing.
 
 Which baseline a channel requires (`channels.baseline_rule`):
 - ``current`` (default): a passing gate run of the candidate against the artifact the
-  channel serves now; an empty channel accepts a passing run against any baseline.
+  channel serves now; an empty channel opens only with a passing run against a float
+  source checkpoint (baseline kind `source`: the model before quantisation), never one
+  against another artifact or an endpoint, which would only say the candidate is no worse
+  than something the channel never vouched for.
 - ``fixed``: a passing gate run against the channel's configured `baseline_digest` (for
   example the float source's content digest), whatever the channel serves.
+
+A gate run is bound to both digests: it is recorded only for the artifact its verdict names
+as the candidate, and never when candidate and baseline are the same content; such a run
+counts for nothing.
 
 Rollback replays the channel's events as a stack (promote pushes, rollback pops) and moves
 to the digest below the top, so repeated rollbacks walk back through history.
@@ -29,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.artifact import json_dumps, load_manifest, verify
+from kiln.runtime.artifact import json_dumps, load_manifest
+from kiln.runtime.artifact.verified import Mode, verify_artifact
 from kiln.runtime.errors import ArtifactError, UsageError, VerdictFailure
 
 ENV_VAR = "KILN_REGISTRY"
@@ -150,11 +158,23 @@ class Registry:
         return manifest.digest
 
     def record_gate_run(self, verdict: dict[str, Any], artifact_path: str | Path | None) -> int:
-        """Store a gate.json verdict (and register the candidate artifact); returns its id."""
+        """Store a gate.json verdict (and register the candidate artifact, which must be the
+        one the verdict names); returns its id."""
         candidate, baseline = verdict["candidate"], verdict["baseline"]
+        if candidate["digest"] == baseline["digest"]:
+            raise UsageError(
+                f"gate run of {candidate['digest'][:12]}: its baseline is the candidate itself; "
+                "such a run proves nothing and is not recorded"
+            )
         with self._write() as db:
             if artifact_path is not None:
-                self._upsert_artifact(db, Path(artifact_path))
+                registered = self._upsert_artifact(db, Path(artifact_path))
+                if registered != candidate["digest"]:
+                    raise UsageError(
+                        f"{artifact_path}: its digest is {registered[:12]}, but the verdict is "
+                        f"for {candidate['digest'][:12]}; record a verdict with the artifact "
+                        "it judged"
+                    )
             cursor = db.execute(
                 "INSERT INTO gate_runs (candidate_digest, baseline, baseline_kind, passed, "
                 "verdict, created_at) VALUES (?, ?, ?, ?, ?, ?)",
@@ -246,18 +266,18 @@ class Registry:
     # -- promotion --------------------------------------------------------------------
 
     def promote(
-        self, artifact_path: str | Path, channel: str, reason: str = "", actor: str | None = None
+        self,
+        artifact_path: str | Path,
+        channel: str,
+        reason: str = "",
+        actor: str | None = None,
+        verify: Mode = "fast",
     ) -> dict[str, Any]:
-        """Point `channel` at the artifact, if a passing gate run allows it; returns the event."""
+        """Point `channel` at the artifact, if it verifies and a passing gate run allows it;
+        returns the event."""
         path = Path(artifact_path)
-        problems = verify(path)  # hashing is slow: outside the write lock
-        if problems:
-            raise ArtifactError(
-                f"{path}: refusing to promote to {channel}: the artifact does not verify:\n  "
-                + "\n  ".join(problems)
-                + "\nrebuild it with `kiln compile`"
-            )
-        manifest = load_manifest(path)
+        # Hashing is slow: outside the write lock.
+        manifest = verify_artifact(path, mode=verify, action=f"promote it to {channel}").manifest
         digest, actor = manifest.digest, actor or default_actor()
         with self._write() as db:
             db.execute("INSERT OR IGNORE INTO channels (name) VALUES (?)", (channel,))
@@ -288,20 +308,31 @@ class Registry:
         required: str | None,
         why: str,
     ) -> None:
-        runs = db.execute(
-            "SELECT baseline, passed FROM gate_runs WHERE candidate_digest = ?", (digest,)
+        gated = db.execute(
+            "SELECT baseline, baseline_kind, passed FROM gate_runs WHERE candidate_digest = ? "
+            "AND baseline != candidate_digest",
+            (digest,),
         ).fetchall()
+        # An empty channel: only a run against the float source opens it.
+        runs = [r for r in gated if required is not None or r["baseline_kind"] == "source"]
         if any(r["passed"] and (required is None or r["baseline"] == required) for r in runs):
             return
         refusal = f"{path}: refusing to promote {name} ({digest[:12]}) to {channel}"
         if required is None:
-            against, hint = "against any baseline", "<float source, artifact or URL>"
+            against, hint = "against its float source", "<the float source checkpoint>"
         else:
             row = db.execute("SELECT path FROM artifacts WHERE digest = ?", (required,)).fetchone()
             against, hint = f"against {required[:12]}", row["path"] if row else required
         fix = f"run `kiln gate {path} --baseline {hint}` first"
-        if not runs:
+        if not gated:
             raise UsageError(f"{refusal}: it has never been gated; {fix}")
+        if not runs:
+            kinds = ", ".join(sorted({f"{r['baseline_kind']} {r['baseline'][:12]}" for r in gated}))
+            raise UsageError(
+                f"{refusal}: {channel} serves nothing yet, so it opens only with a passing gate "
+                f"run against the float source (the model before quantisation), and this "
+                f"artifact was gated only against {kinds}; {fix}"
+            )
         if required is not None and not any(r["baseline"] == required for r in runs):
             others = ", ".join(sorted({r["baseline"][:12] for r in runs}))
             raise UsageError(
@@ -313,35 +344,57 @@ class Registry:
             f"thresholds, then {fix}"
         )
 
-    def rollback(self, channel: str, reason: str = "", actor: str | None = None) -> dict[str, Any]:
-        """Move the channel back to the artifact it served before its current one."""
+    def rollback(
+        self, channel: str, reason: str = "", actor: str | None = None, verify: Mode = "fast"
+    ) -> dict[str, Any]:
+        """Move the channel back to the artifact it served before its current one, once that
+        artifact verifies against the digest the channel recorded for it."""
         actor = actor or default_actor()
+        target, _ = self._rollback_step(self._db, channel)
+        row = self._db.execute("SELECT path FROM artifacts WHERE digest = ?", (target,)).fetchone()
+        where = Path(row["path"]) if row else None
+        if where is None or not where.is_dir():
+            raise ArtifactError(
+                f"channel {channel}: refusing to roll back to {target[:12]}: the artifact is not "
+                f"on disk ({where or 'no path registered'}); restore it there, or promote "
+                "another artifact"
+            )
+        action = f"roll {channel} back to it"
+        verify_artifact(where, mode=verify, expect_digest=target, action=action)
         with self._write() as db:
-            state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
-            if state is None:
+            now_target, current = self._rollback_step(db, channel)
+            if now_target != target:
                 raise UsageError(
-                    f"channel {channel}: no such channel; `kiln registry ls` lists them"
+                    f"channel {channel}: it changed while {target[:12]} was being verified; "
+                    "run `kiln rollback` again"
                 )
-            stack: list[str] = []
-            for event in db.execute(
-                "SELECT action, digest FROM promotion_events WHERE channel = ? ORDER BY id",
-                (channel,),
-            ):
-                if event["action"] == "promote":
-                    stack.append(event["digest"])
-                elif stack:
-                    stack.pop()
-            if len(stack) < 2:
-                raise UsageError(
-                    f"channel {channel}: nothing to roll back to (it has served only "
-                    f"{stack[0][:12] if stack else 'nothing'}); promote an artifact instead"
-                )
-            target, current = stack[-2], stack[-1]
             db.execute(
                 "UPDATE channels SET current_digest = ?, updated_at = ? WHERE name = ?",
                 (target, _now(), channel),
             )
             return self._event(db, channel, target, current, "rollback", reason, actor)
+
+    @staticmethod
+    def _rollback_step(db: sqlite3.Connection, channel: str) -> tuple[str, str]:
+        """(the digest a rollback moves `channel` to, the one it serves now)."""
+        state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
+        if state is None:
+            raise UsageError(f"channel {channel}: no such channel; `kiln registry ls` lists them")
+        stack: list[str] = []
+        for event in db.execute(
+            "SELECT action, digest FROM promotion_events WHERE channel = ? ORDER BY id",
+            (channel,),
+        ):
+            if event["action"] == "promote":
+                stack.append(event["digest"])
+            elif stack:
+                stack.pop()
+        if len(stack) < 2:
+            raise UsageError(
+                f"channel {channel}: nothing to roll back to (it has served only "
+                f"{stack[0][:12] if stack else 'nothing'}); promote an artifact instead"
+            )
+        return stack[-2], stack[-1]
 
     @staticmethod
     def _event(

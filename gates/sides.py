@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 
 from kiln.runtime.answer import SideAnswer, answer_alone
-from kiln.runtime.artifact import MANIFEST, content_digest, file_digests, load_manifest
+from kiln.runtime.artifact import MANIFEST, content_digest, file_digests
+from kiln.runtime.artifact.verified import Mode, verify_artifact
 from kiln.runtime.client import OpenAIClient
 from kiln.runtime.errors import UsageError
 from kiln.runtime.traffic import TrafficRecord
@@ -64,13 +65,15 @@ class SideSpec:
         }
 
 
-def resolve_side(spec: str, role: str = "side") -> SideSpec:
-    """Classify a side spec; raises UsageError naming the spec and what would work."""
+def resolve_side(spec: str, role: str = "side", verify: Mode = "fast") -> SideSpec:
+    """Classify a side spec; raises UsageError naming the spec and what would work. An
+    artifact is checked against its manifest first (`verify`: fast or full, see
+    runtime.artifact.verified): a gate measures only what its digest names."""
     if spec.startswith(("http://", "https://")):
         return SideSpec(spec, "http", spec, spec, url=spec.rstrip("/"))
     path = Path(spec).expanduser()
     if (path / MANIFEST).is_file():
-        manifest = load_manifest(path)
+        manifest = verify_artifact(path, mode=verify, action=f"gate it as the {role}").manifest
         bits = (manifest.recipe.get("quantization") or {}).get("weight_bits")
         return SideSpec(
             spec,
@@ -97,6 +100,26 @@ def resolve_side(spec: str, role: str = "side") -> SideSpec:
         f"{role} {spec!r}: not a kiln artifact (no {MANIFEST}), not a Hugging Face checkpoint "
         "directory (no config.json), and not an http(s):// endpoint URL; pass one of those"
     )
+
+
+def check_distinct(cand: SideSpec, base: SideSpec, recording: bool) -> None:
+    """Refuse gating an artifact against itself: such a pass says nothing. Two copies of the
+    same content may be compared (serving determinism, say), but never recorded as a gate
+    run. (An endpoint's URL does not name its content, so equal URLs are not refused.)"""
+    if cand.kind == "http" or cand.digest != base.digest:
+        return
+    same = f"candidate {cand.spec} and baseline {base.spec}"
+    if cand.path == base.path:
+        raise UsageError(
+            f"{same} are the same {cand.kind}; a gate compares two things: pass the baseline "
+            "the candidate must not be worse than (its float source, or what serves now)"
+        )
+    if recording:
+        raise UsageError(
+            f"{same} hold the same content ({cand.digest[:12]}); such a run proves nothing and "
+            "is not recorded: gate against another baseline, or pass --no-record to compare "
+            "the two copies anyway"
+        )
 
 
 # --- replay sides -----------------------------------------------------------------------

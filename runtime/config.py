@@ -24,6 +24,9 @@ class EngineConfig:
     "bfloat16" halves KV memory traffic on CPU at bf16 precision.
     KV capacity comes from `num_blocks` when given, else from `kv_cache_memory_bytes`, else
     from enough blocks for `max_num_seqs` sequences at `max_model_len` (capped at 1 GiB).
+    `long_prefill_token_threshold` (vLLM's name) caps one request's prefill chunk per step,
+    so a long prompt leaves room in every step for other requests' decodes and prefills;
+    None lets a chunk take all the budget left.
     """
 
     block_size: int = 16
@@ -34,6 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -45,7 +49,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+        optional = ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads",
+                    "long_prefill_token_threshold")  # fmt: skip
+        for name in optional:
             value = getattr(self, name)
             if value is not None and value < 1:
                 problems.append(f"{name}={value} must be >= 1 (or None for the default)")

@@ -9,6 +9,10 @@ budget), then waiting requests are admitted after a prefix-cache lookup while th
 their hashes kept so they stay prefix-cache candidates, and it goes back to the front of the
 waiting queue to be recomputed.
 
+With `long_prefill_token_threshold` set, one request's prefill chunk per step is capped at
+it (decodes are one token), so a long prompt shares every step with the decodes of the
+running requests and the prefills of new ones instead of holding whole steps.
+
 With speculative decoding a running request may carry k draft tokens: it is scheduled for
 1 + k tokens (the target verifies them all in this step's forward) when the budget and the
 pool allow, and otherwise drops its drafts and decodes one token.
@@ -99,7 +103,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens), budget)
             if request.spec_token_ids:
                 # Verify the draft tokens too when budget and blocks allow; else decode one.
                 wanted = num_new + len(request.spec_token_ids)
@@ -141,7 +145,7 @@ class Scheduler:
             whole = not self.config.enable_chunked_prefill and request.num_preemptions == 0
             if num_new > budget and whole:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new if whole else self._chunk(num_new), budget)
             if not self.kv.allocate_slots(request, num_new, computed):
                 break
             self.waiting.pop()
@@ -156,6 +160,13 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(list(scheduled), list(scheduled.values()), preempted)
+
+    def _chunk(self, remaining: int) -> int:
+        """How many of a request's `remaining` tokens one step may take, budget aside."""
+        cap = self.config.long_prefill_token_threshold
+        if cap is None or not self.config.enable_chunked_prefill:
+            return remaining
+        return min(remaining, cap)
 
     def _victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

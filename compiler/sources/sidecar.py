@@ -13,11 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.user_cache import cache_home
 
-def cache_home() -> Path:
-    """kiln's per-user cache folder: $XDG_CACHE_HOME/kiln, read per call so tests can move it."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(base).expanduser() / "kiln"
+__all__ = ["FileFacts", "cache_home"]
 
 
 class FileFacts:

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,12 +146,15 @@ def load_manifest(path: str | Path) -> Manifest:
     return Manifest.from_dict(data, str(manifest_path))
 
 
-def verify(path: str | Path) -> list[str]:
-    """Re-hash every file; return one line per problem (empty when the artifact is intact)."""
+def verify(path: str | Path, outside: Callable[[str], bool] | None = None) -> list[str]:
+    """Re-hash every file; return one line per problem (empty when the artifact is intact).
+    `outside` names files the manifest does not record and that are no problem."""
     root = Path(path)
     manifest = load_manifest(root)
     problems: list[str] = []
     actual = file_digests(root)
+    if outside is not None:
+        actual = {rel: e for rel, e in actual.items() if rel in manifest.files or not outside(rel)}
     for rel, want in sorted(manifest.files.items()):
         got = actual.get(rel)
         if got is None:

@@ -10,9 +10,11 @@ then stops the engine thread and the mirror.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import PurePath
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -35,21 +37,31 @@ log = logging.getLogger("kiln.serve")
 DRAIN_POLL_S = 0.05
 
 
+class _ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: a message that quotes a client's text stays encodable
+    (and the connection open) even when that text is not valid Unicode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None,
            headers: Mapping[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    return JSONResponse(error_body(message, kind, status, param), status, headers=headers)
+    return _ErrorResponse(error_body(message, kind, status, param), status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line per problem; the first offending field as `param`."""
+    """One readable line per problem; the first offending field as `param` (a check of the
+    whole body names its field in its context's `param`)."""
     lines, param = [], None
     for error in exc.errors():
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         if error.get("type") == "json_invalid":
             return f"malformed JSON body: {error.get('msg')}", None
+        named = (error.get("ctx") or {}).get("param")
+        param = param or (loc[0] if loc else named if named != "body" else None)
         where = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        lines.append(f"{where}: {error.get('msg')}")
+        lines.append(f"{where}: {error.get('msg')}" if named is None else str(error.get("msg")))
     return "invalid request: " + "; ".join(lines), param
 
 
@@ -106,9 +118,22 @@ def create_app(
             if mirror is not None:
                 await asyncio.to_thread(mirror.shutdown)
 
+    # With API keys the schema needs a key too, and the browser pages (which fetch the
+    # schema without one) are not served.
+    open_docs = not config.api_keys
     app = FastAPI(title="kiln serve", version="1", lifespan=lifespan,
-                  summary="OpenAI-compatible serving of kiln artifacts")  # fmt: skip
+                  summary="OpenAI-compatible serving of kiln artifacts",
+                  openapi_url="/openapi.json" if open_docs else None,
+                  docs_url="/docs" if open_docs else None,
+                  redoc_url="/redoc" if open_docs else None)  # fmt: skip
     app.state.kiln = state
+
+    if not open_docs:
+
+        @app.get("/openapi.json", dependencies=[Depends(require_api_key)],
+                 include_in_schema=False)  # fmt: skip
+        async def openapi() -> dict[str, Any]:
+            return app.openapi()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -151,7 +176,8 @@ def create_app(
             "object": "model",
             "created": now(),
             "owned_by": "kiln",
-            "root": config.model_root or config.model_name,
+            # The artifact's name, never where it lies on the host.
+            "root": PurePath(config.model_root).name or config.model_name,
             "max_model_len": backend.max_model_len,
         }
         return {"object": "list", "data": [card]}

@@ -8,9 +8,9 @@ metrics, recording and mirroring do not care which one runs.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import AsyncIterator
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from kiln.runtime.answer import chat_token_ids
@@ -51,7 +51,11 @@ class Backend(Protocol):
 
 
 class NativeBackend:
-    """kiln's runtime engine, stepped on its own thread by AsyncEngine."""
+    """kiln's runtime engine, stepped on its own thread by AsyncEngine.
+
+    Requests are tokenised on the server's worker threads with a copy of the engine's
+    tokenizer, so a long prompt neither holds the event loop nor the engine thread's
+    detokenizer; the copy's lock keeps two encodes from meeting in one Rust tokenizer."""
 
     name = "native"
 
@@ -60,7 +64,8 @@ class NativeBackend:
 
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self._tokenizer_lock = threading.Lock()
         self.max_model_len = int(engine.max_model_len)
 
     def start(self) -> None:
@@ -85,20 +90,13 @@ class NativeBackend:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _lock(self) -> AbstractContextManager[Any]:
-        # The engine thread decodes with the same Rust tokenizer; the detokenizer's lock
-        # keeps our encodes from meeting its decodes ("Already borrowed").
-        detokenizer = getattr(self.engine, "detokenizer", None)
-        lock = getattr(detokenizer, "_lock", None)
-        return lock if isinstance(lock, type(threading.Lock())) else nullcontext()
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._lock():
+        with self._tokenizer_lock:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
-        with self._lock():
+        with self._tokenizer_lock:
             return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_token_ids(self.tokenizer, messages, self._lock())
+        return chat_token_ids(self.tokenizer, messages, self._tokenizer_lock)

@@ -8,17 +8,42 @@ fields are ignored, as OpenAI-compatible servers do, so clients that send e.g. `
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from kiln.runtime.errors import UsageError
 from kiln.runtime.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+
+
+def lone_surrogate(body: Any) -> tuple[str, int, str] | None:
+    """Where a JSON body holds a lone UTF-16 surrogate (`"\\ud800"` parses into one): the
+    field's path, the character's index and the character escaped; None when all is text.
+
+    No tokenizer, and no UTF-8 encoder, can take such a string. Iterative, so that a deeply
+    nested body costs no recursion; a key is looked at before what it holds."""
+    stack: list[tuple[str, Any]] = [("body", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return where, exc.start, f"\\u{ord(value[exc.start]):04x}"
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                stack.append((f"{where}.{key}".removeprefix("body."), item))
+                stack.append((f"a key of {where}", key))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -44,6 +69,21 @@ class _Sampling(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, body: Any) -> Any:
+        found = lone_surrogate(body)
+        if found is not None:
+            where, index, char = found
+            field = re.split(r"[.\[]", where.removeprefix("a key of "))[0]
+            raise PydanticCustomError(
+                "unicode_surrogate",
+                "{where}: character {index} is a lone UTF-16 surrogate ({char}), which is not "
+                "text; send valid Unicode (a surrogate escape only as half of a pair)",
+                {"where": where, "index": index, "char": char, "param": field},
+            )
+        return body
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> Any:
         if self.presence_penalty or self.frequency_penalty:

@@ -1,5 +1,8 @@
 """`/v1/completions` and `/v1/chat/completions`: validate, admit, generate, answer (JSON or
-SSE), then record and mirror the finished request."""
+SSE), then record and mirror the finished request.
+
+Tokenising and checking a prompt runs on a worker thread: a prompt of megabytes takes
+seconds to tokenise, and the event loop must keep answering /health and other requests."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from kiln.runtime.answer import SideAnswer
+from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.server import formatting as fmt
 from kiln.runtime.server.auth import require_api_key
 from kiln.runtime.server.formatting import ChoiceResult
@@ -45,6 +50,17 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        "model")  # fmt: skip
 
 
+def _check_room(state: ServerState, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+    """400 when the prompt and the tokens asked for pass the context, as OpenAI answers,
+    rather than generating until the context is full."""
+    context = state.backend.max_model_len
+    if len(prompt_ids) + max_tokens > context:
+        raise APIError(400, f"this model's context is {context} tokens: the prompt has "
+                       f"{len(prompt_ids)} and `{param}` asks for {max_tokens} more; lower "
+                       f"{param} to at most {context - len(prompt_ids)} or shorten the prompt",
+                       param=param)  # fmt: skip
+
+
 def register(app: FastAPI) -> None:
     """Add the two generation routes to `app`."""
     auth = [Depends(require_api_key)]
@@ -56,11 +72,18 @@ def register(app: FastAPI) -> None:
         params, drop = body.sampling_params()
         prompts = body.prompts()
         backend = state.backend
-        ids = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
         rid = new_id("cmpl")
-        for prompt_ids in ids:
-            backend.validate(prompt_ids, params, rid)
-        echo = [p if isinstance(p, str) else backend.decode(p) for p in prompts]
+
+        def tokenise() -> tuple[list[list[int]], list[str]]:
+            ids = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
+            for prompt_ids in ids:
+                backend.validate(prompt_ids, params, rid)
+                _check_room(state, prompt_ids, params.max_tokens, "max_tokens")
+            if not body.echo:
+                return ids, []
+            return ids, [p if isinstance(p, str) else backend.decode(p) for p in prompts]
+
+        ids, echo = await run_in_threadpool(tokenise)
         texts = [p if isinstance(p, str) else None for p in prompts]
         top_n = body.logprobs or 0
 
@@ -101,10 +124,17 @@ def register(app: FastAPI) -> None:
         _check_model(state, body.model)
         backend = state.backend
         messages = body.template_messages()
-        ids = backend.chat_ids(messages)
-        params = body.sampling_params(backend.max_model_len - len(ids))
         rid = new_id("chatcmpl")
-        backend.validate(ids, params, rid)
+
+        def tokenise() -> tuple[list[int], SamplingParams]:
+            ids = backend.chat_ids(messages)
+            params = body.sampling_params(backend.max_model_len - len(ids))
+            backend.validate(ids, params, rid)
+            limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            _check_room(state, ids, params.max_tokens, limit)
+            return ids, params
+
+        ids, params = await run_in_threadpool(tokenise)
         top_n = body.top_logprobs or 0
 
         def logprobs(tokens: list[int], entries: list[Any]) -> dict[str, Any] | None:

@@ -48,7 +48,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     retry_after_s: int = 1
     warmup: bool = True
-    model_root: str = ""  # shown in /v1/models (the artifact path)
+    model_root: str = ""  # the artifact path; /v1/models shows its last part only
     store_prompts: bool = False  # mirror log keeps prompt text (same switch as --record-prompts)
 
     def __post_init__(self) -> None:

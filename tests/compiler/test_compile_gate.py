@@ -163,3 +163,31 @@ def test_one_layer_with_corrupted_scales_fails_the_default_gate(
     assert not verdict.passed
     failed = {c.name for c in verdict.failed_checks}
     assert {"KL divergence mean", "top-1 agreement"} <= failed, failed
+
+
+@pytest.mark.parametrize("registry_after", ["same", "fresh"])
+def test_a_rerun_does_not_trust_a_gate_json_edited_to_pass(
+    tiny_llama: Path, tmp_path: Path, registry_after: str
+) -> None:
+    # gate.json lies outside the digest: edited to pass, it is neither reused nor recorded.
+    recipe = gated_recipe(tmp_path, tiny_llama, "gptq", "{kl_mean: 0.00001}")
+    db = str(tmp_path / "registry.db")
+    code, _, stderr = kiln("compile", str(recipe), "--registry", db)
+    assert code == 1, stderr
+    (path,) = [p for p in published(tmp_path / "out") if (p / artifact.MANIFEST).is_file()]
+    gate_json = Path(artifact.load_manifest(path).gate.reports) / "gate.json"  # type: ignore[union-attr]
+    verdict = json.loads(gate_json.read_text())
+    verdict["passed"] = True
+    for check in verdict["checks"]:
+        check["passed"] = True
+    gate_json.write_text(json.dumps(verdict))
+    again = db if registry_after == "same" else str(tmp_path / "fresh.db")
+    code, stdout, stderr = kiln("compile", str(recipe), "--promote", "prod", "--registry", again,
+                                "--json")  # fmt: skip
+    assert code == 1 and "prod was not promoted" in stderr
+    gate = json.loads(stdout)["gate"]
+    assert not gate["cached"] and not gate["passed"]
+    with Registry(again) as registry:
+        assert all(not run["passed"] for run in registry.gate_runs())
+        state = registry.channel("prod")
+        assert state is None or state.current_digest is None

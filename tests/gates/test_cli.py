@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -181,3 +182,15 @@ def test_a_gate_with_nothing_to_measure_exits_2(tmp_path: Path) -> None:
     assert code == 2 and "nothing to measure" in err
     code, _, err = run(gate, [str(source), "--baseline", str(art), "--no-record"])
     assert code == 2 and "evaluates what ships" in err
+
+
+def test_an_artifact_is_not_gated_against_itself(tmp_path: Path) -> None:
+    art = build_artifact(tmp_path / "arts")
+    code, _, err = run(gate, [str(art), "--baseline", str(art), "--no-record"])
+    assert code == 2 and "are the same artifact" in err
+    copy = shutil.copytree(art, tmp_path / "copy" / art.name)
+    db = str(tmp_path / "r.db")
+    code, _, err = run(gate, [str(art), "--baseline", str(copy), "--registry", db])
+    assert code == 2 and "is not recorded" in err and "--no-record" in err
+    with Registry(db) as reg:
+        assert reg.gate_runs() == []

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def verdict_for(
-    candidate: Path, baseline: str, passed: bool, kind: str = "artifact"
+    candidate: Path, baseline: str, passed: bool, kind: str = "source"
 ) -> dict[str, Any]:
     digest = load_manifest(candidate).digest
     return {
@@ -90,7 +90,7 @@ def test_a_busy_channel_needs_a_pass_against_what_it_serves(
     assert digest(arts[0])[:12] in message and f"--baseline {arts[0].resolve()}" in message
     assert reg.channel("prod").current_digest == digest(arts[0])  # type: ignore[union-attr]
     assert len(reg.history("prod")) == 1
-    reg.record_gate_run(verdict_for(arts[1], digest(arts[0]), True), arts[1])
+    reg.record_gate_run(verdict_for(arts[1], digest(arts[0]), True, kind="artifact"), arts[1])
     event = reg.promote(arts[1], "prod", "better")
     assert event["previous_digest"] == digest(arts[0])
 
@@ -192,3 +192,29 @@ def test_two_processes_promoting_at_once_serialise(tmp_path: Path, arts: list[Pa
         assert reg.channel("prod").current_digest == history[0]["digest"]  # type: ignore[union-attr]
         check = reg._db.execute("PRAGMA integrity_check").fetchone()[0]
         assert check == "ok"
+
+
+def test_an_empty_channel_does_not_open_with_a_pass_against_another_artifact(
+    reg: Registry, arts: list[Path]
+) -> None:
+    reg.record_gate_run(verdict_for(arts[1], digest(arts[0]), True, kind="artifact"), arts[1])
+    reg.record_gate_run(verdict_for(arts[1], "http://elsewhere:8000", True, kind="http"), arts[1])
+    with pytest.raises(UsageError) as refused:
+        reg.promote(arts[1], "prod")
+    message = refused.value.message
+    assert "serves nothing yet" in message and "float source" in message
+    assert f"artifact {digest(arts[0])[:12]}" in message
+    assert reg.ls() == [] and reg.history("prod") == []
+    reg.record_gate_run(verdict_for(arts[1], "f" * 64, True, kind="source"), arts[1])
+    assert reg.promote(arts[1], "prod")["digest"] == digest(arts[1])
+
+
+def test_a_gate_run_is_bound_to_its_candidate_and_never_to_itself(
+    reg: Registry, arts: list[Path]
+) -> None:
+    own = digest(arts[0])
+    with pytest.raises(UsageError, match="baseline is the candidate itself"):
+        reg.record_gate_run(verdict_for(arts[0], own, True, kind="artifact"), arts[0])
+    with pytest.raises(UsageError, match=f"the verdict is for {own[:12]}"):
+        reg.record_gate_run(verdict_for(arts[0], "f" * 64, True), arts[1])
+    assert reg.gate_runs() == [] and reg.artifacts() == []

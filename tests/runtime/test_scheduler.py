@@ -172,3 +172,50 @@ def test_draft_tokens_are_scheduled_when_budget_and_blocks_allow() -> None:
     request.spec_token_ids = [8, 9, 10, 11]  # 5 tokens: more than the budget of 4
     out = scheduler.schedule()
     assert out.num_new_tokens == [1] and request.spec_token_ids == []
+
+
+def test_a_long_prefill_shares_each_step_with_new_and_decoding_requests() -> None:
+    scheduler = make_scheduler(64, max_num_batched_tokens=10, long_prefill_token_threshold=4)
+    long, short = Request("long", list(range(25)), GREEDY), Request("short", [1, 2, 3], GREEDY)
+    scheduler.add(long)
+    first = scheduler.schedule()
+    assert first.requests == [long] and first.num_new_tokens == [4]
+    advance(scheduler, first)
+    scheduler.add(short)
+    second = scheduler.schedule()  # the short prompt goes in whole beside the long's chunk
+    assert second.requests == [long, short] and second.num_new_tokens == [4, 3]
+    advance(scheduler, second)
+    assert short.num_output_tokens == 1 and long.num_computed_tokens == 8
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        step = scheduler.schedule()
+        assert dict(zip(step.requests, step.num_new_tokens, strict=True)) == {
+            long: min(4, long.num_prompt_tokens - long.num_computed_tokens),
+            short: 1,  # a decode in every step of the long prefill
+        }
+        advance(scheduler, step)
+    assert short.num_output_tokens == 6 and long.num_output_tokens == 1
+
+
+def test_without_chunked_prefill_the_threshold_leaves_prompts_whole() -> None:
+    scheduler = make_scheduler(
+        64, max_num_batched_tokens=30, long_prefill_token_threshold=4, enable_chunked_prefill=False
+    )
+    long = Request("long", list(range(25)), GREEDY)
+    scheduler.add(long)
+    assert scheduler.schedule().num_new_tokens == [25]
+
+
+def test_a_long_prompt_does_not_hold_a_short_request_until_its_prefill_ends(
+    tiny_llama: Path,
+) -> None:
+    engine = Engine.from_pretrained(
+        tiny_llama, max_num_batched_tokens=32, long_prefill_token_threshold=8
+    )
+    long = engine.add_request(list(range(3, 103)), GREEDY)  # 100 prompt tokens
+    engine.step()
+    short = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    finished: list[str] = []
+    while engine.has_unfinished_requests() and short not in finished:
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert short in finished
+    assert engine.requests[long].num_computed_tokens < 100  # still in its prefill

@@ -103,6 +103,33 @@ def test_api_keys_guard_v1_but_not_health(
     assert openai.OpenAI(base_url=f"{server.url}/v1", api_key="k1").models.list().data
 
 
+def test_with_api_keys_the_schema_needs_a_key_and_the_doc_pages_are_closed(
+    start_server: ServerFactory,
+) -> None:
+    server = start_server(config={"api_keys": ("k1",)})
+    for page in ("/docs", "/redoc"):
+        assert httpx.get(f"{server.url}{page}").status_code == 404
+    schema = f"{server.url}/openapi.json"
+    assert _error(httpx.get(schema), 401)["type"] == "authentication_error"
+    resp = httpx.get(schema, headers={"Authorization": "Bearer k1"})
+    assert resp.status_code == 200 and "/v1/completions" in resp.json()["paths"]
+
+
+def test_without_api_keys_the_schema_and_doc_pages_are_open(shared_server: LiveServer) -> None:
+    for page in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{shared_server.url}{page}").status_code == 200
+
+
+def test_models_names_the_artifact_without_its_host_path(
+    start_server: ServerFactory, tiny_llama: Path
+) -> None:
+    server = start_server(config={"model_root": str(tiny_llama)})
+    resp = httpx.get(f"{server.url}/v1/models")
+    [card] = resp.json()["data"]
+    assert card["root"] == tiny_llama.name
+    assert str(tiny_llama.parent) not in resp.text
+
+
 def test_overload_answers_429_with_retry_after(
     start_server: ServerFactory, tiny_llama: Path
 ) -> None:

@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.leftovers import sweep_output, sweep_user_cache
 from kiln.compiler.pipeline import ModelBuild, ModelJob, Progress, build_model, fill_artifact
 from kiln.compiler.preflight import Preflight, run_preflight
 from kiln.compiler.recipe import load_recipe
+from kiln.compiler.sources.sidecar import cache_home
 from kiln.compiler.speculative import Speculation, compile_draft
-from kiln.compiler.stages import StageCache, StageResult, input_key, output_lock
+from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
 from kiln.compiler.trtllm.deploy import TargetContext, write_target
 from kiln.runtime import artifact
 from kiln.runtime.artifact import Manifest
 from kiln.runtime.versions import COMPILE_TOOLS, versions
-
-CACHE_DIR = ".kiln-cache"
 
 
 @dataclass
@@ -63,7 +63,8 @@ def compile_recipe(
     root = (output or recipe.output_dir()).resolve()
     with output_lock(root):
         cache = StageCache(root / CACHE_DIR)
-        cache.sweep_partials()
+        sweep_output(root)  # what a killed run left, here and in the per-user cache
+        sweep_user_cache(cache_home())
         return _run_stages(pre, cache, root, force, progress)
 
 

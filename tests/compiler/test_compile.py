@@ -213,3 +213,30 @@ def test_tied_embeddings_export_to_tensorrt_llm(tmp_path: Path) -> None:
     manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
     assert manifest.targets["l40s"].engine == "planned"
     assert "trtllm/tp1/rank0.safetensors" in manifest.files
+
+
+def test_a_rerun_sweeps_every_temporary_a_killed_run_left(
+    compiled: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe, first = compiled
+    out = recipe.parent / "out"
+    user_cache = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
+    planted = [
+        out / ".tiny-gptq-k1ll3d.partial" / "model",  # an artifact being assembled
+        out / ".kiln-cache" / "quantize" / ".0123456789ab-k1ll3d.partial" / "model",
+        user_cache / "kiln" / "sources" / ".hf_dir-0123456789abcdef.k1ll3d.tmp" / "model",
+    ]
+    for folder in planted:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"0" * 4096)
+    manifest_tmp = Path(first["artifact"]) / ".manifest.json.tmp"
+    manifest_tmp.write_text("{")
+
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+
+    assert code == 0, stderr
+    assert json.loads(stdout)["up_to_date"] is True
+    assert not any(folder.parent.exists() for folder in planted)
+    assert not manifest_tmp.exists()
+    assert artifact.verify(Path(first["artifact"])) == []

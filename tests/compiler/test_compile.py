@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from kiln.compiler.cli import main
 from kiln.runtime import artifact
@@ -240,3 +243,33 @@ def test_a_rerun_sweeps_every_temporary_a_killed_run_left(
     assert not any(folder.parent.exists() for folder in planted)
     assert not manifest_tmp.exists()
     assert artifact.verify(Path(first["artifact"])) == []
+
+
+def test_published_artifacts_carry_no_remote_code(tmp_path: Path, tiny_llama: Path) -> None:
+    # A .bin checkpoint: the source stage converts it and keeps the source's other files.
+    model = tmp_path / "remote-code-model"
+    model.mkdir()
+    for src in tiny_llama.iterdir():
+        if src.suffix != ".safetensors":
+            shutil.copy2(src, model / src.name)
+    torch.save(load_file(tiny_llama / "model.safetensors"), model / "pytorch_model.bin")
+    ran = tmp_path / "remote code ran"
+    (model / "modeling_evil.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    for name, auto in [
+        ("config.json", "AutoModelForCausalLM"),
+        ("tokenizer_config.json", "AutoTokenizer"),
+    ]:
+        config = json.loads((model / name).read_text())
+        config["auto_map"] = {auto: "modeling_evil.Evil"}
+        (model / name).write_text(json.dumps(config))
+    recipe = recipe_file(tmp_path, model, samples=4, seq=32)
+
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+
+    assert code == 0, stderr
+    path = Path(json.loads(stdout)["artifact"])
+    assert not [p for p in path.rglob("*.py")]
+    for config in path.rglob("*.json"):
+        assert "auto_map" not in json.loads(config.read_text()), config
+    assert artifact.verify(path) == []
+    assert not ran.exists()

@@ -59,8 +59,8 @@ def compile_recipe(
 ) -> CompileResult:
     """Run every stage of a recipe and return the published artifact."""
     recipe = load_recipe(recipe_path)
-    pre = run_preflight(recipe)
     root = (output or recipe.output_dir()).resolve()
+    pre = run_preflight(recipe, output=root)
     with output_lock(root):
         cache = StageCache(root / CACHE_DIR)
         sweep_output(root)  # what a killed run left, here and in the per-user cache

@@ -114,10 +114,36 @@ class StageCache:
         return StageResult(name, key, final, "ran", seconds, record)
 
 
+KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def output_problem(root: Path) -> str | None:
+    """Why `root` cannot be an output directory (None when it can): a file, a kernel
+    filesystem, or a place this user cannot write."""
+    root = Path(os.path.abspath(root))
+    for kernel in KERNEL_FILESYSTEMS:
+        if root.is_relative_to(kernel):
+            return f"{root} is under {kernel}, a kernel filesystem, not storage"
+    existing = root
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == root else f"cannot be created: {existing} is a file"
+        return f"{root} {what}; an output directory holds artifacts and the stage cache"
+    if not os.access(existing, os.W_OK | os.X_OK) or os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{root} cannot be written here ({existing} is read-only for this user)"
+    return None
+
+
 @contextmanager
 def output_lock(root: Path) -> Iterator[None]:
     """Hold an exclusive lock on an output root so two compiles never interleave there."""
-    root.mkdir(parents=True, exist_ok=True)
+    if (problem := output_problem(root)) is not None:
+        raise UsageError(f"output: {problem}; set `output:` or --output to a writable directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"output: cannot create {root} ({exc.strerror})") from None
     lock_path = root / LOCK_FILE
     try:
         # Never truncated, never through a link: the lock is only ever flocked.

@@ -110,7 +110,8 @@ def _dequantise_gguf(ref: SourceRef, out: Path) -> None:
             dtype=torch.float32,
         )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (OSError, ValueError, KeyError, NotImplementedError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, NotImplementedError,
+            RuntimeError) as exc:  # fmt: skip
         raise StageFailure(
             f"model.source {ref.spec!r}: transformers could not load {ref.path} ({exc}); "
             f"kiln compiles GGUFs of architecture {', '.join(sorted(CAUSAL_LM_CLASSES))}"

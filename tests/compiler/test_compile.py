@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,12 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
 
 from kiln.compiler.cli import main
 from kiln.runtime import artifact
+from tests.tiny_models import as_bin_checkpoint
 
 REPO = Path(__file__).parents[2]
 
@@ -247,12 +245,7 @@ def test_a_rerun_sweeps_every_temporary_a_killed_run_left(
 
 def test_published_artifacts_carry_no_remote_code(tmp_path: Path, tiny_llama: Path) -> None:
     # A .bin checkpoint: the source stage converts it and keeps the source's other files.
-    model = tmp_path / "remote-code-model"
-    model.mkdir()
-    for src in tiny_llama.iterdir():
-        if src.suffix != ".safetensors":
-            shutil.copy2(src, model / src.name)
-    torch.save(load_file(tiny_llama / "model.safetensors"), model / "pytorch_model.bin")
+    model = as_bin_checkpoint(tiny_llama, tmp_path / "remote-code-model")
     ran = tmp_path / "remote code ran"
     (model / "modeling_evil.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
     for name, auto in [

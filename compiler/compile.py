@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.leftovers import sweep_output, sweep_user_cache
 from kiln.compiler.pipeline import ModelBuild, ModelJob, Progress, build_model, fill_artifact
 from kiln.compiler.preflight import Preflight, run_preflight
 from kiln.compiler.recipe import load_recipe
 from kiln.compiler.speculative import Speculation, compile_draft
-from kiln.compiler.stages import StageCache, StageResult, input_key, output_lock
+from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
 from kiln.compiler.trtllm.deploy import TargetContext, write_target
 from kiln.runtime import artifact
 from kiln.runtime.artifact import Manifest
+from kiln.runtime.user_cache import cache_home
 from kiln.runtime.versions import COMPILE_TOOLS, versions
-
-CACHE_DIR = ".kiln-cache"
 
 
 @dataclass
@@ -59,11 +59,12 @@ def compile_recipe(
 ) -> CompileResult:
     """Run every stage of a recipe and return the published artifact."""
     recipe = load_recipe(recipe_path)
-    pre = run_preflight(recipe)
     root = (output or recipe.output_dir()).resolve()
+    pre = run_preflight(recipe, output=root)
     with output_lock(root):
         cache = StageCache(root / CACHE_DIR)
-        cache.sweep_partials()
+        sweep_output(root)  # what a killed run left, here and in the per-user cache
+        sweep_user_cache(cache_home())
         return _run_stages(pre, cache, root, force, progress)
 
 

@@ -94,13 +94,19 @@ def describe_speculative(section: SpeculativeRecord, console: Console) -> None:
         where = section.measured_on
         console.print(
             f"             alpha {section.alpha:.3f} (per position: {per_position}), "
-            f"cost ratio c {section.cost_ratio or 0:.3f}, expected speedup "
+            f"cost ratio c {section.cost_ratio or 0:.3f}, formula speedup "
             f"{section.expected_speedup or 0:.2f}x, measured on "
             f"{where.get('device', '?')} ({where.get('name', '?')}, "
             f"{where.get('threads', '?')} threads)"
         )
+        if section.measured_speedup is not None:
+            console.print(
+                f"             measured speedup {section.measured_speedup:.2f}x "
+                f"({section.plain_tokens_per_s or 0:.1f} → "
+                f"{section.speculative_tokens_per_s or 0:.1f} tokens/s single stream)"
+            )
         if section.pays is False:
             console.print(
-                "             [bold]speculation does not pay on that device[/]: no K "
-                "beats plain decoding at this acceptance and cost ratio"
+                "             [bold]speculation does not pay on that device[/]: decoding "
+                "with the draft was timed slower than without it"
             )

@@ -10,6 +10,7 @@ publishes an artifact (runtime/artifact) and returns where it landed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -107,16 +108,40 @@ def calibration_inputs(spec: CalibrationSpec, needs_data: bool) -> dict[str, Any
     }
 
 
+def _link_or_copy(a: str, b: str) -> None:
+    try:
+        os.link(a, b)
+    except OSError:
+        shutil.copy2(a, b)
+
+
 def link_tree(src: Path, dst: Path) -> None:
     """Hard-link a finished stage's files into an artifact (copy across filesystems)."""
 
-    def link_or_copy(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
+    shutil.copytree(src, dst, copy_function=_link_or_copy)
 
-    shutil.copytree(src, dst, copy_function=link_or_copy)
+
+REMOTE_CODE_KEY = "auto_map"  # config.json / tokenizer_config.json: classes to import from *.py
+
+
+def link_model(src: Path, dst: Path) -> None:
+    """`link_tree` for a checkpoint that will be published: without remote code.
+
+    A source model's `*.py` files and its configs' `auto_map` would let any loader run with
+    `trust_remote_code=True` execute code kiln never gated (kiln itself never sets it), so
+    neither is published: the files are left out, and a JSON file naming remote classes is
+    written anew without them (never edited through its hard link into the stage cache).
+    """
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.py"), copy_function=_link_or_copy)
+    for path in dst.rglob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # not a config; published as it is
+        if isinstance(data, dict) and REMOTE_CODE_KEY in data:
+            del data[REMOTE_CODE_KEY]
+            path.unlink()
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def build_model(
@@ -221,7 +246,7 @@ def _report(
 
 def fill_artifact(build: ModelBuild, staging: Path) -> None:
     """Put a model's quantised checkpoint, report and TensorRT-LLM checkpoints in place."""
-    link_tree(build.model, staging / artifact.MODEL_DIR)
+    link_model(build.model, staging / artifact.MODEL_DIR)
     if build.report is not None:
         reports = staging / artifact.REPORTS_DIR
         reports.mkdir()

@@ -16,6 +16,7 @@ from kiln.compiler import sources
 from kiln.compiler.planner import Plan, plan
 from kiln.compiler.recipe import Recipe, load_recipe
 from kiln.compiler.speculative import SpeculativePlan, check_speculative
+from kiln.compiler.stages import output_problem
 from kiln.compiler.targets import PROFILES, check_target
 from kiln.quant import calibration, prequantized, schemes
 from kiln.quant.memory import estimate_calibration_bytes
@@ -47,12 +48,18 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def run_preflight(recipe: Recipe, *, check_memory: bool = True) -> Preflight:
+def run_preflight(
+    recipe: Recipe, *, check_memory: bool = True, output: Path | None = None
+) -> Preflight:
     """Check everything that can be checked without loading weights; raise RecipeError.
 
-    `check_memory=False` skips the calibration-host memory check (planning needs no host).
+    `check_memory=False` skips the checks of the calibration host, its memory and the output
+    directory (planning needs neither); `output` is where the artifact goes when not the
+    recipe's own `output`.
     """
     problems: list[str] = []
+    if check_memory and (problem := output_problem(output or recipe.output_dir())) is not None:
+        problems.append(recipe.problem("output", problem, "a writable directory"))
     spec = recipe.quant_spec()
     calib = recipe.calibration_spec()
 
@@ -61,6 +68,7 @@ def run_preflight(recipe: Recipe, *, check_memory: bool = True) -> Preflight:
     try:
         ref = sources.parse_source(recipe.config.model.source, recipe.base_dir("model.source"))
         info = sources.inspect_source(ref)
+        problems.extend(recipe.problem("model.source", p) for p in sources.weight_problems(ref))
     except SourceError as exc:
         # SourceError messages name the key themselves; the problem line already does.
         problems.append(recipe.problem("model.source", exc.message.removeprefix("model.source ")))

@@ -9,11 +9,11 @@ below forbid unknown keys; everything past this module works on plain dataclasse
 from __future__ import annotations
 
 import copy
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kiln.compiler.planner import DeploySpec
+from kiln.compiler.recipe_yaml import Key, Origins, read_yaml
 from kiln.gates.config import GatesSection
 from kiln.quant.backends import BACKENDS
 from kiln.quant.registry import (
@@ -39,8 +40,6 @@ from kiln.quant.registry import (
 )
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.errors import RecipeError
-
-Key = tuple[str | int, ...]
 
 
 class _Strict(BaseModel):
@@ -194,7 +193,7 @@ class Recipe:
     path: Path
     config: RecipeModel
     raw: dict[str, Any]
-    origins: dict[Key, tuple[Path, int]] = field(default_factory=dict)
+    origins: Origins = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)  # the recipe and every file it extends
 
     @property
@@ -281,60 +280,12 @@ def resolve_quantization(q: QuantizationSection) -> QuantSpec:
     return QuantSpec(**{**q.model_dump(), **filled, "ignore": tuple(q.ignore)})
 
 
-# --- YAML with line numbers -------------------------------------------------------------
+# --- the extends chain -----------------------------------------------------------------
 
-
-def _walk(
-    node: yaml.Node, key: Key, file: Path, origins: dict[Key, tuple[Path, int]], problems: list[str]
-) -> None:
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for k_node, v_node in node.value:
-            name = str(k_node.value)
-            child = (*key, name)
-            line = k_node.start_mark.line + 1
-            if name in seen:
-                dotted = ".".join(map(str, child))
-                problems.append(f"{file}:{line}: {dotted}: duplicate key — write each key once")
-            seen.add(name)
-            origins[child] = (file, line)
-            _walk(v_node, child, file, origins, problems)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            child = (*key, index)
-            origins[child] = (file, item.start_mark.line + 1)
-            _walk(item, child, file, origins, problems)
-
-
-def _read_yaml(
-    path: Path, problems: list[str]
-) -> tuple[dict[str, Any], dict[Key, tuple[Path, int]]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise RecipeError(
-            [f"{path}: file not found — pass the path of a recipe YAML file"]
-        ) from None
-    except OSError as exc:
-        raise RecipeError([f"{path}: cannot read ({exc.strerror})"]) from None
-    try:
-        data = yaml.safe_load(text)
-        root = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else 1
-        reason = getattr(exc, "problem", None) or str(exc)
-        raise RecipeError([f"{path}:{line}: invalid YAML: {reason} — fix the syntax"]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise RecipeError(
-            [f"{path}:1: a recipe is a YAML mapping (key: value), not {type(data).__name__}"]
-        )
-    origins: dict[Key, tuple[Path, int]] = {}
-    if root is not None:
-        _walk(root, (), path, origins, problems)
-    return data, origins
+RECIPE_SUFFIXES = (".yaml", ".yml")
+MAX_EXTENDS = 16  # files in one chain
+MAX_PROBLEMS = 50  # lines one report prints; the rest are counted
+MAX_INPUT_CHARS = 80  # of a bad value quoted back in a problem line
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -348,32 +299,52 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_chain(
-    path: Path, chain: list[Path], problems: list[str]
-) -> tuple[dict[str, Any], dict[Key, tuple[Path, int]], list[Path]]:
+    path: Path, chain: list[Path], problems: list[str], via: str = ""
+) -> tuple[dict[str, Any], Origins, list[Path]]:
+    """A recipe merged over the files it extends; `via`: `file:line` of the `extends:` that
+    named this file (empty for the recipe itself)."""
     path = path.resolve()
     if path in chain:
         cycle = " → ".join(str(p) for p in [*chain, path])
         raise RecipeError([f"{chain[-1]}: extends: cycle {cycle} — a recipe cannot extend itself"])
-    data, origins = _read_yaml(path, problems)
+    if len(chain) >= MAX_EXTENDS:
+        raise RecipeError([f"{via}: extends: more than {MAX_EXTENDS} files deep — "
+                           "flatten the chain"])  # fmt: skip
+    data, origins = read_yaml(path, problems)
+    recipe_keys = {"extends", *RecipeModel.model_fields}
+    if via and (not isinstance(data, dict) or not set(data) & recipe_keys):
+        # Say nothing of what the file holds: `extends` must not become a way to print files.
+        raise RecipeError([f"{via}: extends: {path} is not a kiln recipe (a YAML mapping of "
+                           "recipe keys) — extend a recipe file"])  # fmt: skip
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            [f"{path}:1: a recipe is a YAML mapping (key: value), not {type(data).__name__}"]
+        )
     files = [path]
     parent = data.pop("extends", None)
     if parent is None:
         return data, origins, files
+    line = origins.get(("extends",), (path, 1))[1]
     if not isinstance(parent, str):
-        line = origins.get(("extends",), (path, 1))[1]
         raise RecipeError(
             [f"{path}:{line}: extends: must be one file path — e.g. extends: base.yaml"]
         )
     base_path = (path.parent / parent) if not Path(parent).is_absolute() else Path(parent)
+    if base_path.suffix.lower() not in RECIPE_SUFFIXES:
+        raise RecipeError([f"{path}:{line}: extends: {parent!r} is not a recipe file "
+                           "(.yaml or .yml) — extend a kiln recipe"])  # fmt: skip
     if not base_path.is_file():
-        line = origins.get(("extends",), (path, 1))[1]
         raise RecipeError(
             [
                 f"{path}:{line}: extends: {parent!r} not found (looked for {base_path}) — "
                 "give a path relative to this recipe"
             ]
         )
-    base, base_origins, base_files = _load_chain(base_path, [*chain, path], problems)
+    base, base_origins, base_files = _load_chain(
+        base_path, [*chain, path], problems, f"{path}:{line}"
+    )
     # Where the child sets a non-mapping value, the base's whole subtree under it is replaced.
     replaced = [k for k in origins if not isinstance(_get(data, k), dict)]
     merged_origins = {
@@ -410,6 +381,16 @@ def _allowed_keys(loc: Key) -> str:
     return "allowed keys: " + ", ".join(model.model_fields)
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring = 2, 4, 4, MAX_INPUT_CHARS
+
+
+def _shown(value: Any) -> str:
+    """A bad value as a problem line quotes it: its repr, cut short."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= MAX_INPUT_CHARS else text[: MAX_INPUT_CHARS - 1] + "…"
+
+
 def _format_error(error: Any) -> tuple[Key, str, str]:
     loc: Key = tuple(error["loc"])
     kind = error["type"]
@@ -422,16 +403,17 @@ def _format_error(error: Any) -> tuple[Key, str, str]:
         context = error["ctx"]
         return (*loc, context["key"]), context["problem"], context["fix"]
     if kind == "literal_error":
-        return loc, f"{error['input']!r} is not allowed", message.replace("Input should be", "use")
+        allowed = message.replace("Input should be", "use")
+        return loc, f"{_shown(error['input'])} is not allowed", allowed
     if kind == "value_error":
-        return loc, f"{error['input']!r}: {message.removeprefix('Value error, ')}", ""
+        return loc, f"{_shown(error['input'])}: {message.removeprefix('Value error, ')}", ""
     if kind == "string_pattern_mismatch":
         return (
             loc,
-            f"{error['input']!r} is not a valid name",
+            f"{_shown(error['input'])} is not a valid name",
             ("lower-case letters, digits, '.', '_' and '-', starting with a letter or digit"),
         )
-    return loc, f"{error.get('input')!r}: {message}", ""
+    return loc, f"{_shown(error.get('input'))}: {message}", ""
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -451,6 +433,9 @@ def load_recipe(path: str | Path) -> Recipe:
             )
     if not problems:
         problems.extend(_speculative_problems(recipe))
+    if len(problems) > MAX_PROBLEMS:
+        more = len(problems) - MAX_PROBLEMS
+        problems = [*problems[:MAX_PROBLEMS], f"... and {more} more; fix these first"]
     if problems:
         raise RecipeError(problems)
     return recipe

@@ -5,7 +5,9 @@ directory renamed to `<cache>/<stage>/<key>/` with a `stage.json` beside the out
 (`{stage, key, seconds, output}`: the function's record, and the cache's bookkeeping apart). So an
 unchanged re-run finds every stage done, and a run killed mid-way resumes at the first
 stage whose directory is missing. Partial directories of a killed run are swept at start
-under the output directory's lock.
+under the output directory's lock (compiler/leftovers.py). Neither the lock nor the cache is
+reached through a symbolic link: a link planted in a shared output directory must not turn
+kiln's writes onto another file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +28,8 @@ from typing import Any
 
 from kiln.runtime.errors import KilnError, StageFailure, UsageError
 
+CACHE_DIR = ".kiln-cache"  # under an output directory
+LOCK_FILE = ".kiln.lock"
 STAGE_RECORD = "stage.json"
 PARTIAL = ".partial"
 
@@ -52,6 +57,11 @@ class StageCache:
     """The `.kiln-cache` directory under an output root."""
 
     def __init__(self, root: Path) -> None:
+        if root.is_symlink():
+            raise UsageError(
+                f"{root}: is a symbolic link (to {os.readlink(root)}); kiln keeps its stage "
+                "cache in a real directory: remove the link, or set a different output directory"
+            )
         self.root = root
 
     def stage_dir(self, name: str, key: str) -> Path:
@@ -103,30 +113,59 @@ class StageCache:
         os.replace(work, final)
         return StageResult(name, key, final, "ran", seconds, record)
 
-    def sweep_partials(self) -> int:
-        """Remove directories a killed run left half-written; returns how many."""
-        count = 0
-        if self.root.exists():
-            for path in self.root.glob(f"*/*{PARTIAL}"):
-                shutil.rmtree(path, ignore_errors=True)
-                count += 1
-        return count
+
+KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def output_problem(root: Path) -> str | None:
+    """Why `root` cannot be an output directory (None when it can): a file, a kernel
+    filesystem, or a place this user cannot write."""
+    root = Path(os.path.abspath(root))
+    for kernel in KERNEL_FILESYSTEMS:
+        if root.is_relative_to(kernel):
+            return f"{root} is under {kernel}, a kernel filesystem, not storage"
+    existing = root
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == root else f"cannot be created: {existing} is a file"
+        return f"{root} {what}; an output directory holds artifacts and the stage cache"
+    if not os.access(existing, os.W_OK | os.X_OK) or os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{root} cannot be written here ({existing} is read-only for this user)"
+    return None
 
 
 @contextmanager
 def output_lock(root: Path) -> Iterator[None]:
     """Hold an exclusive lock on an output root so two compiles never interleave there."""
-    root.mkdir(parents=True, exist_ok=True)
-    lock_path = root / ".kiln.lock"
-    with open(lock_path, "w") as handle:
+    if (problem := output_problem(root)) is not None:
+        raise UsageError(f"output: {problem}; set `output:` or --output to a writable directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"output: cannot create {root} ({exc.strerror})") from None
+    lock_path = root / LOCK_FILE
+    try:
+        # Never truncated, never through a link: the lock is only ever flocked.
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        problem = "is a symbolic link" if lock_path.is_symlink() else exc.strerror
+        raise UsageError(
+            f"{lock_path}: {problem}; kiln locks its output directory with a plain file there: "
+            "remove it, or set a different output directory"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(
+                f"{lock_path}: is not a plain file; remove it, or set a different output directory"
+            )
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UsageError(
                 f"{root}: another `kiln compile` is writing here; wait for it or set a "
                 "different output directory"
             ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

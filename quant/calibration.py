@@ -135,29 +135,43 @@ def _documents(spec: CalibrationSpec, tokenizer: Any) -> list[str]:
             raise CalibrationDataError(exc.message) from None
         return [t for record in records for t in traffic_texts(record, tokenizer) if t.strip()]
     min_chars = spec.max_seq_len * CHARS_PER_TOKEN
-    return [
-        p
-        for path in _files(spec)
-        for p in split_passages(path.read_text(encoding="utf-8", errors="replace"), min_chars)
-    ]
+    return [p for path in _files(spec) for p in split_passages(read_text(path), min_chars)]
+
+
+def read_text(path: Path) -> str:
+    """A calibration file's text; CalibrationDataError naming the place where it is not text
+    (not UTF-8, or a NUL byte: a binary file), rather than calibrating on replacement marks."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = exc.start
+    else:
+        if "\0" not in text:
+            return text
+        bad = data.index(b"\0")
+    line = data.count(b"\n", 0, bad) + 1
+    raise CalibrationDataError(
+        f"{path}:{line}: not UTF-8 text (byte {bad}: {data[bad : bad + 1]!r}), a binary file? "
+        "calibration.dataset takes a UTF-8 .txt or .jsonl file"
+    )
 
 
 def _jsonl_texts(path: Path, field: str) -> list[str]:
     texts: list[str] = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationDataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(data, dict) or not isinstance(data.get(field), str):
-                raise CalibrationDataError(
-                    f"{path}:{number}: no string field {field!r}; set calibration.text_field "
-                    "to the field that holds the text"
-                )
-            texts.append(data[field])
+    for number, line in enumerate(read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CalibrationDataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(data, dict) or not isinstance(data.get(field), str):
+            raise CalibrationDataError(
+                f"{path}:{number}: no string field {field!r}; set calibration.text_field "
+                "to the field that holds the text"
+            )
+        texts.append(data[field])
     return [t for t in texts if t.strip()]
 
 

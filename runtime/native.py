@@ -4,8 +4,10 @@ Hand-written where no installable library does the job on a CPU box (see each so
 header): today one, single-token attention read straight from the paged KV cache. The
 build uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency),
 once per machine and source version; the shared object is cached in torch's extensions
-directory (TORCH_EXTENSIONS_DIR). Where the build is impossible (no compiler) the runtime
-logs why once and keeps its pure-torch path; KILN_NATIVE=0 turns the kernels off.
+directory (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no
+ninja) the runtime logs why once and keeps its pure-torch path; KILN_NATIVE=0 turns the
+kernels off. A build that fails with a compiler present is a bug in the source, never a
+reason to fall back quietly: it raises NativeBuildError with the compiler's own errors.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -26,12 +29,19 @@ OPS = ("paged_decode_attention",)
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
+MAX_ERROR_LINES = 30  # of the compiler's output quoted in NativeBuildError
+
 _lock = threading.Lock()
 _loaded: bool | None = None
 
 
+class NativeBuildError(RuntimeError):
+    """A native kernel source failed to build although a compiler and ninja are present."""
+
+
 def available() -> bool:
-    """Whether the native kernels are loaded (building them on first call)."""
+    """Whether the native kernels are loaded (building them on first call); NativeBuildError
+    when their source does not compile."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -39,29 +49,63 @@ def available() -> bool:
         return _loaded
 
 
-def _load() -> bool:
-    if os.environ.get("KILN_NATIVE", "1") == "0":
-        return False
-    try:
-        from torch.utils.cpp_extension import load
+def missing_toolchain() -> str | None:
+    """What the build lacks on this machine (the C++ compiler, ninja), or None."""
+    from torch.utils.cpp_extension import get_cxx_compiler, is_ninja_available
 
-        log.info("kiln runtime: loading native CPU kernels (built once per machine, ~20 s)")
+    compiler = get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH; set CXX)"
+    if not is_ninja_available():
+        return "no ninja (pip install ninja)"
+    return None
+
+
+def build(sources: list[Path], name: str) -> None:
+    """Compile and load `sources` as the torch extension `name`; NativeBuildError naming the
+    sources and quoting the compiler's errors when they do not build."""
+    from torch.utils.cpp_extension import load
+
+    try:
         load(
-            name=f"kiln_native_{_build_key()}",
-            sources=[str(path) for path in SOURCES],
+            name=name,
+            sources=[str(path) for path in sources],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
-        return all(hasattr(torch.ops.kiln, op) for op in OPS)
-    except Exception as error:  # no compiler, no ninja, a failed build: keep the torch path
+    except (RuntimeError, OSError) as error:
+        lines = str(error).splitlines()
+        errors = [line for line in lines if "error" in line.lower()] or lines
+        shown = "\n".join(errors[:MAX_ERROR_LINES])
+        raise NativeBuildError(
+            f"{', '.join(str(p) for p in sources)}: the native CPU kernel failed to build:\n"
+            f"{shown}\nfix the source (this is a bug in kiln), or set KILN_NATIVE=0 to serve "
+            "with the pure-torch path"
+        ) from error
+
+
+def _load() -> bool:
+    if os.environ.get("KILN_NATIVE", "1") == "0":
+        return False
+    missing = missing_toolchain()
+    if missing is not None:
         log.warning(
             "kiln runtime: native CPU kernels unavailable (%s); decode attention uses the "
-            "pure-torch path (slower). Install a C++ compiler, or set KILN_NATIVE=0 to silence.",
-            str(error).splitlines()[0] if str(error) else type(error).__name__,
+            "pure-torch path (slower). Install one, or set KILN_NATIVE=0 to silence.",
+            missing,
         )
         return False
+    log.info("kiln runtime: loading native CPU kernels (built once per machine, ~20 s)")
+    build(SOURCES, f"kiln_native_{_build_key()}")
+    missing_ops = [op for op in OPS if not hasattr(torch.ops.kiln, op)]
+    if missing_ops:
+        raise NativeBuildError(
+            f"{SOURCES[0]}: built, but registers no {', '.join(missing_ops)}; the source and "
+            "OPS disagree (a bug in kiln)"
+        )
+    return True
 
 
 def _build_key() -> str:

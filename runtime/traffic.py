@@ -147,11 +147,15 @@ def read_traffic(path: str | Path, allow_redacted: bool = False) -> list[Traffic
     if not path.is_file():
         raise TrafficError(f"{path}: traffic file not found")
     records: list[TrafficRecord] = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TrafficError(f"{where}: not UTF-8 text; a binary file?") from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -6,6 +6,7 @@ every Debian machine carries, so nothing is downloaded.
 
 from __future__ import annotations
 
+import shutil
 import zlib
 from pathlib import Path
 
@@ -114,3 +115,15 @@ def make_tiny_model(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def as_bin_checkpoint(model_dir: Path, out: Path) -> Path:
+    """A copy of `model_dir` with its weights as pytorch_model.bin instead of safetensors."""
+    from safetensors.torch import load_file
+
+    out.mkdir()
+    for src in model_dir.iterdir():
+        if src.suffix != ".safetensors":
+            shutil.copy2(src, out / src.name)
+    torch.save(load_file(model_dir / "model.safetensors"), out / "pytorch_model.bin")
+    return out

@@ -17,7 +17,12 @@ hashes and GGUF metadata are remembered per user in $XDG_CACHE_HOME/kiln/ (sidec
 
 from kiln.compiler.sources.checkpoint import PROVENANCE_FILE, float_checkpoint, materialize
 from kiln.compiler.sources.digest import CHECKPOINT_FILES, checkpoint_files, source_digest
-from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, check_architecture, inspect_source
+from kiln.compiler.sources.metadata import (
+    CAUSAL_LM_CLASSES,
+    check_architecture,
+    inspect_source,
+    weight_problems,
+)
 from kiln.compiler.sources.spec import (
     BUILTIN,
     BUILTIN_MODELS,
@@ -49,4 +54,5 @@ __all__ = [
     "materialize",
     "parse_source",
     "source_digest",
+    "weight_problems",
 ]

@@ -13,9 +13,9 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
+from kiln.compiler.leftovers import holding, sweep_unheld
 from kiln.compiler.sources.digest import source_digest
 from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
 from kiln.compiler.sources.spec import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
@@ -23,7 +23,6 @@ from kiln.quant import prequantized
 from kiln.runtime.errors import SourceError, StageFailure
 
 PROVENANCE_FILE = "kiln_source.json"
-_STALE_TEMP_S = 24 * 3600
 
 
 def float_checkpoint(ref: SourceRef, out: Path) -> Path:
@@ -65,19 +64,19 @@ def materialize(ref: SourceRef, cache_dir: Path) -> Path:
     entry = cache_dir / f"{ref.kind}-{source_digest(ref)[:16]}"
     if entry.is_dir():
         return entry
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(cache_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=cache_dir))
-    try:
-        converted = float_checkpoint(ref, tmp / "model")
+    sweep_unheld(cache_dir)  # temporaries of killed runs, unless a live run holds the folder
+    with holding(cache_dir):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=cache_dir))
         try:
-            os.rename(converted, entry)  # atomic within one filesystem
-        except OSError:
-            if not entry.is_dir():
-                raise
-            # another run finished the same entry first; theirs is identical
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            converted = float_checkpoint(ref, tmp / "model")
+            try:
+                os.rename(converted, entry)  # atomic within one filesystem
+            except OSError:
+                if not entry.is_dir():
+                    raise
+                # another run finished the same entry first; theirs is identical
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return entry
 
 
@@ -93,17 +92,6 @@ def _pre_quantised(path: Path) -> bool:
         return prequantized.detect(prequantized.read_config(path)) is not None
     except (OSError, ValueError, SourceError):
         return False
-
-
-def _remove_stale_temps(cache_dir: Path) -> None:
-    """Delete temporary entries that a killed run left behind (untouched for a day)."""
-    cutoff = time.time() - _STALE_TEMP_S
-    for tmp in cache_dir.glob(".*.tmp"):
-        try:
-            if tmp.is_dir() and tmp.stat().st_mtime < cutoff:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            continue
 
 
 def _dequantise_gguf(ref: SourceRef, out: Path) -> None:
@@ -122,7 +110,8 @@ def _dequantise_gguf(ref: SourceRef, out: Path) -> None:
             dtype=torch.float32,
         )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except (OSError, ValueError, KeyError, NotImplementedError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, NotImplementedError,
+            RuntimeError) as exc:  # fmt: skip
         raise StageFailure(
             f"model.source {ref.spec!r}: transformers could not load {ref.path} ({exc}); "
             f"kiln compiles GGUFs of architecture {', '.join(sorted(CAUSAL_LM_CLASSES))}"

@@ -77,6 +77,33 @@ def check_architecture(info: ModelInfo) -> list[str]:
     return problems
 
 
+def weight_problems(ref: SourceRef) -> list[str]:
+    """What is wrong with a checkpoint directory's safetensors files, found from their headers
+    alone: a file cut short (a header promising more bytes than the file holds), a header that
+    does not parse, or a shard the index names that is missing."""
+    if ref.kind in (GGUF, BUILTIN):
+        return []  # a GGUF's header, tensors included, was read by inspect_source
+    from safetensors import SafetensorError, safe_open
+
+    problems: list[str] = []
+    for path in sorted(ref.path.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass  # opening checks the header and that the file covers every tensor
+        except (OSError, SafetensorError) as exc:
+            problems.append(f"{path} is damaged or truncated ({exc}); download or copy it again")
+    index = ref.path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return [*problems, f"{index} does not parse ({type(exc).__name__}: {exc})"]
+        missing = sorted(str(s) for s in shards if not (ref.path / str(s)).is_file())
+        if missing:
+            problems.append(f"{index} names missing weight files: {', '.join(missing)}")
+    return problems
+
+
 def _model_info(ref: SourceRef, config: dict[str, Any], origin: str) -> ModelInfo:
     try:
         return ModelInfo.from_hf_config(config)
@@ -100,6 +127,19 @@ def gguf_config(path: Path) -> dict[str, Any]:
 
 
 def _read_gguf_config(path: Path) -> dict[str, Any]:
+    """`_parse_gguf`, with any failure of the parser on a damaged or hostile header (gguf raises
+    KeyError, IndexError, struct.error, ... on one) as a ValueError naming it."""
+    try:
+        config = _parse_gguf(path)
+        json.dumps(config)  # what the sidecar stores: plain values only
+        return config
+    except (OSError, ValueError):
+        raise
+    except Exception as exc:
+        raise ValueError(f"malformed GGUF header: {type(exc).__name__}: {exc}") from None
+
+
+def _parse_gguf(path: Path) -> dict[str, Any]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)  # memory-maps the file; tensor data is never read

@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.leftovers import holding
 from kiln.runtime.user_cache import cache_home
-
-__all__ = ["FileFacts", "cache_home"]
 
 
 class FileFacts:
@@ -55,10 +54,10 @@ class FileFacts:
         # Two runs saving at once lose one's new entries, which only costs a recomputation.
         live = {k: v for k, v in self.entries.items() if os.path.exists(k)}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(live, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            with holding(self.path.parent):  # a concurrent start's sweep leaves our temp alone
+                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(live, indent=1, sort_keys=True))
+                os.replace(tmp, self.path)
         except OSError:
             pass  # a read-only cache folder only costs recomputing next time
         self.changed = False

@@ -180,7 +180,11 @@ class SpeculativeRecord(Record):
     draft_ms_per_token: float | None = None
     target_ms_per_token: float | None = None
     num_drafts: int | None = None
-    expected_speedup: float | None = None
+    expected_speedup: float | None = None  # the formula's, from alpha and cost_ratio
+    # Timed on the build machine: target + draft vs the target alone; `pays` is speedup > 1.
+    measured_speedup: float | None = None
+    plain_tokens_per_s: float | None = None
+    speculative_tokens_per_s: float | None = None
     pays: bool | None = None
     measured_on: dict[str, Any] = field(default_factory=dict)
 

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli import main
 from kiln.runtime import artifact
+from tests.tiny_models import as_bin_checkpoint
 
 REPO = Path(__file__).parents[2]
 
@@ -213,3 +214,55 @@ def test_tied_embeddings_export_to_tensorrt_llm(tmp_path: Path) -> None:
     manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
     assert manifest.targets["l40s"].engine == "planned"
     assert "trtllm/tp1/rank0.safetensors" in manifest.files
+
+
+def test_a_rerun_sweeps_every_temporary_a_killed_run_left(
+    compiled: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe, first = compiled
+    out = recipe.parent / "out"
+    user_cache = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
+    planted = [
+        out / ".tiny-gptq-k1ll3d.partial" / "model",  # an artifact being assembled
+        out / ".kiln-cache" / "quantize" / ".0123456789ab-k1ll3d.partial" / "model",
+        user_cache / "kiln" / "sources" / ".hf_dir-0123456789abcdef.k1ll3d.tmp" / "model",
+    ]
+    for folder in planted:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"0" * 4096)
+    manifest_tmp = Path(first["artifact"]) / ".manifest.json.tmp"
+    manifest_tmp.write_text("{")
+
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+
+    assert code == 0, stderr
+    assert json.loads(stdout)["up_to_date"] is True
+    assert not any(folder.parent.exists() for folder in planted)
+    assert not manifest_tmp.exists()
+    assert artifact.verify(Path(first["artifact"])) == []
+
+
+def test_published_artifacts_carry_no_remote_code(tmp_path: Path, tiny_llama: Path) -> None:
+    # A .bin checkpoint: the source stage converts it and keeps the source's other files.
+    model = as_bin_checkpoint(tiny_llama, tmp_path / "remote-code-model")
+    ran = tmp_path / "remote code ran"
+    (model / "modeling_evil.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    for name, auto in [
+        ("config.json", "AutoModelForCausalLM"),
+        ("tokenizer_config.json", "AutoTokenizer"),
+    ]:
+        config = json.loads((model / name).read_text())
+        config["auto_map"] = {auto: "modeling_evil.Evil"}
+        (model / name).write_text(json.dumps(config))
+    recipe = recipe_file(tmp_path, model, samples=4, seq=32)
+
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+
+    assert code == 0, stderr
+    path = Path(json.loads(stdout)["artifact"])
+    assert not [p for p in path.rglob("*.py")]
+    for config in path.rglob("*.json"):
+        assert "auto_map" not in json.loads(config.read_text()), config
+    assert artifact.verify(path) == []
+    assert not ran.exists()

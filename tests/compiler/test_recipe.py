@@ -255,3 +255,77 @@ def test_shipped_example_recipes_validate(tmp_path: Path, monkeypatch: pytest.Mo
             continue  # fragments meant to be extended
         code, output = validate(recipe)
         assert code == 0, f"{recipe}: {output}"
+
+
+# ---- hostile recipe files: refused with exit 2 and a short message -----------------------
+
+
+def billion_laughs(levels: int, under: str = "name") -> str:
+    """Each level an anchored list of nine aliases to the one before: 9**levels values."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join([*lines, f"{under}: *l{levels - 1}", ""])
+
+
+def test_an_alias_bomb_is_refused_before_it_expands(tmp_path: Path) -> None:
+    recipe = write(tmp_path / "bomb.yaml", billion_laughs(6))  # 531,441 strings expanded
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:5: refused: its aliases expand to more than" in output
+    assert len(output) < 1000
+
+
+def test_an_alias_that_contains_itself_is_refused(tmp_path: Path) -> None:
+    recipe = write(tmp_path / "loop.yaml", "name: &a [x, *a]\n")
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:1: refused: an alias refers to a value that contains it" in output
+
+
+def test_deep_nesting_is_refused_with_its_line(tmp_path: Path) -> None:
+    recipe = write(tmp_path / "deep.yaml", "name: x\nmodel: " + "[" * 5000 + "]" * 5000 + "\n")
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}:2: refused: nested deeper than" in output
+
+
+def test_aliases_that_nest_deep_are_refused(tmp_path: Path) -> None:
+    # Each anchor is shallow; expanded, the chain reaches far below the bound.
+    lines = ["a0: &a0 [[[[x]]]]"] + [f"a{i}: &a{i} [[[[*a{i - 1}]]]]" for i in range(1, 40)]
+    recipe = write(tmp_path / "chain.yaml", "\n".join([*lines, "name: *a39", ""]))
+    code, output = validate(recipe)
+    assert code == 2
+    assert "refused: its aliases nest deeper than" in output
+
+
+def test_many_bad_values_print_a_bounded_report(tmp_path: Path, tiny_llama: Path) -> None:
+    values = ", ".join(["[1, 2]"] * 500)
+    huge = "9" * 5000 + "x"
+    text = f"name: x\nmodel:\n  source: {tiny_llama}\ntargets: [{values}]\n"
+    recipe = write(tmp_path / "r.yaml", text + f"deploy: {{max_batch_size: '{huge}'}}\n")
+    code, output = validate(recipe)
+    assert code == 2
+    assert "... and 451 more; fix these first" in output
+    assert len(output) < 20_000
+    assert "9" * 200 not in output  # a huge bad value is quoted cut short
+
+
+def test_a_binary_recipe_is_a_recipe_error(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(b"name: x\n\xff\xfe\x00garbage")
+    code, output = validate(recipe)
+    assert code == 2
+    assert f"{recipe}: not UTF-8 text" in output
+
+
+def test_extends_reads_only_recipe_files_and_never_echoes_another_file(tmp_path: Path) -> None:
+    secret = "hunter2: the-password\nsecret-key: x\n"
+    (tmp_path / "secret.txt").write_text(secret)
+    (tmp_path / "secret.yaml").write_text(secret)
+    for target in ("secret.txt", str(tmp_path / "secret.yaml"), "/etc/passwd"):
+        recipe = write(tmp_path / "r.yaml", f"name: x\nextends: {target}\n")
+        code, output = validate(recipe)
+        assert code == 2, output
+        assert f"{recipe}:2: extends:" in output
+        assert "hunter2" not in output and "the-password" not in output and "root:" not in output
+    assert "is not a kiln recipe" in output or "is not a recipe file" in output

@@ -28,6 +28,7 @@ from kiln.compiler.sources import BuiltinModel, SourceRef
 from kiln.runtime import Engine
 from kiln.runtime.errors import ArtifactError, SourceError
 from kiln.runtime.model_info import DEFAULT_MAX_POSITIONS, SUPPORTED_ARCHITECTURES, ModelInfo
+from tests.tiny_models import as_bin_checkpoint
 
 SMOLLM2 = "smollm2-135m-instruct"
 SAMPLE = "Licensed under the Apache License, Version 2.0; you may not use this file."
@@ -461,13 +462,8 @@ def test_safetensors_directory_is_used_in_place(tiny_mistral: Path, tmp_path: Pa
 
 
 def test_bin_checkpoint_is_converted_once_into_the_cache(tiny_llama: Path, tmp_path: Path) -> None:
-    model = tmp_path / "bin-model"
-    model.mkdir()
-    for src in tiny_llama.iterdir():
-        if src.suffix != ".safetensors":
-            shutil.copy2(src, model / src.name)
+    model = as_bin_checkpoint(tiny_llama, tmp_path / "bin-model")
     original = load_file(tiny_llama / "model.safetensors")
-    torch.save(original, model / "pytorch_model.bin")
     ref = sources.parse_source(str(model), base_dir=tmp_path)
     cache = tmp_path / "cache"
     entry_name = f"hf_dir-{sources.source_digest(ref)[:16]}"

@@ -5,10 +5,15 @@ Tolerances, and why:
 - FP8 weights and activations, static or dynamic, FP8 KV cache: the same float operations as
   the reference, so log-probabilities agree to 1e-4.
 - W4A16 and W8A16: the int4pack / int8pack CPU kernels take bf16 activations, so each layer
-  carries bf16 rounding: max |delta logprob| <= 0.05 and mean <= 0.02; greedy output equal.
+  carries bf16 rounding: max |delta logprob| <= 0.05 and mean <= 0.02.
 - W8A8 int8 (and INT8 KV): each linear matches to float precision, but per-token int8
   rounding of activations is discontinuous; the reference itself moves by ~0.05 when its
-  input changes by 1e-6. Mean |delta logprob| <= 0.02, max <= 0.1; greedy output equal.
+  input changes by 1e-6. Mean |delta logprob| <= 0.02, max <= 0.1.
+
+Greedy output: identical to transformers' for float and FP8 (asserted). For W4A16, W8A16 and
+W8A8 each greedy token is the reference's choice or within the logprob tolerance of it (a
+near-tie the rounding may flip): on the tiny test models about one prompt in three flips
+one, so identity is not claimed for them.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.compiler.trtllm.conformance import INT4_GROUP_SIZES, group_problem
 from kiln.quant.schemes import Problem, resolve
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.errors import KilnError, UsageError
@@ -326,4 +327,10 @@ def check_target(spec: QuantSpec, target_name: str, path: str = "both") -> list[
         return [Problem("targets", f"cannot check {target_name}: the quantization section "
                         "does not resolve to a TensorRT-LLM scheme", "fix the quantization "
                         "problems first")]  # fmt: skip
-    return check_algos(algo, kv_algo, PROFILES[target_name], path)
+    problems = check_algos(algo, kv_algo, PROFILES[target_name], path)
+    why = group_problem(algo, spec.group_size)
+    if why is not None:
+        sizes = " or ".join(map(str, INT4_GROUP_SIZES))
+        problems.append(Problem("quantization.group_size", f"quantization.{why} ({target_name})",
+                                f"set quantization.group_size to {sizes}"))  # fmt: skip
+    return problems

@@ -302,6 +302,16 @@ def check_config(config: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _merge_kv_scales(found: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """models/modeling_utils.py `preprocess_weights` merges separate k and v cache scales
+    into `kv_cache_scaling_factor` (their max) before loading: count such a pair as one."""
+    for name in [n for n in found if n.endswith(".k_cache_scaling_factor")]:
+        v_name = name.replace(".k_cache_", ".v_cache_")
+        if v_name in found:
+            found[name.replace(".k_cache_", ".kv_cache_")] = found.pop(name)
+            del found[v_name]
+
+
 def check_checkpoint(ckpt_dir: Path) -> list[str]:
     """Every rule the TensorRT-LLM checkpoint in `ckpt_dir` breaks; empty when
     `trtllm-build` 1.2 would load it (models/modeling_utils.py `PretrainedModel.load` raises
@@ -319,6 +329,7 @@ def check_checkpoint(ckpt_dir: Path) -> list[str]:
         with safe_open(str(path), "pt") as f:
             have = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
             found = {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in have.items()}
+        _merge_kv_scales(found)
         for name in sorted(set(want) - set(found)):
             problems.append(f"rank{rank}: {name} is required but not provided")
         for name in sorted(set(found) - set(want)):

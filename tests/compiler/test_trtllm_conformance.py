@@ -285,3 +285,32 @@ def test_serve_options_outside_the_llm_api_are_named():
         "kv_cache_config.dtype 'int8': the PyTorch backend takes auto or fp8",
         "speculative_config.max_draft_len must be > 0 for DraftTarget",
     ]
+
+
+def test_a_modelopt_fp8_artifact_is_ready_on_both_paths(tmp_path: Path, tiny_llama: Path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""\
+name: tiny-modelopt-fp8
+model:
+  source: {tiny_llama}
+quantization:
+  method: fp8
+  activations: fp8_static
+  kv_cache: fp8
+  backend: modelopt
+calibration:
+  dataset: builtin:licenses
+  num_samples: 4
+  max_seq_len: 32
+report:
+  num_samples: 4
+  max_seq_len: 32
+targets: [h100-sxm]
+output: out
+""")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout.splitlines()[-1])  # ModelOpt prints its own lines first
+    assert result["targets"]["h100-sxm"] == {"engine": "planned", "pytorch": "ready"}
+    served = Path(result["artifact"]) / "engines" / "h100-sxm" / "trtllm-serve.yaml"
+    assert "dtype: fp8" in served.read_text()

@@ -156,10 +156,10 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
         loads = None if why is None else f"the draft: {why}"
     if ctx.path == "engine":
         record.pytorch = "skipped: deploy.trtllm_path is engine"
-    elif pytorch_problems:
-        record.pytorch = _unsupported(pytorch_problems)
     elif loads is not None:
         record.pytorch = f"unsupported: {loads}"
+    elif pytorch_problems:
+        record.pytorch = _unsupported(pytorch_problems)
     else:
         options = serve_options(ctx.spec, ctx.deploy, plan, **_serve_speculation(speculative))
         problems = check_serve_options(options)

@@ -134,17 +134,30 @@ def test_a_failed_build_or_no_usable_path_fails_the_target():
     assert target_failures("l40s", record("unsupported: a", "skipped: engine only"))
 
 
-def test_compile_with_no_usable_target_path_exits_nonzero_and_publishes_nothing(
+def test_kiln_validate_refuses_a_path_that_cannot_load_what_kiln_writes(
     tmp_path: Path, tiny_llama: Path
 ):
     # GPTQ int4 in compressed-tensors: the PyTorch backend cannot load it.
     extra = "targets: [l40s]\ndeploy:\n  trtllm_path: pytorch\n"
+    code, _, stderr = kiln("validate", str(recipe_file(tmp_path, tiny_llama, extra=extra)))
+    assert code == 2
+    assert "does not load W4A16_GPTQ from a compressed-tensors checkpoint" in stderr
+    assert "backend: modelopt" in stderr
+
+
+def test_compile_with_no_usable_target_path_exits_nonzero_and_publishes_nothing(
+    tmp_path: Path, tiny_llama: Path
+):
+    # tp 4 cuts o_proj's 128 inputs into 32-column shards, inside groups of 64: no engine
+    # checkpoint; and the PyTorch backend cannot load GPTQ int4 compressed-tensors.
+    extra = "targets: [l40s]\ndeploy:\n  tp_size: 4\n"
     recipe = recipe_file(tmp_path, tiny_llama, samples=4, seq=32, extra=extra)
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 3
-    assert "not published" in stderr and "hf_quant_config.json" in stderr
+    assert "not published" in stderr and "group of 64" in stderr
     status = json.loads(stdout)["targets"]["l40s"]
-    assert status["pytorch"].startswith("unsupported:") and status["engine"].startswith("skipped")
+    assert status["engine"].startswith("unsupported:") and "group of 64" in status["engine"]
+    assert status["pytorch"].startswith("unsupported:")
     assert published(tmp_path / "out") == []
 
 

@@ -146,6 +146,7 @@ def compile_cmd(
     from kiln.compiler.compile import compile_recipe
     from kiln.compiler.gating import check_gate_options, gate_compiled
     from kiln.compiler.recipe import load_recipe
+    from kiln.compiler.trtllm.deploy import TargetFailure
     from kiln.runtime.errors import VerdictFailure
 
     parsed = load_recipe(recipe)
@@ -157,7 +158,12 @@ def compile_cmd(
         def progress(text: str) -> None:
             bar.update(task, description=text)
 
-        result = compile_recipe(recipe, output=output, force=force, progress=progress)
+        try:
+            result = compile_recipe(recipe, output=output, force=force, progress=progress)
+        except TargetFailure as exc:
+            if as_json:
+                click.echo(json.dumps({"artifact": None, "targets": exc.targets}))
+            raise
         step = None
         if not no_gate and parsed.config.gates is not None:
             from kiln.gates.registry import Registry

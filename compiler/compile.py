@@ -17,7 +17,7 @@ from kiln.compiler.preflight import Preflight, run_preflight
 from kiln.compiler.recipe import load_recipe
 from kiln.compiler.speculative import Speculation, compile_draft
 from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
-from kiln.compiler.trtllm.deploy import TargetContext, write_target
+from kiln.compiler.trtllm.deploy import TargetContext, TargetFailure, target_failures, write_target
 from kiln.runtime import artifact
 from kiln.runtime.artifact import Manifest
 from kiln.runtime.user_cache import cache_home
@@ -43,7 +43,15 @@ class CompileResult:
             "stages": {
                 s.name: {"status": s.status, "seconds": round(s.seconds, 3)} for s in self.stages
             },
+            "targets": target_statuses(self.manifest) if self.manifest else {},
         }
+
+
+def target_statuses(manifest: Manifest) -> dict[str, dict[str, str]]:
+    """Per GPU target, the status of each TensorRT-LLM path (built, planned, ready, ...)."""
+    return {
+        name: {"engine": t.engine, "pytorch": t.pytorch} for name, t in manifest.targets.items()
+    }
 
 
 def _quiet(_: str) -> None:
@@ -117,6 +125,8 @@ def _run_stages(
         path=recipe.config.deploy.trtllm_path,
         exports={tp: model.export(tp) for tp in model.exports},
         speculative=speculation.target if speculation else None,
+        model_format=model.scheme.format,
+        quant_algo=model.scheme.trtllm_quant_algo or "NO_QUANT",
     )
 
     def package(out: Path) -> dict[str, Any]:
@@ -127,6 +137,9 @@ def _run_stages(
             for name, target_plan in pre.plans.items():
                 progress(f"engines: {name}")
                 manifest.targets[name] = write_target(staging.dir, name, target_plan, context)
+            failures = [f for n, t in manifest.targets.items() for f in target_failures(n, t)]
+            if failures:  # raised inside assemble: the staging directory is discarded
+                raise TargetFailure(failures, target_statuses(manifest))
         return {"artifact": str(staging.path), "digest": manifest.digest}
 
     progress("package: hashing and publishing the artifact")

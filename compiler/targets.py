@@ -35,6 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.compiler.trtllm.conformance import INT4_GROUP_SIZES, group_problem, pytorch_problem
+from kiln.compiler.trtllm.export import CHECKPOINT_ALGO, NOT_EXPORTED
+from kiln.quant.backends import BACKENDS
 from kiln.quant.schemes import Problem, resolve
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.errors import KilnError, UsageError
@@ -311,6 +314,19 @@ def check_algos(
     return problems
 
 
+def _unloadable(spec: QuantSpec, algo: str, path: str) -> str | None:
+    """Why what kiln writes for `spec` cannot be loaded on `path` (None: it can), judged
+    from the recipe alone: the engine path needs kiln's checkpoint export of the scheme, the
+    PyTorch path a checkpoint format its loader reads (conformance.pytorch_problem)."""
+    if path == "engine":
+        if algo in NOT_EXPORTED:
+            return f"{algo} has no TensorRT-LLM checkpoint export: {NOT_EXPORTED[algo]}"
+        return None if algo in CHECKPOINT_ALGO else f"{algo} has no TensorRT-LLM checkpoint export"
+    backend = BACKENDS.get(spec.backend)
+    fmt = "float" if algo == "NO_QUANT" else backend.format if backend else None
+    return None if fmt is None else pytorch_problem(fmt, algo)
+
+
 def check_target(spec: QuantSpec, target_name: str, path: str = "both") -> list[Problem]:
     """Everything that stops `spec` running on GPU `target_name`; empty when it can.
 
@@ -326,4 +342,17 @@ def check_target(spec: QuantSpec, target_name: str, path: str = "both") -> list[
         return [Problem("targets", f"cannot check {target_name}: the quantization section "
                         "does not resolve to a TensorRT-LLM scheme", "fix the quantization "
                         "problems first")]  # fmt: skip
-    return check_algos(algo, kv_algo, PROFILES[target_name], path)
+    problems = check_algos(algo, kv_algo, PROFILES[target_name], path)
+    paths = PATHS if path == "both" else (path,)
+    blocked = {p: why for p in paths if (why := _unloadable(spec, algo, p)) is not None}
+    if not problems and len(blocked) == len(paths):
+        where = "; ".join(f"{PATH_LABELS[p]}: {why}" for p, why in blocked.items())
+        problems.append(Problem("deploy.trtllm_path", f"{target_name}, {where}",
+                                "quantization.backend: modelopt for the PyTorch path, or a "
+                                "scheme kiln exports for the engine path"))  # fmt: skip
+    why = group_problem(algo, spec.group_size)
+    if why is not None:
+        sizes = " or ".join(map(str, INT4_GROUP_SIZES))
+        problems.append(Problem("quantization.group_size", f"quantization.{why} ({target_name})",
+                                f"set quantization.group_size to {sizes}"))  # fmt: skip
+    return problems

@@ -79,6 +79,7 @@ def make_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random `arch` checkpoint (float32) and its tokenizer to `path`."""
     tokenizer = train_tokenizer(vocab_size)
@@ -91,6 +92,7 @@ def make_tiny_model(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         tie_word_embeddings=tie_word_embeddings,
+        head_dim=head_dim or hidden_size // num_heads,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

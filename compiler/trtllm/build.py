@@ -55,6 +55,14 @@ SM100_PLUGINS = ("--gemm_swiglu_plugin", "--fp8_rowwise_gemm_plugin",
 # A checkpoint declares W4A16_AWQ for GPTQ sources (compiler/trtllm/export.py CHECKPOINT_ALGO).
 CHECKPOINT_SAME = {"W4A16_GPTQ": "W4A16_AWQ"}
 Args = dict[str, str | None]  # flag → value; None for a bare switch such as --gather_context_logits
+# tensorrt_llm/llmapi/llm_args.py: DraftTarget and NGram decoding configs `supports_backend`
+# only "pytorch", so nothing but the C++ Executor API drives an engine's external drafts.
+ENGINE_SPECULATION = (
+    "speculation on this engine needs draft tokens passed through the C++ Executor API "
+    "(ExternalDraftTokensConfig); trtllm-serve and the LLM API run DraftTarget and NGram on "
+    "the PyTorch backend only and serve this engine as plain decoding — to speculate, serve "
+    "the model on the PyTorch backend with a speculative_config"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +174,7 @@ class BuildPlan:
         ]
         if cd is not None:
             lines.append(f'cd "$(dirname "$0")/{cd}"')
+        lines += [f"# note: {note}" for plan in self.plans() for note in plan.notes]
         for plan in self.plans():
             lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())]
             lines.append(plan.command)
@@ -229,6 +238,7 @@ def _engine_args(
         notes.append(f"trtllm-build raises max_seq_len by {max_draft_len} (draft tokens)"
                      + (f" and max_num_tokens to {raised}"
                         if raised > plan.recommended_max_num_tokens else ""))  # fmt: skip
+        notes.append(ENGINE_SPECULATION)
     return args, notes
 
 

@@ -90,28 +90,43 @@ def decode_checkpoint(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     q_rows = heads * head_dim // tp
     kv_rows = (kv_heads // tp if kv_heads % tp == 0 else 1) * head_dim
     dtype = DTYPES[config.get("dtype", "float16")]
-    deq = lambda t, prefix: dequantize_linear(t, prefix, quant, dtype)  # noqa: E731
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+
+    def deq(t: dict[str, torch.Tensor], prefix: str, rows: int, cols: int) -> torch.Tensor:
+        # Group-wise layers are stored padded (each rank's slice, zeros after): trim them.
+        return dequantize_linear(t, prefix, quant, dtype)[:rows, :cols]
+
     first = ranks[0]
     out = {
         "model.embed_tokens.weight": first["transformer.vocab_embedding.weight"].float(),
         "model.norm.weight": first["transformer.ln_f.weight"].float(),
     }
-    lm_head = torch.cat([deq(r, "lm_head") for r in ranks])
-    out["lm_head.weight"] = lm_head[: int(config["vocab_size"])]
+    vocab = int(config["vocab_size"])
+    lm_head = torch.cat([deq(r, "lm_head", -(-vocab // tp), hidden) for r in ranks])
+    out["lm_head.weight"] = lm_head[:vocab]
     for i in range(int(config["num_hidden_layers"])):
         layer, hf = f"transformer.layers.{i}", f"model.layers.{i}"
-        qkv = [deq(r, f"{layer}.attention.qkv") for r in ranks]
+        qkv = [deq(r, f"{layer}.attention.qkv", q_rows + 2 * kv_rows, hidden) for r in ranks]
         out[f"{hf}.self_attn.q_proj.weight"] = torch.cat([part[:q_rows] for part in qkv])
         for j, name in enumerate(("k_proj", "v_proj")):
             start = q_rows + j * kv_rows
             shards = [qkv[r][start : start + kv_rows] for r in _kv_ranks(kv_heads, tp)]
             out[f"{hf}.self_attn.{name}.weight"] = torch.cat(shards)
+        if f"{layer}.attention.qkv.bias" in first:  # Qwen2
+            bias = [r[f"{layer}.attention.qkv.bias"].float() for r in ranks]
+            out[f"{hf}.self_attn.q_proj.bias"] = torch.cat([b[:q_rows] for b in bias])
+            for j, name in enumerate(("k_proj", "v_proj")):
+                start = q_rows + j * kv_rows
+                parts = [bias[r][start : start + kv_rows] for r in _kv_ranks(kv_heads, tp)]
+                out[f"{hf}.self_attn.{name}.bias"] = torch.cat(parts)
         out[f"{hf}.self_attn.o_proj.weight"] = torch.cat(
-            [deq(r, f"{layer}.attention.dense") for r in ranks], dim=1
+            [deq(r, f"{layer}.attention.dense", hidden, q_rows) for r in ranks], dim=1
         )
         for trt, name in HF_MLP.items():
-            parts = [deq(r, f"{layer}.{trt}") for r in ranks]
-            out[f"{hf}.{name}.weight"] = torch.cat(parts, dim=1 if trt == "mlp.proj" else 0)
+            row = trt == "mlp.proj"
+            rows, cols = (hidden, inter // tp) if row else (inter // tp, hidden)
+            parts = [deq(r, f"{layer}.{trt}", rows, cols) for r in ranks]
+            out[f"{hf}.{name}.weight"] = torch.cat(parts, dim=1 if row else 0)
         out[f"{hf}.input_layernorm.weight"] = first[f"{layer}.input_layernorm.weight"].float()
         out[f"{hf}.post_attention_layernorm.weight"] = first[
             f"{layer}.post_layernorm.weight"

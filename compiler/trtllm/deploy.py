@@ -24,6 +24,11 @@ from typing import Any
 from kiln.compiler.planner import DeploySpec, Plan
 from kiln.compiler.targets import PROFILES, check_target
 from kiln.compiler.trtllm.build import BuildPlanError, DraftBuild, build_plan, run_build
+from kiln.compiler.trtllm.conformance import (
+    check_checkpoint,
+    check_serve_options,
+    pytorch_problem,
+)
 from kiln.compiler.trtllm.export import export_checkpoint
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
 from kiln.quant.spec import QuantSpec
@@ -35,7 +40,7 @@ from kiln.runtime.artifact import (
     TargetSpeculation,
     json_dumps,
 )
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import KilnError, StageFailure
 from kiln.runtime.model_info import ModelInfo
 
 TRTLLM_DIR = "trtllm"
@@ -71,6 +76,34 @@ class TargetContext:
     path: str = "both"  # the recipe's deploy.trtllm_path: both | engine | pytorch
     exports: dict[int, ExportRecord] = field(default_factory=dict)  # `trtllm/tp<N>/`, per tp
     speculative: SpeculativeTarget | None = None
+    model_format: str = "compressed-tensors"  # of `model/`, what the PyTorch path serves
+    quant_algo: str = "NO_QUANT"  # the quantiser's TensorRT-LLM name for it
+
+
+class TargetFailure(StageFailure):
+    """Targets the recipe asks for that kiln could not plan, build or serve: nothing is
+    published. `targets` holds every target's status (for `kiln compile --json`)."""
+
+    def __init__(self, failures: list[str], targets: dict[str, dict[str, str]]) -> None:
+        self.targets = targets
+        lines = "\n".join(f"  {f}" for f in failures)
+        super().__init__(
+            f"TensorRT-LLM targets failed; the artifact was not published:\n{lines}\n"
+            "fix: change the recipe's targets, quantization or deploy.trtllm_path, or build "
+            "on a machine where trtllm-build succeeds"
+        )
+
+
+def target_failures(name: str, record: TargetRecord) -> list[str]:
+    """Why target `name` fails the compile: a build that ran and failed, or no path the
+    recipe asked for that is ready, planned or built."""
+    paths = {"engine": record.engine, "pytorch": record.pytorch}
+    if record.engine.startswith("failed"):
+        return [f"{name}: engine {record.engine}"]
+    asked = {p: s for p, s in paths.items() if not s.startswith("skipped")}
+    if asked and all(s.startswith("unsupported") for s in asked.values()):
+        return [f"{name}: {p} {s}" for p, s in asked.items()]
+    return []
 
 
 def export_for(quantized_model: Path, tp: int, quant_algo: str | None, out: Path) -> ExportRecord:
@@ -82,6 +115,10 @@ def export_for(quantized_model: Path, tp: int, quant_algo: str | None, out: Path
     except KilnError as exc:
         shutil.rmtree(out, ignore_errors=True)
         return ExportRecord(tp_size=tp, unsupported=exc.message)
+    problems = check_checkpoint(out)  # what trtllm-build 1.2 would refuse to load
+    if problems:
+        shutil.rmtree(out, ignore_errors=True)
+        return ExportRecord(tp_size=tp, unsupported="conformance: " + "; ".join(problems[:3]))
     return ExportRecord.from_dict(written, str(out))
 
 
@@ -112,12 +149,23 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
         record.engine = _build(root, name, plan, ctx, record)
 
     pytorch_problems = check_target(ctx.spec, name, path="pytorch")
+    loads = pytorch_problem(ctx.model_format, ctx.quant_algo)
+    draft = speculative.exports.get(plan.tp_size) if speculative else None
+    if loads is None and draft is not None and draft.source_format is not None:
+        why = pytorch_problem(draft.source_format, draft.source_quant_algo or "NO_QUANT")
+        loads = None if why is None else f"the draft: {why}"
     if ctx.path == "engine":
         record.pytorch = "skipped: deploy.trtllm_path is engine"
+    elif loads is not None:
+        record.pytorch = f"unsupported: {loads}"
     elif pytorch_problems:
         record.pytorch = _unsupported(pytorch_problems)
     else:
         options = serve_options(ctx.spec, ctx.deploy, plan, **_serve_speculation(speculative))
+        problems = check_serve_options(options)
+        if problems:
+            record.pytorch = "unsupported: conformance: " + "; ".join(problems)
+            return record
         # A draft is named by its path inside the artifact: serve from the artifact root.
         header = ""
         if speculative is not None:

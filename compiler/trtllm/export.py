@@ -29,6 +29,11 @@ out for the GPU it runs on only for the ModelOpt-flow algorithms):
 - KV cache FP8/INT8: `attention.kv_cache_scaling_factor` = max(k_scale, v_scale).
 Tensor parallel: qkv by heads (KV heads replicated when tp exceeds them), fc/gate/lm_head by
 rows (lm_head padded to a multiple of tp), dense/proj by columns; embedding replicated.
+Group-wise linears are padded to the shapes TensorRT-LLM's group-wise layer creates
+(features up to a multiple of max(64, group) × tp): each rank's own slice, then zeros.
+`exclude_modules` names the float linears as ModelOpt's writer does; for W8A16/W4A16 it also
+restates TensorRT-LLM's default exclusions and each name's tensors. The rules are stated in
+compiler/trtllm/conformance.py; its `check_checkpoint` proves a written checkpoint obeys them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.compiler.trtllm.config import checkpoint_config
+from kiln.compiler.trtllm.conformance import (
+    GROUPWISE,
+    NO_EXCLUSIONS,
+    exclude_modules,
+    padded_features,
+)
 from kiln.compiler.trtllm.source import Source, read_source
 from kiln.runtime.errors import UsageError
 from kiln.runtime.linear import LinearWeights, dequantize, effective_weight
@@ -74,7 +85,19 @@ MODULES = {
 }
 
 
-def _fuse(parts: list[LinearWeights], algo: str, notes: list[str], name: str) -> LinearWeights:
+def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """`codes` re-expressed at a scale 1/`ratio` times theirs, rounded to the nearest code
+    (float8 rounds in the cast; integer codes are rounded, then clamped to their range)."""
+    scaled = codes.to(torch.float32) * ratio
+    if codes.dtype.is_floating_point:
+        return scaled.to(codes.dtype)
+    info = torch.iinfo(codes.dtype)
+    return scaled.round().clamp(info.min, info.max).to(codes.dtype)
+
+
+def fuse_linears(
+    parts: list[LinearWeights], algo: str, notes: list[str], name: str
+) -> LinearWeights:
     """Stack linears that share an input along the output dim (q, k, v → qkv)."""
     if len(parts) == 1:
         return parts[0]
@@ -96,7 +119,7 @@ def _fuse(parts: list[LinearWeights], algo: str, notes: list[str], name: str) ->
         codes, moved = [], 0.0
         for p in parts:
             assert p.scale is not None
-            requant = (p.weight.to(torch.float32) * (p.scale / scale)).to(p.weight.dtype)
+            requant = requantize(p.weight, p.scale / scale)
             before, after = dequantize(p, torch.float32), requant.to(torch.float32) * scale
             largest = before.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
             moved = max(moved, float((before - after).abs().max() / largest))
@@ -161,6 +184,11 @@ def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
     return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8).view(torch.int8)
 
 
+def _bias(prefix: str, lin: LinearWeights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A linear's bias tensor (Qwen2's q/k/v), if it has one."""
+    return {} if lin.bias is None else {f"{prefix}.bias": lin.bias.to(dtype).contiguous()}
+
+
 def _tensors(
     prefix: str,
     lin: LinearWeights,
@@ -170,7 +198,7 @@ def _tensors(
     pre_quant: bool,
     zero_point: bool,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one (fused, sharded) linear."""
+    """The checkpoint tensors of one (fused, sharded) linear's weight."""
     if algo in FLOAT_WEIGHTS or lin.scale is None:
         return {f"{prefix}.weight": effective_weight(lin, dtype).contiguous()}
     f32 = torch.float32
@@ -262,7 +290,19 @@ def export_checkpoint(
             f"{algo}: weights stored dequantised in {dtype}; trtllm-build re-quantises "
             "them per channel"
         )
-    exclude = [] if algo == "NO_QUANT" else _excluded(src)
+    excluded = _excluded(src)
+    if excluded and algo in NO_EXCLUSIONS:
+        raise UsageError(
+            f"{algo} cannot keep {excluded[0]} in float: TensorRT-LLM's SmoothQuant plugin "
+            "layers quantise whole attention and MLP blocks — quantise every linear of the "
+            "decoder layers (ignore only lm_head), or use smoothquant with static activations"
+        )
+    if algo in FLOAT_WEIGHTS and src.linears["lm_head"].scale is not None:
+        notes.append(
+            f"{algo}: lm_head stays in {dtype} (trtllm-build quantises only the decoder linears)"
+        )
+    quantised_head = algo not in FLOAT_WEIGHTS and src.linears["lm_head"].scale is not None
+    exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
     modules = _modules(src)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -289,8 +329,8 @@ def export_checkpoint(
 
 
 def _excluded(src: Source) -> list[str]:
-    """TensorRT-LLM names of the linears the quantiser left in float."""
-    names = ["lm_head"] if src.linears["lm_head"].scale is None else []
+    """TensorRT-LLM names of the decoder linears the quantiser left in float."""
+    names: list[str] = []
     for i in range(src.info.num_layers):
         qkv = [
             src.linears[f"model.layers.{i}.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")
@@ -322,22 +362,51 @@ def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:
     return out
 
 
-def _pad_rows(lin: LinearWeights, pad: int) -> LinearWeights:
-    """`pad` more output rows of zeros (TensorRT-LLM pads the vocab to a multiple of tp)."""
+def _grow(t: torch.Tensor, size: int, dim: int, *, repeat_last: bool = False) -> torch.Tensor:
+    """`t` grown to `size` along `dim`: zeros, or copies of its last slice."""
+    extra = size - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = [*t.shape]
+    shape[dim] = extra
+    last = t.narrow(dim, t.shape[dim] - 1, 1)
+    fill = last.expand(shape) if repeat_last else torch.zeros(shape, dtype=t.dtype)
+    return torch.cat([t, fill], dim)
 
-    def zeros(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, torch.zeros((pad, *t.shape[1:]), dtype=t.dtype)])
 
-    scale, zero = lin.scale, lin.zero_point
-    if scale is not None:  # the last row's scale again: a per-tensor scale stays one value
-        scale = torch.cat([scale, scale[-1:].expand(pad, -1)])
+def pad_linear(lin: LinearWeights, rows: int, cols: int) -> LinearWeights:
+    """`lin` grown to `rows` × `cols` at the end with zero weights: padded outputs are 0 and
+    padded inputs contribute nothing. Scales repeat the last row's (a per-tensor scale stays
+    one value) and the last group's; pre-quant scales grow with ones."""
+    scale, zero, pqs = lin.scale, lin.zero_point, lin.pre_quant_scale
+    if scale is not None:
+        scale = _grow(scale, rows, 0, repeat_last=True)
+        if lin.scheme.strategy == "group":
+            group = lin.scheme.group_size or lin.in_features // scale.shape[1]
+            scale = _grow(scale, -(-cols // group), 1, repeat_last=True)
+            zero = None if zero is None else _grow(zero, -(-cols // group), 1)
+    if zero is not None:
+        zero = _grow(zero, rows, 0)
     return replace(
         lin,
-        weight=zeros(lin.weight),
+        weight=_grow(_grow(lin.weight, rows, 0), cols, 1),
         scale=scale,
-        zero_point=None if zero is None else zeros(zero),
-        bias=None if lin.bias is None else zeros(lin.bias),
+        zero_point=zero,
+        bias=None if lin.bias is None else _grow(lin.bias, rows, 0),
+        pre_quant_scale=None if pqs is None else torch.cat([pqs, torch.ones(cols - len(pqs))]),
     )
+
+
+def _pad_groupwise(lin: LinearWeights, algo: str, role: str, tp: int) -> LinearWeights:
+    """One rank's group-wise linear padded to the shapes TensorRT-LLM's group-wise layer
+    creates (conformance.padded_features): each rank's own slice, zeros after it."""
+    if algo not in GROUPWISE or lin.scale is None:
+        return lin
+    group = lin.scheme.group_size or lin.in_features // lin.scale.shape[1]
+    column = role == "column"
+    rows = padded_features(lin.out_features * (tp if column else 1), group, tp)
+    cols = padded_features(lin.in_features * (1 if column else tp), group, tp)
+    return pad_linear(lin, rows // tp if column else rows, cols if column else cols // tp)
 
 
 def _rank_tensors(
@@ -357,9 +426,10 @@ def _rank_tensors(
     }
     for name, (lin, role) in modules.items():
         if name == "lm_head" and lin.out_features % tp:
-            lin = _pad_rows(lin, tp - lin.out_features % tp)
-        sharded = _shard(lin, role, tp, rank)
+            lin = pad_linear(lin, -(-lin.out_features // tp) * tp, lin.in_features)
+        sharded = _pad_groupwise(_shard(lin, role, tp, rank), algo, role, tp)
         out.update(_tensors(name, sharded, algo, role, dtype, pre_quant, zero_point))
+        out.update(_bias(name, sharded, dtype))
     for i in range(info.num_layers):
         prefix = f"model.layers.{i}.self_attn"
         parts = [
@@ -370,10 +440,11 @@ def _rank_tensors(
                 ("v_proj", info.num_kv_heads),
             )
         ]
-        qkv = _fuse(parts, algo, notes, f"layer {i} qkv")
+        qkv = _pad_groupwise(fuse_linears(parts, algo, notes, f"layer {i} qkv"), algo, "column", tp)
         layer = f"transformer.layers.{i}"
         qkv_prefix = f"{layer}.attention.qkv"
         out.update(_tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point))
+        out.update(_bias(qkv_prefix, qkv, dtype))
         out[f"{layer}.input_layernorm.weight"] = src.tensors[
             f"model.layers.{i}.input_layernorm.weight"
         ].to(dtype)

@@ -22,7 +22,7 @@ from kiln.runtime.linear import LinearWeights, WeightScheme
 from kiln.runtime.model_info import ModelInfo
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 KV_CACHE_ALGO = {"fp8": "FP8", "int8": "INT8"}
 
 

@@ -26,4 +26,5 @@ def test_gptq_w4a16_keeps_smollm2_perplexity_within_20_percent(
     model_bytes = sum(e.size for p, e in manifest.files.items() if p.startswith("model/"))
     assert model_bytes < 0.45 * manifest.source.parameters * 4
     assert manifest.targets["h100-sxm"].engine == "planned"
-    assert manifest.targets["l40s"].pytorch == "ready"
+    # GPTQ int4 in compressed-tensors: TensorRT-LLM's PyTorch backend cannot load it.
+    assert manifest.targets["l40s"].pytorch.startswith("unsupported: TensorRT-LLM's PyTorch")

@@ -301,7 +301,9 @@ def compiled(
     tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, made_draft: tuple[Path, dict]
 ) -> tuple[Path, Path, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("compile-spec")
-    recipe = recipe_file(tmp, tiny_llama, f"  draft: {made_draft[0]}\n{SMALL_AUTO}")
+    # A float model: TensorRT-LLM's PyTorch backend, which serves the draft-target YAML,
+    # does not load int4 compressed-tensors checkpoints.
+    recipe = recipe_file(tmp, tiny_llama, f"  draft: {made_draft[0]}\n{SMALL_AUTO}", method="none")
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 0, stderr
     result = json.loads(stdout)

@@ -111,6 +111,19 @@ def test_draft_target_plan_builds_target_for_external_drafts_and_a_plain_draft(t
     assert [p.role for p in bp.plans()] == ["target", "draft"]
 
 
+def test_a_speculative_engine_says_the_llm_api_cannot_drive_its_drafts(tmp_path):
+    from kiln.compiler.trtllm.build import ENGINE_SPECULATION
+
+    draft = DraftBuild(4, tmp_path / "draft-ckpt", tmp_path / "draft-engine", info=DRAFT)
+    bp = _plan(FP8_KV, H100, DeploySpec(max_seq_len=4096, max_batch_size=8), tmp_path, draft=draft)
+    assert ENGINE_SPECULATION in bp.notes
+    assert "PyTorch backend only" in ENGINE_SPECULATION
+    script = bp.write_script(tmp_path / "build.sh").read_text()
+    assert f"# note: {ENGINE_SPECULATION}" in script
+    plain = _plan(FP8_KV, H100, DeploySpec(max_seq_len=4096, max_batch_size=8), tmp_path)
+    assert ENGINE_SPECULATION not in plain.notes
+
+
 def test_gather_context_logits_with_draft_tokens_is_refused(tmp_path):
     draft = DraftBuild(4, tmp_path / "d-ckpt", tmp_path / "d-engine")
     with pytest.raises(BuildPlanError) as e:

@@ -210,13 +210,43 @@ def test_modes_without_a_portable_layout_are_refused(tiny_llama, tmp_path):
     assert "FP8_PER_CHANNEL_PER_TOKEN" in err.value.message and "method fp8" in err.value.message
 
 
-def test_mistral_exports_and_qwen2_with_biases_is_refused(tiny_mistral, tiny_qwen2, tmp_path):
+def test_mistral_exports(tiny_mistral, tmp_path):
     export_checkpoint(tiny_mistral, tmp_path / "mistral", dtype="float16")
     config, _ = read_checkpoint(tmp_path / "mistral")
     assert config["architecture"] == "MistralForCausalLM"
     decoded = decode_checkpoint(tmp_path / "mistral")
     reference = reference_weights(tiny_mistral)
     assert all(max_rel_error(decoded[k], reference[k]) < 2**-10 for k in decoded)
-    with pytest.raises(UsageError) as err:
-        export_checkpoint(tiny_qwen2, tmp_path / "qwen2")
-    assert "Qwen2ForCausalLM" in err.value.message
+
+
+@pytest.fixture(scope="module")
+def qwen2_with_biases(tiny_qwen2, tmp_path_factory) -> Path:
+    """tiny_qwen2 with random (not zero) q/k/v biases, so that carrying them shows."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path_factory.mktemp("qwen2-biases") / "model"
+    shutil.copytree(tiny_qwen2, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    for name, value in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(value.shape, generator=generator)
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen2_exports_its_qkv_biases(qwen2_with_biases, tmp_path, tp):
+    tiny_qwen2 = qwen2_with_biases
+    export_checkpoint(tiny_qwen2, tmp_path / "qwen2", dtype="float16", tp_size=tp)
+    config, ranks = read_checkpoint(tmp_path / "qwen2")
+    assert config["architecture"] == "Qwen2ForCausalLM"
+    assert (config["qwen_type"], config["attn_bias"], config["mlp_bias"]) == ("qwen2", True, False)
+    assert "transformer.layers.0.attention.qkv.bias" in ranks[0]
+    assert "transformer.layers.0.attention.dense.bias" not in ranks[0]
+    decoded = decode_checkpoint(tmp_path / "qwen2")
+    reference = reference_weights(tiny_qwen2)
+    assert "model.layers.0.self_attn.k_proj.bias" in decoded
+    assert all(max_rel_error(decoded[k], reference[k]) < 2**-10 for k in decoded)

@@ -160,3 +160,15 @@ def test_our_decoder_reads_modelopts_checkpoint(modelopt_exports):
             assert bool((diff <= step * 1.001).all()), hf
     norms = [k for k in theirs if "norm" in k or "embed" in k]
     assert all(torch.equal(ours[k], theirs[k]) for k in norms)
+
+
+@pytest.mark.parametrize(
+    "preset", ["FP8_DEFAULT_CFG", "FP8_DEFAULT_CFG+KV", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG"]
+)
+def test_modelopts_writer_and_ours_both_satisfy_the_conformance_rules(preset, modelopt_exports):
+    from kiln.compiler.trtllm.conformance import check_checkpoint
+
+    theirs_dir, ours_dir = modelopt_exports(preset)
+    assert check_checkpoint(ours_dir) == []
+    # NVIDIA's own writer of the format: the rules were read from TensorRT-LLM, not from it.
+    assert check_checkpoint(theirs_dir) == []

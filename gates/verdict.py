@@ -49,6 +49,28 @@ class TaskComparison:
     right_to_wrong: int | None = None
     wrong_to_right: int | None = None
     flip_rate: float | None = None
+    # item id -> [baseline score, candidate score], for auditing flips (paired tasks only)
+    item_scores: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> str:
+        """The decision's pass, fail or inconclusive (pass/fail for the two-way rules)."""
+        return self.decision.outcome or ("pass" if self.decision.passed else "fail")
+
+    def flipped(self, correct_at: float = 0.5) -> dict[str, list[str]]:
+        """Item ids that went right → wrong and wrong → right."""
+        out: dict[str, list[str]] = {"right_to_wrong": [], "wrong_to_right": []}
+        for item, (b, c) in sorted(self.item_scores.items(), key=lambda kv: _item_order(kv[0])):
+            if b >= correct_at > c:
+                out["right_to_wrong"].append(item)
+            elif c >= correct_at > b:
+                out["wrong_to_right"].append(item)
+        return out
+
+
+def _item_order(item: str) -> tuple[int, int, str]:
+    """Numeric ids in numeric order (lm-eval's doc ids), others after them by name."""
+    return (0, int(item), "") if item.isdigit() else (1, 0, item)
 
 
 def compare_task(
@@ -74,6 +96,9 @@ def compare_task(
         confidence=policy.confidence,
         paired=paired,
         higher_is_better=higher_is_better,
+        inconclusive=policy.inconclusive,
+        power=policy.power,
+        task=task,
     )
     b, c = score_stats(base), score_stats(cand)
     out = TaskComparison(
@@ -88,6 +113,8 @@ def compare_task(
         recovery=decision.recovery,
         decision=decision,
     )
+    if paired:
+        out.item_scores = {str(k): [baseline[k], candidate[k]] for k in shared}
     if binary and paired:
         flips = count_flips(base, cand)
         out.right_to_wrong, out.wrong_to_right = flips.right_to_wrong, flips.wrong_to_right
@@ -131,6 +158,10 @@ class GateVerdict:
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
+    @property
+    def inconclusive_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.outcome == "inconclusive"]
+
     def to_dict(self) -> dict[str, Any]:
         data = {
             "version": VERDICT_VERSION,
@@ -143,6 +174,7 @@ class GateVerdict:
             "divergence": self.divergence.to_dict() if self.divergence else None,
             "shadow": self.shadow.to_dict() if self.shadow else None,
             "checks": [asdict(c) for c in self.checks],
+            "inconclusive": [c.name for c in self.inconclusive_checks],
             "tools": self.tools,
             "created_at": self.created_at,
             "seconds": self.seconds,
@@ -218,6 +250,7 @@ def task_checks(task: TaskComparison, policy: GatePolicy) -> list[Check]:
             "rule",
             task.decision.passed,
             task.decision.explanation,
+            task.outcome,
         )
     ]
     if task.flip_rate is not None:

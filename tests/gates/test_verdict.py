@@ -15,6 +15,8 @@ from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict,
 
 CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
 BASELINE = {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64}
+# The two-way rule of published practice (llm-compressor's recovery, a 5% flip cap).
+TWO_WAY = GatePolicy(rule="recovery_or_noninferior", flip_rate_max=0.05)
 
 
 def scores(correct: list[int]) -> dict[int, float]:
@@ -24,7 +26,7 @@ def scores(correct: list[int]) -> dict[int, float]:
 def test_a_candidate_that_keeps_its_answers_passes(tmp_path: Path) -> None:
     base = scores([1] * 70 + [0] * 30)
     cand = scores([1] * 70 + [0] * 29 + [1])  # one wrong -> right flip
-    policy = GatePolicy()
+    policy = TWO_WAY
     task = compare_task("kiln_mc", "acc", base, cand, policy)
     assert task.recovery == pytest.approx(71 / 70)
     assert (task.right_to_wrong, task.wrong_to_right, task.flip_rate) == (0, 1, 0.01)
@@ -61,8 +63,8 @@ def test_a_candidate_that_drops_accuracy_fails_and_says_why() -> None:
     verdict = build_verdict(
         CANDIDATE,
         BASELINE,
-        GatePolicy(),
-        tasks=[compare_task("qa", "em", base, cand, GatePolicy())],
+        TWO_WAY,
+        tasks=[compare_task("qa", "em", base, cand, TWO_WAY)],
     )
     assert not verdict.passed
     failed = {c.name: c for c in verdict.failed_checks}
@@ -77,8 +79,8 @@ def test_equal_accuracy_with_many_flips_still_fails_on_flip_rate() -> None:
     verdict = build_verdict(
         CANDIDATE,
         BASELINE,
-        GatePolicy(),
-        tasks=[compare_task("mc", "acc", base, cand, GatePolicy())],
+        TWO_WAY,
+        tasks=[compare_task("mc", "acc", base, cand, TWO_WAY)],
     )
     assert [c.name for c in verdict.failed_checks] == ["mc: flip rate"]
 

@@ -8,6 +8,8 @@
       inconclusive: pass                     # what a task too small for its margin counts as
       thresholds: {margin: 0.02, confidence: 0.95, kl_mean: 0.035, shadow_exact_match: 0.9}
       divergence: {num_texts: 16, max_seq_len: 128, top_k: 20}
+      noise_floor: bfloat16                  # the control: baseline rounded to it (or off)
+      baseline_cache: true                   # reuse the baseline's evaluation (eval_cache.py)
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
 
 `baseline` is what `kiln compile` gates against (`kiln gate` takes --baseline instead):
@@ -163,7 +165,16 @@ class GatesSection(_Strict):
     inconclusive: Literal["pass", "fail"] = "pass"
     thresholds: ThresholdsSection = ThresholdsSection()
     divergence: DivergenceSection = DivergenceSection()
+    # The control of the noise floor (gates/noise_floor.py): a float baseline's weights
+    # rounded to this dtype, evaluated like the candidate; "off" skips it.
+    noise_floor: Literal["bfloat16", "float16", "off"] = "bfloat16"
+    baseline_cache: bool = True
     shadow: ShadowSection = ShadowSection()
+
+    @field_validator("noise_floor", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value: Any) -> Any:
+        return "off" if value is False else value
 
     def policy(self, weight_bits: int | None) -> GatePolicy:
         """The scheme's default policy with this section's overrides applied."""

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kiln.gates.noise_floor import NoiseFloor
 from kiln.gates.shadow import PairDiff
 from kiln.gates.verdict import GateVerdict, TaskComparison
 
@@ -100,6 +101,20 @@ def _rule_line(verdict: GateVerdict) -> str:
     )
 
 
+def _floor_text(floor: NoiseFloor) -> str:
+    """What the control (the noise floor) measured, in one line."""
+    parts = [f"{floor.control}"]
+    if floor.divergence:
+        dv = floor.divergence
+        parts.append(
+            f"KL mean {dv.kl_mean:.5f}, p99 {dv.kl_p99:.5f}, top-1 agreement "
+            f"{_pct(dv.top1_agreement)}"
+        )
+    parts += [f"{task} ratio {ratio:.4f}" for task, ratio in floor.perplexity_ratio.items()]
+    parts += [f"{task} flips {_pct(rate)}" for task, rate in floor.flip_rate.items()]
+    return "; ".join(parts)
+
+
 def to_markdown(verdict: GateVerdict) -> str:
     """A Markdown summary: outcome, per-task table and why, divergence, shadow, failures."""
     status = "PASS ✅" if verdict.passed else "FAIL ❌"
@@ -143,6 +158,8 @@ def to_markdown(verdict: GateVerdict) -> str:
             f"- KL divergence ({dv.method}, {dv.num_tokens} tokens): mean {dv.kl_mean:.5f}, "
             f"p99 {dv.kl_p99:.5f}, top-1 agreement {_pct(dv.top1_agreement)}"
         )
+    if verdict.noise_floor:
+        lines.append(f"- noise floor: {_floor_text(verdict.noise_floor)}")
     if verdict.shadow:
         s = verdict.shadow
         lines.append(
@@ -328,6 +345,8 @@ def to_html(verdict: GateVerdict) -> str:
             f"max {dv.kl_max:.4f}; top-1 agreement {_pct(dv.top1_agreement)}</p>"
             + _kl_histogram_svg(dv.histogram)
         )
+    if verdict.noise_floor:
+        body.append(f"<h2>Noise floor</h2><p>{e(_floor_text(verdict.noise_floor))}</p>")
     if verdict.shadow:
         s = verdict.shadow
         bl, cl = s.baseline_latency, s.candidate_latency

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.gates.divergence import DivergenceSummary
+from kiln.gates.noise_floor import NoiseFloor, times_floor
 from kiln.gates.rules import (
     Check,
     Decision,
@@ -153,6 +154,7 @@ class GateVerdict:
     created_at: str = ""
     seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+    noise_floor: NoiseFloor | None = None
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -179,6 +181,7 @@ class GateVerdict:
             "created_at": self.created_at,
             "seconds": self.seconds,
             "notes": self.notes,
+            "noise_floor": self.noise_floor.to_dict() if self.noise_floor else None,
         }
         return _finite(data)
 
@@ -209,6 +212,9 @@ class GateVerdict:
             created_at=data.get("created_at", ""),
             seconds=data.get("seconds"),
             notes=data.get("notes", []),
+            noise_floor=(
+                NoiseFloor.from_dict(data["noise_floor"]) if data.get("noise_floor") else None
+            ),
         )
 
     def write(self, out_dir: str | Path) -> Path:
@@ -240,8 +246,10 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def task_checks(task: TaskComparison, policy: GatePolicy) -> list[Check]:
-    """A task's decision rule and its flip-rate threshold as checks."""
+def task_checks(
+    task: TaskComparison, policy: GatePolicy, floor: NoiseFloor | None = None
+) -> list[Check]:
+    """A task's decision rule, its flip rate, and its flips beyond the control's, as checks."""
     checks = [
         Check(
             f"{task.task}: {task.metric} ({task.decision.rule})",
@@ -257,7 +265,23 @@ def task_checks(task: TaskComparison, policy: GatePolicy) -> list[Check]:
         checks.append(
             threshold_check(f"{task.task}: flip rate", task.flip_rate, "<=", policy.flip_rate_max)
         )
+    control = floor.flip_rate.get(task.task) if floor else None
+    if task.flip_rate is not None and control is not None:
+        excess = threshold_check(
+            f"{task.task}: flip rate over the control",
+            task.flip_rate - control,
+            "<=",
+            policy.flip_rate_excess_max,
+        )
+        checks.append(_note(excess, f"flips {task.flip_rate:.1%}, control {control:.1%}"))
     return checks
+
+
+def _note(check: Check, text: str) -> Check:
+    """Put `text` (the control's value, say) in front of a check's detail."""
+    if text:
+        check.detail = f"{text}; {check.detail}" if check.detail else text
+    return check
 
 
 def build_verdict(
@@ -271,24 +295,36 @@ def build_verdict(
     tools: dict[str, str] | None = None,
     notes: list[str] | None = None,
     seconds: float | None = None,
+    noise_floor: NoiseFloor | None = None,
 ) -> GateVerdict:
     """Apply the policy to every comparison; the verdict passes iff every check passes."""
     tasks, perplexity = list(tasks or []), list(perplexity or [])
+    floor = noise_floor
     checks: list[Check] = []
     for task in tasks:
-        checks.extend(task_checks(task, policy))
+        checks.extend(task_checks(task, policy, floor))
     for ppl in perplexity:
-        checks.append(
-            threshold_check(
-                f"{ppl.task}: {ppl.metric} ratio", ppl.ratio, "<=", policy.perplexity_ratio_max
-            )
+        check = threshold_check(
+            f"{ppl.task}: {ppl.metric} ratio", ppl.ratio, "<=", policy.perplexity_ratio_max
         )
+        control = floor.perplexity_ratio.get(ppl.task) if floor else None
+        checks.append(_note(check, f"control {control:.4f}" if control is not None else ""))
     if divergence is not None:
+        base = floor.divergence if floor else None
         checks += [
-            threshold_check("KL divergence mean", divergence.kl_mean, "<=", policy.kl_mean_max),
-            threshold_check("KL divergence p99", divergence.kl_p99, "<=", policy.kl_p99_max),
-            threshold_check(
-                "top-1 agreement", divergence.top1_agreement, ">=", policy.top1_agreement_min
+            _note(
+                threshold_check("KL divergence mean", divergence.kl_mean, "<=", policy.kl_mean_max),
+                times_floor(divergence.kl_mean, base.kl_mean if base else None),
+            ),
+            _note(
+                threshold_check("KL divergence p99", divergence.kl_p99, "<=", policy.kl_p99_max),
+                times_floor(divergence.kl_p99, base.kl_p99 if base else None),
+            ),
+            _note(
+                threshold_check(
+                    "top-1 agreement", divergence.top1_agreement, ">=", policy.top1_agreement_min
+                ),
+                f"control {base.top1_agreement:.1%}" if base else "",
             ),
         ]
     if shadow is not None:
@@ -309,4 +345,5 @@ def build_verdict(
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         seconds=seconds,
         notes=list(notes or []),
+        noise_floor=floor,
     )

@@ -137,3 +137,36 @@ def test_topk_kl_is_a_lower_bound_of_the_dense_kl() -> None:
     summary = summarize(approx, agree, "topk-20")
     assert summary.num_tokens == 50 and sum(b["count"] for b in summary.histogram) == 50
     assert summary.kl_p99 <= summary.kl_max
+
+
+def test_flips_are_checked_against_the_controls_and_the_floor_is_reported(
+    tmp_path: Path,
+) -> None:
+    from kiln.gates.noise_floor import NoiseFloor
+    from kiln.gates.report import to_markdown
+
+    floor = NoiseFloor(
+        "the baseline's weights rounded to bfloat16",
+        "bfloat16",
+        summarize(np.array([1e-5, 3e-5]), np.array([True, True]), "topk-20"),
+        perplexity_ratio={"kiln_ppl": 1.001},
+        flip_rate={"qa": 0.02},
+    )
+    policy = GatePolicy(flip_rate_excess_max=0.05)
+    base = scores([1] * 50 + [0] * 50)
+    cand = scores([0] * 5 + [1] * 45 + [1] * 5 + [0] * 45)  # 10% flips, no net loss
+    kl = summarize(np.array([0.01, 0.03]), np.array([True, False]), "topk-20")
+    verdict = build_verdict(
+        CANDIDATE, BASELINE, policy, tasks=[compare_task("qa", "em", base, cand, policy)],
+        divergence=kl, noise_floor=floor,
+    )  # fmt: skip
+    excess = next(c for c in verdict.checks if c.name == "qa: flip rate over the control")
+    assert excess.value == pytest.approx(0.08) and not excess.passed
+    assert excess.detail.startswith("flips 10.0%, control 2.0%")
+    kl_check = next(c for c in verdict.checks if c.name == "KL divergence mean")
+    assert kl_check.detail == "1000× the control's 2e-05"
+    assert "noise floor: the baseline's weights rounded to bfloat16; KL mean 0.00002" in (
+        to_markdown(verdict)
+    )
+    again = GateVerdict.from_dict(json.loads(verdict.write(tmp_path).read_text()))
+    assert again.noise_floor == floor and again.to_dict() == verdict.to_dict()

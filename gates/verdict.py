@@ -250,14 +250,19 @@ def task_checks(
     task: TaskComparison, policy: GatePolicy, floor: NoiseFloor | None = None
 ) -> list[Check]:
     """A task's decision rule, its flip rate, and its flips beyond the control's, as checks."""
+    d = task.decision
+    # the mcnemar rule judges the loss against the margin; the others, recovery
+    value, threshold = (
+        (d.loss, d.margin) if d.loss is not None else (task.recovery, d.recovery_threshold)
+    )
     checks = [
         Check(
-            f"{task.task}: {task.metric} ({task.decision.rule})",
-            task.recovery,
-            policy.recovery_min,
+            f"{task.task}: {task.metric} ({d.rule})",
+            value,
+            threshold,
             "rule",
-            task.decision.passed,
-            task.decision.explanation,
+            d.passed,
+            d.explanation,
             task.outcome,
         )
     ]

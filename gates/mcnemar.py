@@ -16,7 +16,8 @@ bounds on π (`scipy.stats.binomtest`) give one-sided bounds on the loss:
   three"), so a handful of items with no flips does not pass on no evidence.
 - otherwise INCONCLUSIVE: the task is too small (or too noisy) for its margin.
 
-Scores that are not 0/1 use the paired normal bounds instead (mean difference ± z · sd/√n).
+Scores that are not 0/1 use the paired normal bounds instead (mean difference ± z · sd/√n),
+and two sides that scored different items the unpaired ones.
 
 The minimum detectable loss at one-sided level α and power 1 − β is (z_α + z_β) √(ψ / n) for
 McNemar's test (normal approximation; ~140 items at 5% flips: 4.6 points), the number a
@@ -121,6 +122,31 @@ def paired_loss_bounds(
     mdl_z = z + NormalDist().inv_cdf(power)
     return LossBounds(
         "paired-normal", n, loss, loss - z * se, loss + z * se, p_value, mdl_z * se, power
+    )
+
+
+def unpaired_loss_bounds(
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    confidence: float = 0.95,
+    power: float = DEFAULT_POWER,
+) -> LossBounds:
+    """Normal bounds on mean(baseline) − mean(candidate) when the items differ."""
+    n_b, n_c = len(baseline), len(candidate)
+    if n_b == 0 or n_c == 0:  # nothing to compare: neither bound can settle anything
+        return LossBounds("unpaired-normal", 0, math.nan, -math.inf, math.inf, 1.0, math.inf, power)
+    mean_b, mean_c = math.fsum(baseline) / n_b, math.fsum(candidate) / n_c
+
+    def var(xs: Sequence[float], mean: float) -> float:
+        return math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+
+    se = math.sqrt(var(baseline, mean_b) / n_b + var(candidate, mean_c) / n_c)
+    loss = mean_b - mean_c
+    z = NormalDist().inv_cdf(confidence)
+    p_value = 1.0 - NormalDist().cdf(loss / se) if se > 0 else float(loss <= 0)
+    mdl = (z + NormalDist().inv_cdf(power)) * se
+    return LossBounds(
+        "unpaired-normal", min(n_b, n_c), loss, loss - z * se, loss + z * se, p_value, mdl, power
     )
 
 

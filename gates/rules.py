@@ -19,14 +19,14 @@ and c_i (candidate) on the same n items:
   z = Phi^-1(confidence) (1.645 at 0.95) and margin is in the metric's own units
   (0.02 = two points of accuracy). This proves, at that confidence, that the candidate is
   at most `margin` worse; it needs enough items for se to be small.
-- ``recovery_or_noninferior`` (default): pass iff either rule passes. The paired bound
+- ``recovery_or_noninferior``: pass iff either rule passes. The paired bound
   rescues a point estimate that dips under the threshold by noise when the paired test is
   tight (few flips), and a recovery above threshold is never failed for being noisy.
 
 When the two sides did not score the same items, the paired difference is unavailable and
 the unpaired stderr sqrt(se_b^2 + se_c^2) is used instead. Standard normal quantiles come
-from the standard library (`statistics.NormalDist`); everything here is a few lines of
-arithmetic, so no statistics package is pulled in.
+from the standard library (`statistics.NormalDist`); the exact binomial bounds of the
+mcnemar rule from scipy.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import Literal
 
 from kiln.gates.mcnemar import (
     DEFAULT_POWER,
-    LossBounds,
     binary_loss_bounds,
     explain,
     outcome_of,
     paired_loss_bounds,
+    unpaired_loss_bounds,
 )
 
 DecisionRule = Literal["mcnemar", "recovery", "noninferior", "recovery_or_noninferior"]
@@ -234,16 +234,7 @@ def _decide_mcnemar(
         bounds = paired_loss_bounds(base, cand, confidence, power)
         scale = 100.0 if binary else 1.0
     else:
-        b, c = score_stats(base), score_stats(cand)
-        se = math.sqrt(b.stderr**2 + c.stderr**2)
-        z = NormalDist().inv_cdf(confidence)
-        loss = b.mean - c.mean
-        p_value = 1.0 - NormalDist().cdf(loss / se) if se > 0 else float(loss <= 0)
-        mdl = (z + NormalDist().inv_cdf(power)) * se
-        bounds = LossBounds(
-            "unpaired-normal", min(b.n, c.n), loss, loss - z * se, loss + z * se, p_value, mdl,
-            power,
-        )  # fmt: skip
+        bounds = unpaired_loss_bounds(base, cand, confidence, power)
         scale = 100.0 if binary else 1.0
     outcome = outcome_of(bounds, margin)
     explanation = explain(task, bounds, margin, confidence, scale)

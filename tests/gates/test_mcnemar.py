@@ -133,3 +133,10 @@ def test_the_verdict_names_inconclusive_tasks_and_keeps_per_item_scores() -> Non
     strict = GatePolicy(inconclusive="fail")
     task = compare_task("kiln_qa", "em", dict(enumerate(base)), dict(enumerate(cand)), strict)
     assert not build_verdict(CANDIDATE, BASELINE, strict, tasks=[task]).passed
+
+
+def test_sides_that_scored_different_items_get_unpaired_bounds() -> None:
+    decision = decide([1.0, 0.0] * 100, [1.0, 0.0, 0.0, 0.0] * 50, rule="mcnemar", paired=False)
+    assert decision.method == "unpaired-normal" and not decision.paired
+    assert decision.loss == pytest.approx(0.25) and decision.outcome == "fail"
+    assert decide([1.0, 0.0, 1.0], [], rule="mcnemar").outcome == "inconclusive"

@@ -4,9 +4,12 @@
       baseline: source                       # what `kiln compile` gates against (see below)
       tasks: [kiln_ppl, kiln_mc, kiln_qa]   # offline tasks in recipes/tasks (or lm-eval names)
       limit: null                            # items per task (null: all)
-      decision_rule: recovery_or_noninferior # or recovery, noninferior (see gates/rules.py)
-      thresholds: {recovery: 0.99, margin: 0.02, flip_rate: 0.05, shadow_exact_match: 0.9}
+      decision_rule: mcnemar                 # or recovery, noninferior, recovery_or_noninferior
+      inconclusive: pass                     # what a task too small for its margin counts as
+      thresholds: {margin: 0.02, confidence: 0.95, kl_mean: 0.035, shadow_exact_match: 0.9}
       divergence: {num_texts: 16, max_seq_len: 128, top_k: 20}
+      noise_floor: bfloat16                  # the control: baseline rounded to it (or off)
+      baseline_cache: true                   # reuse the baseline's evaluation (eval_cache.py)
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
 
 `baseline` is what `kiln compile` gates against (`kiln gate` takes --baseline instead):
@@ -15,7 +18,14 @@ to the file that sets it), or an http(s) endpoint URL. `kiln compile --promote C
 gates against what the channel requires instead (registry.py), whatever this says.
 
 Thresholds left out (or null) take the defaults for the candidate's weight width
-(`gates.rules.default_policy`); `off` turns a check off (reported, not gated).
+(`gates.rules.default_policy`); `off` turns a check off (reported, not gated). YAML 1.1
+reads an unquoted `off` (and `no`, `false`) as a boolean: for a threshold it means `off`;
+`on`/`yes`/`true` is refused with the key named.
+
+`decision_rule: mcnemar` (the default) gives each task pass, fail or inconclusive (see
+`gates.mcnemar`); `inconclusive: pass` (the default) lets an inconclusive task through, with
+the loss its items could detect in the report, so the distribution checks decide;
+`inconclusive: fail` makes every task prove that no loss beyond the margin happened.
 """
 
 from __future__ import annotations
@@ -25,7 +35,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from kiln.gates.replay import ReplaySettings
 from kiln.gates.rules import GatePolicy, default_policy
@@ -45,6 +62,7 @@ Off = Literal["off"]
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
 NonNegative = Annotated[float, Field(ge=0.0)]
 Positive = Annotated[float, Field(gt=0.0)]
+_NEVER_OFF = {"recovery", "margin", "confidence", "power"}  # parameters of a rule, not checks
 
 
 class ThresholdsSection(_Strict):
@@ -53,7 +71,9 @@ class ThresholdsSection(_Strict):
     recovery: float | None = Field(None, gt=0.0, le=2.0)
     margin: float | None = Field(None, ge=0.0, le=1.0)
     confidence: float | None = Field(None, ge=0.5, lt=1.0)
+    power: float | None = Field(None, gt=0.5, lt=1.0)
     flip_rate: Share | Off | None = None
+    flip_rate_excess: Share | Off | None = None
     perplexity_ratio: Annotated[float, Field(ge=1.0)] | Off | None = None
     kl_mean: NonNegative | Off | None = None
     kl_p99: NonNegative | Off | None = None
@@ -65,13 +85,33 @@ class ThresholdsSection(_Strict):
     shadow_ttft_p50_ratio: Positive | Off | None = None
     shadow_tpot_p50_ratio: Positive | Off | None = None
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML 1.1 turns an unquoted `off` into False, which pydantic would take as 0.0.
+        if value is False and info.field_name in _NEVER_OFF:
+            raise ValueError(
+                "a YAML boolean (unquoted off/no/false) is not a value for this key: give a "
+                "number, or leave the key out for the scheme's default"
+            )
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError(
+                "a YAML boolean (unquoted on/yes/true) is not a threshold: give a number, "
+                "or `off` to report the check without gating"
+            )
+        return value
+
 
 # thresholds key -> GatePolicy field
 _POLICY_FIELDS = {
     "recovery": "recovery_min",
     "margin": "margin",
     "confidence": "confidence",
+    "power": "power",
     "flip_rate": "flip_rate_max",
+    "flip_rate_excess": "flip_rate_excess_max",
     "perplexity_ratio": "perplexity_ratio_max",
     "kl_mean": "kl_mean_max",
     "kl_p99": "kl_p99_max",
@@ -119,17 +159,28 @@ class GatesSection(_Strict):
     tasks_dir: str | None = None
     limit: int | None = Field(None, ge=1)
     num_fewshot: int = Field(0, ge=0, le=32)
-    decision_rule: Literal["recovery", "noninferior", "recovery_or_noninferior"] = (
-        "recovery_or_noninferior"
+    decision_rule: Literal["mcnemar", "recovery", "noninferior", "recovery_or_noninferior"] = (
+        "mcnemar"
     )
+    inconclusive: Literal["pass", "fail"] = "pass"
     thresholds: ThresholdsSection = ThresholdsSection()
     divergence: DivergenceSection = DivergenceSection()
+    # The control of the noise floor (gates/noise_floor.py): a float baseline's weights
+    # rounded to this dtype, evaluated like the candidate; "off" skips it.
+    noise_floor: Literal["bfloat16", "float16", "off"] = "bfloat16"
+    baseline_cache: bool = True
     shadow: ShadowSection = ShadowSection()
+
+    @field_validator("noise_floor", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value: Any) -> Any:
+        return "off" if value is False else value
 
     def policy(self, weight_bits: int | None) -> GatePolicy:
         """The scheme's default policy with this section's overrides applied."""
         policy = default_policy(weight_bits or 8)
         policy.rule = self.decision_rule
+        policy.inconclusive = self.inconclusive
         for key, field_name in _POLICY_FIELDS.items():
             value = getattr(self.thresholds, key)
             if value is not None:
@@ -137,6 +188,7 @@ class GatesSection(_Strict):
         return policy
 
 
+_YAML_BOOLEAN = "YAML read an unquoted on/off/yes/no/true/false as a boolean: quote it"
 _UNION_TAG = re.compile(r"^(constrained-|literal\[|float$|int$|str$|bool$|none$)")
 
 
@@ -151,8 +203,13 @@ def load_gates(data: dict[str, Any] | None, where: str) -> GatesSection:
         for error in exc.errors():
             parts = [str(p) for p in error["loc"] if not _UNION_TAG.search(str(p))]
             messages = grouped.setdefault(".".join(parts), [])
-            if error["msg"] not in messages:
-                messages.append(error["msg"])
+            message = error["msg"]
+            if isinstance(error.get("input"), bool) and "YAML" not in message:
+                message += (
+                    " (YAML read an unquoted on/off/yes/no/true/false as a boolean: quote it)"
+                )
+            if message not in messages:
+                messages.append(message)
         problems = [f"{where}: gates.{key}: {'; or '.join(msgs)}" for key, msgs in grouped.items()]
         raise UsageError("\n".join(problems)) from None
 

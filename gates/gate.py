@@ -26,6 +26,8 @@ from typing import Any
 
 from kiln.gates.config import GatesSection
 from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
+from kiln.gates.eval_cache import EvaluationCache, decode, encode, evaluation_key, files_digest
+from kiln.gates.noise_floor import NoiseFloor, round_weights
 from kiln.gates.registry import Registry
 from kiln.gates.replay import Side, replay
 from kiln.gates.report import write_reports
@@ -88,35 +90,111 @@ class _SideEval:
     engine: Any = None
 
 
-def _evaluate_side(
-    side: SideSpec, gates: GatesSection, texts: list[str], max_length: int | None, base_dir: Path
-) -> tuple[_SideEval, int]:
-    """lm-eval tasks and top-k logprobs of one model side; returns its max_length too."""
-    from kiln.gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs
-    from kiln.gates.tasks import run_tasks
-
-    task_dirs = [BUILTIN_TASKS_DIR]
+def _task_dirs(gates: GatesSection, base_dir: Path) -> list[Path]:
     extra = _resolve(gates.tasks_dir, base_dir)
-    if extra is not None:
-        task_dirs.append(extra)
-    engine = None
+    return [BUILTIN_TASKS_DIR] if extra is None else [BUILTIN_TASKS_DIR, extra]
+
+
+def _load_lm(side: SideSpec, max_length: int | None) -> tuple[Any, Callable[..., Any], Any]:
+    """An lm-eval model of one side, its top-k logprob function, and its runtime engine."""
+    from kiln.gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs
+
     if side.kind == "artifact":
         lm: Any = KilnLM(artifact=str(side.path), max_length=max_length)
-        engine = lm.engine
-        topk_fn = lm.topk_logprobs
-    else:
-        lm = hf_source_lm(str(side.path), max_length=max_length or 2048)
+        return lm, lm.topk_logprobs, lm.engine
+    lm = hf_source_lm(str(side.path), max_length=max_length or 2048)
 
-        def topk_fn(ids: list[list[int]], k: int) -> list[list[dict[int, float]]]:
-            return hf_topk_logprobs(lm, ids, k)
+    def topk_fn(ids: list[list[int]], k: int) -> list[list[dict[int, float]]]:
+        return hf_topk_logprobs(lm, ids, k)
 
-    results = run_tasks(lm, gates.tasks, task_dirs, gates.limit, gates.num_fewshot or None)
+    return lm, topk_fn, None
+
+
+def _run_lm(
+    lm: Any, topk_fn: Callable[..., Any], gates: GatesSection, texts: list[str], base_dir: Path
+) -> _SideEval:
+    """lm-eval tasks and top-k logprobs on the divergence texts, through one loaded model."""
+    from kiln.gates.tasks import run_tasks
+
+    results = run_tasks(
+        lm, gates.tasks, _task_dirs(gates, base_dir), gates.limit, gates.num_fewshot or None
+    )
     topk = ids = None
     if gates.divergence.enabled and texts:
         ids = [lm.tok_encode(t)[: gates.divergence.max_seq_len] for t in texts]
         ids = [i for i in ids if len(i) > 1]
         topk = topk_fn(ids, gates.divergence.top_k)
-    return _SideEval(results, topk, ids, engine), int(lm.max_length)
+    return _SideEval(results, topk, ids)
+
+
+def _evaluate_side(
+    side: SideSpec, gates: GatesSection, texts: list[str], max_length: int | None, base_dir: Path
+) -> tuple[_SideEval, int]:
+    """lm-eval tasks and top-k logprobs of one model side; returns its max_length too."""
+    lm, topk_fn, engine = _load_lm(side, max_length)
+    evaluated = _run_lm(lm, topk_fn, gates, texts, base_dir)
+    evaluated.engine = engine
+    return evaluated, int(lm.max_length)
+
+
+def _evaluation_key(
+    side: SideSpec, role: str, gates: GatesSection, texts: list[str], max_length: int,
+    base_dir: Path,
+) -> str:  # fmt: skip
+    """What shapes a side's evaluation (see gates/eval_cache.py)."""
+    task_files = [
+        p for d in _task_dirs(gates, base_dir) if d.is_dir() for p in d.iterdir() if p.is_file()
+    ]
+    return evaluation_key(
+        {
+            "side": side.digest,
+            "role": role,
+            "tasks": gates.tasks,
+            "task_files": files_digest(task_files),
+            "limit": gates.limit,
+            "num_fewshot": gates.num_fewshot,
+            "divergence": gates.divergence.model_dump() if gates.divergence.enabled else None,
+            "texts": texts if gates.divergence.enabled else None,
+            "max_length": max_length,
+            "tools": versions(GATE_TOOLS, python=True),
+        }
+    )
+
+
+def _evaluate_baseline(
+    side: SideSpec,
+    gates: GatesSection,
+    texts: list[str],
+    max_length: int,
+    base_dir: Path,
+    say: Progress,
+) -> tuple[_SideEval, _SideEval | None]:
+    """The baseline's evaluation and, for a float baseline, its control's (the noise floor),
+    each from the evaluation cache when it holds them."""
+    control = gates.noise_floor if side.kind == "source" else "off"
+    roles = ["baseline"] + ([f"control-{control}"] if control != "off" else [])
+    cache = EvaluationCache() if gates.baseline_cache else None
+    keys = {r: _evaluation_key(side, r, gates, texts, max_length, base_dir) for r in roles}
+    found: dict[str, _SideEval] = {}
+    for role in roles:
+        data = cache.get(keys[role]) if cache else None
+        if data is not None:
+            found[role] = _SideEval(*decode(data))
+            say(f"{role}: cached evaluation {keys[role][:12]}")
+    missing = [role for role in roles if role not in found]
+    if missing:
+        lm, topk_fn, engine = _load_lm(side, max_length)
+        for role in missing:  # the baseline first: the control rounds the same weights
+            if role == "baseline":
+                say(f"baseline: {', '.join(gates.tasks) or 'no tasks'} ({side.kind})")
+            else:
+                say(f"control: the baseline's weights rounded to {control} (the noise floor)")
+                round_weights(lm.model, control)
+            found[role] = done = _run_lm(lm, topk_fn, gates, texts, base_dir)
+            if cache is not None:
+                cache.put(keys[role], encode(done.results, done.topk, done.token_ids))
+        found["baseline"].engine = engine
+    return found["baseline"], found.get(roles[-1]) if control != "off" else None
 
 
 def compare_results(
@@ -190,29 +268,24 @@ def run_gate(
     tasks: list[TaskComparison] = []
     ppl: list[PerplexityComparison] = []
     divergence: DivergenceSummary | None = None
+    noise_floor: NoiseFloor | None = None
     cand_engine = base_engine = None
     if model_sides and (gates.tasks or gates.divergence.enabled):
         texts = divergence_texts(gates, base_dir) if gates.divergence.enabled else []
         say(f"candidate: {', '.join(gates.tasks) or 'no tasks'} through the runtime")
         c_eval, max_length = _evaluate_side(cand, gates, texts, None, base_dir)
         cand_engine = c_eval.engine
-        say(f"baseline: {', '.join(gates.tasks) or 'no tasks'} ({base.kind})")
-        b_eval, _ = _evaluate_side(base, gates, texts, max_length, base_dir)
+        b_eval, ctrl_eval = _evaluate_baseline(base, gates, texts, max_length, base_dir, say)
         base_engine = b_eval.engine
         tasks, ppl = compare_results(b_eval.results, c_eval.results, policy)
-        if c_eval.topk is not None and b_eval.topk is not None:
-            if c_eval.token_ids == b_eval.token_ids:
-                kl, agree = zip(
-                    *(kl_topk(b, c) for b, c in zip(b_eval.topk, c_eval.topk, strict=True)),
-                    strict=True,
-                )
-                import numpy as np
-
-                divergence = summarize(
-                    np.concatenate(kl), np.concatenate(agree), f"topk-{gates.divergence.top_k}"
-                )
-            else:
-                notes.append("KL divergence skipped: the two sides tokenise the text differently")
+        divergence = _divergence(b_eval, c_eval, gates, notes)
+        if ctrl_eval is not None:
+            noise_floor = _noise_floor(b_eval, ctrl_eval, gates, policy)
+        elif gates.noise_floor != "off":
+            notes.append(
+                f"no noise floor: the baseline is {base.kind}, not a float model source whose "
+                "weights a control could round"
+            )
         gc.collect()
     shadow: ShadowReport | None = None
     if records:
@@ -228,7 +301,39 @@ def run_gate(
     return _decide(
         cand, base, policy, out_dir, registry, notes, began,
         tasks=tasks, perplexity=ppl, divergence=divergence, shadow=shadow,
+        noise_floor=noise_floor,
     )  # fmt: skip
+
+
+def _divergence(
+    base: _SideEval, other: _SideEval, gates: GatesSection, notes: list[str]
+) -> DivergenceSummary | None:
+    """Next-token KL(base || other) and top-1 agreement over the divergence texts."""
+    if base.topk is None or other.topk is None:
+        return None
+    if base.token_ids != other.token_ids:
+        notes.append("KL divergence skipped: the two sides tokenise the text differently")
+        return None
+    import numpy as np
+
+    pairs = zip(base.topk, other.topk, strict=True)
+    kl, agree = zip(*(kl_topk(b, c) for b, c in pairs), strict=True)
+    return summarize(np.concatenate(kl), np.concatenate(agree), f"topk-{gates.divergence.top_k}")
+
+
+def _noise_floor(
+    base: _SideEval, control: _SideEval, gates: GatesSection, policy: GatePolicy
+) -> NoiseFloor:
+    """The control's comparison with the baseline, as the verdict reports it."""
+    tasks, ppl = compare_results(base.results, control.results, policy)
+    return NoiseFloor(
+        control=f"the baseline's weights rounded to {gates.noise_floor}",
+        dtype=gates.noise_floor,
+        divergence=_divergence(base, control, gates, []),
+        perplexity_ratio={p.task: p.ratio for p in ppl},
+        flip_rate={t.task: t.flip_rate for t in tasks if t.flip_rate is not None},
+        loss={t.task: -t.decision.diff for t in tasks},
+    )
 
 
 def gate_mirror_log(
@@ -295,6 +400,7 @@ def _decide(
     perplexity: list[PerplexityComparison] | None = None,
     divergence: DivergenceSummary | None = None,
     shadow: ShadowReport | None = None,
+    noise_floor: NoiseFloor | None = None,
 ) -> GateOutcome:
     """The verdict on what was measured, its reports and its registry record."""
     verdict = build_verdict(
@@ -308,6 +414,7 @@ def _decide(
         tools=versions(GATE_TOOLS, python=True),
         notes=notes,
         seconds=round(time.perf_counter() - began, 3),
+        noise_floor=noise_floor,
     )
     reports = write_reports(verdict, out_dir)
     run_id = None

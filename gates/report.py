@@ -13,8 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kiln.gates.noise_floor import NoiseFloor
 from kiln.gates.shadow import PairDiff
-from kiln.gates.verdict import GateVerdict
+from kiln.gates.verdict import GateVerdict, TaskComparison
 
 MARKDOWN = "gate.md"
 HTML = "gate.html"
@@ -42,37 +43,109 @@ def _who(side: dict[str, object]) -> str:
     return f"{side.get('name')} ({side.get('kind')}, {short})"
 
 
+_OUTCOME_MARK = {"pass": "✅", "fail": "❌", "inconclusive": "❔"}
+_FLIPS_SHOWN = 20
+
+
+def _flips(t: TaskComparison) -> str:
+    return (
+        "—"
+        if t.flip_rate is None
+        else f"{t.right_to_wrong} / {t.wrong_to_right} ({_pct(t.flip_rate)})"
+    )
+
+
+def _points(t: TaskComparison, value: float | None) -> str:
+    """A loss in points for 0/1 tasks (flips counted), else in the metric's units."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return f"{100 * value:+.2f} pt" if t.flip_rate is not None else f"{value:+.4f}"
+
+
+def _loss_cell(t: TaskComparison) -> str:
+    d = t.decision
+    if d.loss is None:
+        return "—"
+    return f"{_points(t, d.loss)} [{_points(t, d.loss_lower)}, {_points(t, d.loss_upper)}]"
+
+
+def _detects(t: TaskComparison) -> str:
+    mdl = t.decision.min_detectable_loss
+    if mdl is None or not math.isfinite(mdl):
+        return "—"
+    return f"≥ {100 * mdl:.1f} pt" if t.flip_rate is not None else f"≥ {mdl:.4f}"
+
+
+def _flipped_items(t: TaskComparison) -> list[tuple[str, list[str]]]:
+    """(direction, item ids) for each non-empty flip direction, capped for reading."""
+    out = []
+    for key, label in (("right_to_wrong", "right → wrong"), ("wrong_to_right", "wrong → right")):
+        ids = t.flipped()[key]
+        if ids:
+            more = f" (+{len(ids) - _FLIPS_SHOWN} more)" if len(ids) > _FLIPS_SHOWN else ""
+            out.append((label, [*ids[:_FLIPS_SHOWN], *([more.strip()] if more else [])]))
+    return out
+
+
+def _rule_line(verdict: GateVerdict) -> str:
+    p = verdict.policy
+    if p.rule == "mcnemar":
+        return (
+            f"decision rule: `mcnemar` (fail on evidence of a loss > {100 * p.margin:g} points, "
+            f"pass when one is ruled out, at {p.confidence:.0%} one-sided; inconclusive "
+            f"counts as {p.inconclusive})"
+        )
+    return (
+        f"decision rule: `{p.rule}` (recovery ≥ {p.recovery_min}, margin {p.margin}, "
+        f"confidence {p.confidence})"
+    )
+
+
+def _floor_text(floor: NoiseFloor) -> str:
+    """What the control (the noise floor) measured, in one line."""
+    parts = [f"{floor.control}"]
+    if floor.divergence:
+        dv = floor.divergence
+        parts.append(
+            f"KL mean {dv.kl_mean:.5f}, p99 {dv.kl_p99:.5f}, top-1 agreement "
+            f"{_pct(dv.top1_agreement)}"
+        )
+    parts += [f"{task} ratio {ratio:.4f}" for task, ratio in floor.perplexity_ratio.items()]
+    parts += [f"{task} flips {_pct(rate)}" for task, rate in floor.flip_rate.items()]
+    return "; ".join(parts)
+
+
 def to_markdown(verdict: GateVerdict) -> str:
-    """A Markdown summary: outcome, per-task table, divergence, shadow, failed checks."""
+    """A Markdown summary: outcome, per-task table and why, divergence, shadow, failures."""
     status = "PASS ✅" if verdict.passed else "FAIL ❌"
     lines = [
         f"## kiln gate: {status}",
         "",
         f"- candidate: `{_who(verdict.candidate)}`",
         f"- baseline: `{_who(verdict.baseline)}`",
-        f"- decision rule: `{verdict.policy.rule}` (recovery ≥ {verdict.policy.recovery_min}, "
-        f"margin {verdict.policy.margin}, confidence {verdict.policy.confidence})",
+        f"- {_rule_line(verdict)}",
         "",
     ]
     if verdict.tasks:
         lines += [
             "| task | metric | baseline | candidate | recovery | Δ ± se | lower bound | "
-            "flips r→w / w→r | pass |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "flips r→w / w→r | loss [bounds] | detects | outcome | pass |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for t in verdict.tasks:
             d = t.decision
-            flips = (
-                "—"
-                if t.flip_rate is None
-                else (f"{t.right_to_wrong} / {t.wrong_to_right} ({_pct(t.flip_rate)})")
-            )
             lines.append(
                 f"| {t.task} | {t.metric} | {_num(t.baseline)} ± {_num(t.baseline_stderr)} | "
                 f"{_num(t.candidate)} ± {_num(t.candidate_stderr)} | {_num(t.recovery)} | "
-                f"{d.diff:+.4f} ± {_num(d.diff_stderr)} | {d.lower_bound:+.4f} | {flips} | "
+                f"{d.diff:+.4f} ± {_num(d.diff_stderr)} | {d.lower_bound:+.4f} | {_flips(t)} | "
+                f"{_loss_cell(t)} | {_detects(t)} | {_OUTCOME_MARK[t.outcome]} {t.outcome} | "
                 f"{'✅' if d.passed else '❌'} |"
             )
+        lines += ["", "Why:", ""]
+        for t in verdict.tasks:
+            lines.append(f"- {t.task}: {t.decision.explanation}")
+            for label, ids in _flipped_items(t):
+                lines.append(f"  - {label}: items {', '.join(ids)}")
         lines.append("")
     for p in verdict.perplexity:
         lines.append(
@@ -85,6 +158,8 @@ def to_markdown(verdict: GateVerdict) -> str:
             f"- KL divergence ({dv.method}, {dv.num_tokens} tokens): mean {dv.kl_mean:.5f}, "
             f"p99 {dv.kl_p99:.5f}, top-1 agreement {_pct(dv.top1_agreement)}"
         )
+    if verdict.noise_floor:
+        lines.append(f"- noise floor: {_floor_text(verdict.noise_floor)}")
     if verdict.shadow:
         s = verdict.shadow
         lines.append(
@@ -96,6 +171,13 @@ def to_markdown(verdict: GateVerdict) -> str:
         )
     failed = verdict.failed_checks
     lines += ["", f"**{len(verdict.checks) - len(failed)}/{len(verdict.checks)} checks passed**"]
+    inconclusive = verdict.inconclusive_checks
+    if inconclusive:
+        names = ", ".join(c.name for c in inconclusive)
+        lines.append(
+            f"\n**inconclusive: {names}** (counted as {verdict.policy.inconclusive}: the items "
+            "cannot tell a loss within the margin from none; see Why)"
+        )
     if failed:
         lines += ["", "| failed check | value | threshold | detail |", "|---|---|---|---|"]
         for c in failed:
@@ -194,14 +276,7 @@ def to_html(verdict: GateVerdict) -> str:
         "<table>",
         _row("candidate", e(_who(verdict.candidate)), left=2),
         _row("baseline", e(_who(verdict.baseline)), left=2),
-        _row(
-            "rule",
-            e(
-                f"{verdict.policy.rule}, recovery ≥ {verdict.policy.recovery_min}, "
-                f"margin {verdict.policy.margin}, confidence {verdict.policy.confidence}"
-            ),
-            left=2,
-        ),
+        _row("rule", e(_rule_line(verdict).replace("`", "")), left=2),
         _row("created", e(verdict.created_at), left=2),
         "</table>",
     ]
@@ -209,7 +284,8 @@ def to_html(verdict: GateVerdict) -> str:
         body.append(
             "<h2>Tasks</h2><table><tr><th class=l>task</th><th class=l>metric</th>"
             "<th>baseline</th><th>candidate</th><th class=l></th><th>recovery</th>"
-            "<th>Δ ± se</th><th>lower bound</th><th>flips r→w / w→r</th><th>pass</th></tr>"
+            "<th>Δ ± se</th><th>lower bound</th><th>flips r→w / w→r</th><th>loss [bounds]</th>"
+            "<th>detects</th><th>outcome</th><th>pass</th></tr>"
         )
         for t in verdict.tasks:
             d = t.decision
@@ -217,11 +293,6 @@ def to_html(verdict: GateVerdict) -> str:
             bars = (
                 f'<span class="bar" style="width:{80 * abs(t.baseline) / scale:.0f}px"></span><br>'
                 f'<span class="bar c" style="width:{80 * abs(t.candidate) / scale:.0f}px"></span>'
-            )
-            flips = (
-                "—"
-                if t.flip_rate is None
-                else (f"{t.right_to_wrong} / {t.wrong_to_right} ({_pct(t.flip_rate)})")
             )
             body.append(
                 _row(
@@ -233,13 +304,22 @@ def to_html(verdict: GateVerdict) -> str:
                     _num(t.recovery),
                     f"{d.diff:+.4f} ± {_num(d.diff_stderr)}",
                     f"{d.lower_bound:+.4f}",
-                    flips,
+                    _flips(t),
+                    e(_loss_cell(t)),
+                    e(_detects(t)),
+                    e(t.outcome),
                     f'<span class="{"pass" if d.passed else "fail"}">'
                     f"{'pass' if d.passed else 'fail'}</span>",
                     left=2,
                 )
             )
-        body.append("</table>")
+        body.append("</table><h3>Why</h3><ul>")
+        for t in verdict.tasks:
+            flips = "".join(
+                f"<br>{e(label)}: items {e(', '.join(ids))}" for label, ids in _flipped_items(t)
+            )
+            body.append(f"<li><b>{e(t.task)}</b>: {e(t.decision.explanation)}{flips}</li>")
+        body.append("</ul>")
     if verdict.perplexity:
         body.append(
             "<h2>Perplexity</h2><table><tr><th class=l>task</th><th class=l>metric</th>"
@@ -265,6 +345,8 @@ def to_html(verdict: GateVerdict) -> str:
             f"max {dv.kl_max:.4f}; top-1 agreement {_pct(dv.top1_agreement)}</p>"
             + _kl_histogram_svg(dv.histogram)
         )
+    if verdict.noise_floor:
+        body.append(f"<h2>Noise floor</h2><p>{e(_floor_text(verdict.noise_floor))}</p>")
     if verdict.shadow:
         s = verdict.shadow
         bl, cl = s.baseline_latency, s.candidate_latency

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.gates.divergence import DivergenceSummary
+from kiln.gates.noise_floor import NoiseFloor, times_floor
 from kiln.gates.rules import (
     Check,
     Decision,
@@ -49,6 +50,28 @@ class TaskComparison:
     right_to_wrong: int | None = None
     wrong_to_right: int | None = None
     flip_rate: float | None = None
+    # item id -> [baseline score, candidate score], for auditing flips (paired tasks only)
+    item_scores: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> str:
+        """The decision's pass, fail or inconclusive (pass/fail for the two-way rules)."""
+        return self.decision.outcome or ("pass" if self.decision.passed else "fail")
+
+    def flipped(self, correct_at: float = 0.5) -> dict[str, list[str]]:
+        """Item ids that went right → wrong and wrong → right."""
+        out: dict[str, list[str]] = {"right_to_wrong": [], "wrong_to_right": []}
+        for item, (b, c) in sorted(self.item_scores.items(), key=lambda kv: _item_order(kv[0])):
+            if b >= correct_at > c:
+                out["right_to_wrong"].append(item)
+            elif c >= correct_at > b:
+                out["wrong_to_right"].append(item)
+        return out
+
+
+def _item_order(item: str) -> tuple[int, int, str]:
+    """Numeric ids in numeric order (lm-eval's doc ids), others after them by name."""
+    return (0, int(item), "") if item.isdigit() else (1, 0, item)
 
 
 def compare_task(
@@ -74,6 +97,9 @@ def compare_task(
         confidence=policy.confidence,
         paired=paired,
         higher_is_better=higher_is_better,
+        inconclusive=policy.inconclusive,
+        power=policy.power,
+        task=task,
     )
     b, c = score_stats(base), score_stats(cand)
     out = TaskComparison(
@@ -88,6 +114,8 @@ def compare_task(
         recovery=decision.recovery,
         decision=decision,
     )
+    if paired:
+        out.item_scores = {str(k): [baseline[k], candidate[k]] for k in shared}
     if binary and paired:
         flips = count_flips(base, cand)
         out.right_to_wrong, out.wrong_to_right = flips.right_to_wrong, flips.wrong_to_right
@@ -126,10 +154,15 @@ class GateVerdict:
     created_at: str = ""
     seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+    noise_floor: NoiseFloor | None = None
 
     @property
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
+
+    @property
+    def inconclusive_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.outcome == "inconclusive"]
 
     def to_dict(self) -> dict[str, Any]:
         data = {
@@ -143,10 +176,12 @@ class GateVerdict:
             "divergence": self.divergence.to_dict() if self.divergence else None,
             "shadow": self.shadow.to_dict() if self.shadow else None,
             "checks": [asdict(c) for c in self.checks],
+            "inconclusive": [c.name for c in self.inconclusive_checks],
             "tools": self.tools,
             "created_at": self.created_at,
             "seconds": self.seconds,
             "notes": self.notes,
+            "noise_floor": self.noise_floor.to_dict() if self.noise_floor else None,
         }
         return _finite(data)
 
@@ -177,6 +212,9 @@ class GateVerdict:
             created_at=data.get("created_at", ""),
             seconds=data.get("seconds"),
             notes=data.get("notes", []),
+            noise_floor=(
+                NoiseFloor.from_dict(data["noise_floor"]) if data.get("noise_floor") else None
+            ),
         )
 
     def write(self, out_dir: str | Path) -> Path:
@@ -208,23 +246,47 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def task_checks(task: TaskComparison, policy: GatePolicy) -> list[Check]:
-    """A task's decision rule and its flip-rate threshold as checks."""
+def task_checks(
+    task: TaskComparison, policy: GatePolicy, floor: NoiseFloor | None = None
+) -> list[Check]:
+    """A task's decision rule, its flip rate, and its flips beyond the control's, as checks."""
+    d = task.decision
+    # the mcnemar rule judges the loss against the margin; the others, recovery
+    value, threshold = (
+        (d.loss, d.margin) if d.loss is not None else (task.recovery, d.recovery_threshold)
+    )
     checks = [
         Check(
-            f"{task.task}: {task.metric} ({task.decision.rule})",
-            task.recovery,
-            policy.recovery_min,
+            f"{task.task}: {task.metric} ({d.rule})",
+            value,
+            threshold,
             "rule",
-            task.decision.passed,
-            task.decision.explanation,
+            d.passed,
+            d.explanation,
+            task.outcome,
         )
     ]
     if task.flip_rate is not None:
         checks.append(
             threshold_check(f"{task.task}: flip rate", task.flip_rate, "<=", policy.flip_rate_max)
         )
+    control = floor.flip_rate.get(task.task) if floor else None
+    if task.flip_rate is not None and control is not None:
+        excess = threshold_check(
+            f"{task.task}: flip rate over the control",
+            task.flip_rate - control,
+            "<=",
+            policy.flip_rate_excess_max,
+        )
+        checks.append(_note(excess, f"flips {task.flip_rate:.1%}, control {control:.1%}"))
     return checks
+
+
+def _note(check: Check, text: str) -> Check:
+    """Put `text` (the control's value, say) in front of a check's detail."""
+    if text:
+        check.detail = f"{text}; {check.detail}" if check.detail else text
+    return check
 
 
 def build_verdict(
@@ -238,24 +300,36 @@ def build_verdict(
     tools: dict[str, str] | None = None,
     notes: list[str] | None = None,
     seconds: float | None = None,
+    noise_floor: NoiseFloor | None = None,
 ) -> GateVerdict:
     """Apply the policy to every comparison; the verdict passes iff every check passes."""
     tasks, perplexity = list(tasks or []), list(perplexity or [])
+    floor = noise_floor
     checks: list[Check] = []
     for task in tasks:
-        checks.extend(task_checks(task, policy))
+        checks.extend(task_checks(task, policy, floor))
     for ppl in perplexity:
-        checks.append(
-            threshold_check(
-                f"{ppl.task}: {ppl.metric} ratio", ppl.ratio, "<=", policy.perplexity_ratio_max
-            )
+        check = threshold_check(
+            f"{ppl.task}: {ppl.metric} ratio", ppl.ratio, "<=", policy.perplexity_ratio_max
         )
+        control = floor.perplexity_ratio.get(ppl.task) if floor else None
+        checks.append(_note(check, f"control {control:.4f}" if control is not None else ""))
     if divergence is not None:
+        base = floor.divergence if floor else None
         checks += [
-            threshold_check("KL divergence mean", divergence.kl_mean, "<=", policy.kl_mean_max),
-            threshold_check("KL divergence p99", divergence.kl_p99, "<=", policy.kl_p99_max),
-            threshold_check(
-                "top-1 agreement", divergence.top1_agreement, ">=", policy.top1_agreement_min
+            _note(
+                threshold_check("KL divergence mean", divergence.kl_mean, "<=", policy.kl_mean_max),
+                times_floor(divergence.kl_mean, base.kl_mean if base else None),
+            ),
+            _note(
+                threshold_check("KL divergence p99", divergence.kl_p99, "<=", policy.kl_p99_max),
+                times_floor(divergence.kl_p99, base.kl_p99 if base else None),
+            ),
+            _note(
+                threshold_check(
+                    "top-1 agreement", divergence.top1_agreement, ">=", policy.top1_agreement_min
+                ),
+                f"control {base.top1_agreement:.1%}" if base else "",
             ),
         ]
     if shadow is not None:
@@ -276,4 +350,5 @@ def build_verdict(
         created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         seconds=seconds,
         notes=list(notes or []),
+        noise_floor=floor,
     )

@@ -18,7 +18,7 @@ def test_defaults_follow_the_scheme_and_overrides_apply() -> None:
     assert four.recovery_min == 0.97 and eight.recovery_min == 0.99
     assert four.flip_rate_max == eight.flip_rate_max == 0.1
     assert eight.shadow_exact_match_min is None  # "off": reported, not gated
-    assert eight.rule == "recovery_or_noninferior"
+    assert eight.rule == "mcnemar" and eight.inconclusive == "pass"
     assert load_gates({"thresholds": {"recovery": None}}, "r").policy(8).recovery_min == 0.99
     # a dumped section (as the resolved recipe in a manifest holds it) means the same
     again = load_gates(gates.model_dump(mode="json"), "manifest").policy(8)
@@ -40,7 +40,9 @@ def test_unknown_keys_and_bad_values_are_named(tmp_path: Path) -> None:
 
 def test_task_files_resolve_their_data_directory(tmp_path: Path) -> None:
     out = prepare_task_dir([BUILTIN_TASKS_DIR], tmp_path / "tasks")
-    assert local_task_names(out) == {"kiln_ppl", "kiln_mc", "kiln_qa"}
+    assert local_task_names(out) == {
+        "kiln_ppl", "kiln_mc", "kiln_qa", "kiln_cloze", "kiln_next_word"
+    }  # fmt: skip
     for path in out.glob("*.yaml"):
         text = path.read_text()
         assert PLACEHOLDER not in text and str(BUILTIN_TASKS_DIR) in text
@@ -63,3 +65,34 @@ def test_unknown_tasks_are_a_usage_error() -> None:
 
     with pytest.raises(UsageError, match=r"unknown task.*kiln_nope"):
         run_tasks(object(), ["kiln_mc", "kiln_nope"])
+
+
+def test_an_unquoted_off_turns_a_check_off_and_never_becomes_zero(tmp_path: Path) -> None:
+    path = tmp_path / "gate.yaml"
+    # YAML 1.1 reads `off` as false, which would otherwise validate as a threshold of 0.0
+    path.write_text("thresholds: {flip_rate: off, kl_mean: off}\n")
+    policy = load_gate_file(path).policy(8)
+    assert policy.flip_rate_max is None and policy.kl_mean_max is None
+    path.write_text("thresholds: {kl_mean: on}\n")
+    with pytest.raises(UsageError, match=r"gates\.thresholds\.kl_mean: .*YAML boolean"):
+        load_gate_file(path)
+    path.write_text("thresholds: {margin: off}\n")
+    with pytest.raises(UsageError, match=r"gates\.thresholds\.margin: .*YAML boolean"):
+        load_gate_file(path)
+    path.write_text("baseline: off\n")
+    with pytest.raises(UsageError, match=r"gates\.baseline: .*unquoted on/off.*quote it"):
+        load_gate_file(path)
+
+
+def test_the_cloze_tasks_have_the_items_to_detect_a_two_point_loss() -> None:
+    from kiln.gates.mcnemar import min_detectable_loss
+
+    rows = [json.loads(line) for line in (BUILTIN_TASKS_DIR / "kiln_cloze.jsonl").open()]
+    assert len(rows) >= 1000 and len({r["id"] for r in rows}) == len(rows)
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"shakespeare", "python-docs"}  # no arithmetic mixed in
+    for r in rows:
+        assert len(set(r["choices"])) == 4 and r["choices"][r["answer"]] == r["target"]
+        assert 16 <= len(r["context"].split()) <= 32
+    # at the 8% flips 8-bit schemes show on greedy generation: under 2.5 points
+    assert min_detectable_loss(len(rows), 0.08) < 0.025

@@ -106,4 +106,7 @@ def test_default_thresholds_follow_the_weight_width() -> None:
     eight, four = default_policy(8), default_policy(4)
     assert eight.recovery_min == 0.99 and four.recovery_min == 0.97
     assert eight.shadow_exact_match_min == 0.90
-    assert eight.flip_rate_max == four.flip_rate_max == 0.05
+    # flips are reported, not capped: the paired rule accounts for them
+    assert eight.flip_rate_max is None and four.flip_rate_max is None
+    assert eight.rule == four.rule == "mcnemar"
+    assert (eight.margin, four.margin) == (0.02, 0.03)

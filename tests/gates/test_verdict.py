@@ -15,6 +15,8 @@ from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict,
 
 CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
 BASELINE = {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64}
+# The two-way rule of published practice (llm-compressor's recovery, a 5% flip cap).
+TWO_WAY = GatePolicy(rule="recovery_or_noninferior", flip_rate_max=0.05)
 
 
 def scores(correct: list[int]) -> dict[int, float]:
@@ -24,7 +26,7 @@ def scores(correct: list[int]) -> dict[int, float]:
 def test_a_candidate_that_keeps_its_answers_passes(tmp_path: Path) -> None:
     base = scores([1] * 70 + [0] * 30)
     cand = scores([1] * 70 + [0] * 29 + [1])  # one wrong -> right flip
-    policy = GatePolicy()
+    policy = TWO_WAY
     task = compare_task("kiln_mc", "acc", base, cand, policy)
     assert task.recovery == pytest.approx(71 / 70)
     assert (task.right_to_wrong, task.wrong_to_right, task.flip_rate) == (0, 1, 0.01)
@@ -61,8 +63,8 @@ def test_a_candidate_that_drops_accuracy_fails_and_says_why() -> None:
     verdict = build_verdict(
         CANDIDATE,
         BASELINE,
-        GatePolicy(),
-        tasks=[compare_task("qa", "em", base, cand, GatePolicy())],
+        TWO_WAY,
+        tasks=[compare_task("qa", "em", base, cand, TWO_WAY)],
     )
     assert not verdict.passed
     failed = {c.name: c for c in verdict.failed_checks}
@@ -77,8 +79,8 @@ def test_equal_accuracy_with_many_flips_still_fails_on_flip_rate() -> None:
     verdict = build_verdict(
         CANDIDATE,
         BASELINE,
-        GatePolicy(),
-        tasks=[compare_task("mc", "acc", base, cand, GatePolicy())],
+        TWO_WAY,
+        tasks=[compare_task("mc", "acc", base, cand, TWO_WAY)],
     )
     assert [c.name for c in verdict.failed_checks] == ["mc: flip rate"]
 
@@ -135,3 +137,36 @@ def test_topk_kl_is_a_lower_bound_of_the_dense_kl() -> None:
     summary = summarize(approx, agree, "topk-20")
     assert summary.num_tokens == 50 and sum(b["count"] for b in summary.histogram) == 50
     assert summary.kl_p99 <= summary.kl_max
+
+
+def test_flips_are_checked_against_the_controls_and_the_floor_is_reported(
+    tmp_path: Path,
+) -> None:
+    from kiln.gates.noise_floor import NoiseFloor
+    from kiln.gates.report import to_markdown
+
+    floor = NoiseFloor(
+        "the baseline's weights rounded to bfloat16",
+        "bfloat16",
+        summarize(np.array([1e-5, 3e-5]), np.array([True, True]), "topk-20"),
+        perplexity_ratio={"kiln_ppl": 1.001},
+        flip_rate={"qa": 0.02},
+    )
+    policy = GatePolicy(flip_rate_excess_max=0.05)
+    base = scores([1] * 50 + [0] * 50)
+    cand = scores([0] * 5 + [1] * 45 + [1] * 5 + [0] * 45)  # 10% flips, no net loss
+    kl = summarize(np.array([0.01, 0.03]), np.array([True, False]), "topk-20")
+    verdict = build_verdict(
+        CANDIDATE, BASELINE, policy, tasks=[compare_task("qa", "em", base, cand, policy)],
+        divergence=kl, noise_floor=floor,
+    )  # fmt: skip
+    excess = next(c for c in verdict.checks if c.name == "qa: flip rate over the control")
+    assert excess.value == pytest.approx(0.08) and not excess.passed
+    assert excess.detail.startswith("flips 10.0%, control 2.0%")
+    kl_check = next(c for c in verdict.checks if c.name == "KL divergence mean")
+    assert kl_check.detail == "1000× the control's 2e-05"
+    assert "noise floor: the baseline's weights rounded to bfloat16; KL mean 0.00002" in (
+        to_markdown(verdict)
+    )
+    again = GateVerdict.from_dict(json.loads(verdict.write(tmp_path).read_text()))
+    assert again.noise_floor == floor and again.to_dict() == verdict.to_dict()

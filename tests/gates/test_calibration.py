@@ -1,0 +1,119 @@
+"""Calibration of the default gate on the embedded SmolLM2-135M-Instruct (slow).
+
+The gate's verdict must separate good quantisation from damage whatever the machine: a
+control (the float weights rounded to bfloat16) and SmoothQuant W8A8 pass; three planted
+damages of the W8A8 artifact fail (one o_proj's scales ×1.5, every v_proj's scales ×1.15,
+two layers' down_proj swapped). The baseline and its noise-floor control are evaluated
+once and then read from the evaluation cache for every other candidate.
+
+Measured on a 2-core Xeon (avx512_bf16, AMX) shared with other work: the gates took 41 s
+(control, with baseline and control evaluated), 109 s (W8A8), 126, 239 and 85 s (damage);
+the W8A8 compile dominates. The whole test took 418 s there at a load average of ~4.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from kiln.compiler import sources
+from kiln.compiler.cli import main
+from kiln.gates.config import load_gates
+from kiln.gates.gate import run_gate
+from kiln.runtime import artifact
+from tests.gates.conftest import build_artifact
+
+W8A8_RECIPE = """
+name: smollm2-w8a8
+model:
+  source: builtin:smollm2-135m-instruct
+quantization: {method: smoothquant, weight_bits: 8, activations: int8_dynamic}
+calibration: {dataset: builtin:licenses, num_samples: 32, max_seq_len: 128}
+targets: [h100-sxm]
+deploy: {trtllm_path: engine}
+output: out
+"""
+# Distribution checks on 16 held-out texts (2k tokens), a bounded MC task for the rule.
+GATES = {
+    "tasks": ["kiln_ppl", "kiln_mc"],
+    "limit": 40,
+    "divergence": {"num_texts": 16, "max_seq_len": 128, "top_k": 20},
+}
+WEIGHTS = "model.safetensors"
+
+
+def _edit(model_dir: Path, into: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    shutil.copytree(model_dir, into)
+    weights = load_file(into / WEIGHTS)
+    change(weights)
+    save_file(weights, into / WEIGHTS, metadata={"format": "pt"})
+    return into
+
+
+def bf16_rounded(weights: dict[str, torch.Tensor]) -> None:
+    for name, t in weights.items():
+        if t.is_floating_point():
+            weights[name] = t.to(torch.bfloat16).to(t.dtype)
+
+
+def o_proj_scale(weights: dict[str, torch.Tensor]) -> None:
+    weights["model.layers.10.self_attn.o_proj.weight_scale"] *= 1.5
+
+
+def v_proj_scales(weights: dict[str, torch.Tensor]) -> None:
+    for name in [n for n in weights if n.endswith("self_attn.v_proj.weight_scale")]:
+        weights[name] = weights[name] * 1.15
+
+
+def down_proj_swap(weights: dict[str, torch.Tensor]) -> None:
+    for suffix in ("weight", "weight_scale"):
+        a, b = (f"model.layers.{i}.mlp.down_proj.{suffix}" for i in (5, 20))
+        weights[a], weights[b] = weights[b], weights[a]
+
+
+DAMAGES = {
+    "o_proj ×1.5": o_proj_scale,
+    "v_proj ×1.15": v_proj_scales,
+    "down_proj swap": down_proj_swap,
+}
+
+
+def calibration_candidates(source: Path, w8a8: Path, root: Path) -> dict[str, tuple[Path, bool]]:
+    """{name: (artifact, whether the gate must pass it)}."""
+    control = _edit(source, root / "control-model", bf16_rounded)
+    w8a8_model = w8a8 / artifact.MODEL_DIR
+    out = {
+        "control": (build_artifact(root / "arts", name="control", model_dir=control), True),
+        "W8A8": (w8a8, True),
+    }
+    for i, (name, damage) in enumerate(DAMAGES.items()):
+        model = _edit(w8a8_model, root / f"damaged-{i}", damage)
+        out[name] = (build_artifact(root / "arts", name=f"damaged-{i}", model_dir=model), False)
+    return out
+
+
+@pytest.mark.slow
+def test_the_default_gate_passes_good_quantisation_and_fails_planted_damage(
+    tmp_path: Path,
+) -> None:
+    torch.set_num_threads(2)
+    recipe = tmp_path / "w8a8.yaml"
+    recipe.write_text(W8A8_RECIPE)
+    run = CliRunner().invoke(main, ["compile", str(recipe), "--json"])
+    assert run.exit_code == 0, run.stderr[-2000:]
+    w8a8 = Path(json.loads(run.stdout)["artifact"])
+    ref = sources.parse_source("builtin:smollm2-135m-instruct", base_dir=tmp_path)
+    source = sources.materialize(ref, tmp_path / "sources")
+    gates = load_gates(GATES, "calibration")
+    verdicts = {}
+    for name, (art, should_pass) in calibration_candidates(source, w8a8, tmp_path).items():
+        verdict = run_gate(str(art), str(source), gates, tmp_path / "reports" / name).verdict
+        verdicts[name] = (verdict.passed, [c.name for c in verdict.failed_checks])
+        assert verdict.passed == should_pass, (name, verdicts[name])

@@ -10,8 +10,7 @@ from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme
 
 CPU = torch.device("cpu")
 bf16_packing = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available()
-    or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
     reason="oneDNN cannot run bf16 GEMMs on this CPU",
 )
 

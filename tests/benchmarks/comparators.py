@@ -148,6 +148,9 @@ def llama_server(port: int, threads: int, slots: int, cache: Path = CACHE) -> Se
         str(llama_server_binary(cache)), "-m", str(smollm2_gguf()), "--host", "127.0.0.1",
         "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
         "-c", str(1024 * slots), "-a", "smollm2", "--no-webui",
+        # No AMX repacking: on AMX CPUs the repacked Q4_1 matmul of this build segfaults at
+        # load (ggml_backend_amx_mul_mat); the AVX-512 kernels serve the GGUF as stored.
+        "--no-repack",
     ]  # fmt: skip
     return ServerCommand(argv)
 

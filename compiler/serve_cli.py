@@ -325,6 +325,7 @@ def serve(
         max_running = max_num_seqs or 64
     else:
         engine = Engine.load(model.path, **options)
+        click.echo(f"dtype: {engine.model.dtype} ({engine.model.dtype_reason})", err=True)
         served = NativeBackend(engine)
         max_running = engine.config.max_num_seqs
     mirror = None

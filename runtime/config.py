@@ -19,9 +19,10 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 class EngineConfig:
     """How the engine schedules, caches and computes.
 
-    `dtype` "auto" is float32 on CPU and the checkpoint's dtype on GPUs. `kv_cache_dtype`
-    "auto" stores K/V in the compute dtype, or in the FP8/INT8 encoding the checkpoint names;
-    "bfloat16" halves KV memory traffic on CPU at bf16 precision.
+    `dtype` "auto" is bfloat16 on CPUs that compute bf16 natively (AVX512-BF16 or AMX),
+    float32 on other CPUs and the checkpoint's dtype on GPUs (runtime/dtype.py).
+    `kv_cache_dtype` "auto" stores K/V in the compute dtype, or in the FP8/INT8 encoding the
+    checkpoint names; "bfloat16" halves KV memory traffic on CPU at bf16 precision.
     KV capacity comes from `num_blocks` when given, else from `kv_cache_memory_bytes`, else
     from enough blocks for `max_num_seqs` sequences at `max_model_len` (capped at 1 GiB).
     `long_prefill_token_threshold` (vLLM's name) caps one request's prefill chunk per step,

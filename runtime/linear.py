@@ -200,14 +200,22 @@ class Linear:
 class DenseLinear(Linear):
     """Unquantised weight in the compute dtype.
 
-    On CPU in float32, inputs of `PACKED_MIN_ROWS` rows or more run on a second copy of the
-    weight that oneDNN reordered once, at load, into its blocked GEMM layout
+    On CPU the weight is reordered once, at load, into oneDNN's blocked GEMM layout
     (`mkldnn._linear_pointwise`, the kernel torch.compile's CPU weight-prepacking pass
-    emits); F.linear re-blocks the weight on every call. Measured on SmolLM2-135M's decoder
-    shapes, one thread, weights streaming from DRAM: 30 layers at 4 rows 55 vs 88 ms, at 32
-    rows 152 vs 182 ms; its 49152-row LM head at 32 rows 32 vs 42 ms. At one row (MKL's
-    gemv) F.linear is ~15% faster, so single-token decode keeps it. The cost is memory: a
-    dense layer holds its weight twice. Results differ from F.linear only in summation order.
+    emits); F.linear re-blocks it on every call.
+
+    - bfloat16 (where oneDNN runs bf16): every row count runs on the packed weight and the
+      plain one is dropped, so the layer holds its weight once. Measured on SmolLM2-135M's
+      shapes, one thread, a Xeon with AMX: its LM head at 1 row 8-11 vs 25 ms, at 32 rows
+      17 vs 23 ms; gate/up at 1 row 0.29-0.36 vs 0.34 ms, at 32 rows 0.31 vs 0.80 ms.
+    - float32: inputs of `PACKED_MIN_ROWS` rows or more run on the packed copy (30 layers
+      at 4 rows 55 vs 88 ms, at 32 rows 152 vs 182 ms; the LM head at 32 rows 32 vs 42 ms);
+      at one row MKL's gemv on the plain weight is ~15% faster, so single-token decode keeps
+      it, stored column-major (the [N, K] view of a contiguous [K, N]: MKL's gemv then
+      streams an untransposed matrix, 30 layers 27.6 vs 29.3 ms, LM head 5.9 vs 7.6 ms per
+      token). The cost is memory: a float32 layer holds its weight twice.
+
+    Results differ from F.linear only in summation order.
     """
 
     PACKED_MIN_ROWS = 4
@@ -217,35 +225,41 @@ class DenseLinear(Linear):
         self.bias = bias_of(w, dtype, device)
         self.out_features = w.out_features
         self.packed = _onednn_pack(weight)
-        # Where the packed copy serves batches, the one-row copy is stored column-major
-        # (the [N, K] view of a contiguous [K, N]): F.linear then hands MKL an untransposed
-        # matrix, whose gemv streams it faster (SmolLM2-135M's 30 layers 27.6 vs 29.3 ms,
-        # its LM head 5.9 vs 7.6 ms per token).
-        self.weight = weight if self.packed is None else weight.t().contiguous().t()
+        self.packed_min_rows = self.PACKED_MIN_ROWS
+        self.weight: torch.Tensor | None = weight
+        if self.packed is not None and dtype == torch.bfloat16:
+            self.packed_min_rows, self.weight = 0, None
+        elif self.packed is not None:
+            self.weight = weight.t().contiguous().t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= self.PACKED_MIN_ROWS:
+        if self.weight is None or (self.packed is not None and x.shape[0] >= self.packed_min_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def weight_bytes(self) -> int:
-        return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        held = self.packed if self.weight is None else self.weight
+        assert held is not None
+        return held.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
 
 # The row count oneDNN tunes its packed layout for; any row count runs on it.
 PACK_ROWS_HINT = 32
+PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight reordered for oneDNN's CPU GEMM, or None where that does not apply."""
     if (
         weight.device.type != "cpu"
-        or weight.dtype != torch.float32
+        or weight.dtype not in PACKED_DTYPES
         or weight.dim() != 2
         or not torch.backends.mkldnn.is_available()
     ):
         return None
     try:
+        if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
     except (RuntimeError, AttributeError):  # a torch build without the op: plain F.linear
         return None

@@ -8,6 +8,7 @@ refused up front, naming what is served.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,16 @@ from typing import Any
 import torch
 
 from kiln.runtime.checkpoint import Checkpoint, open_checkpoint, read_config
+from kiln.runtime.dtype import choose_dtype
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.kernels import make_linear
 from kiln.runtime.linear import LinearWeights, WeightScheme
 from kiln.runtime.model import CausalLM, DecoderLayer
 from kiln.runtime.model_info import ModelInfo
 
-__all__ = ["KVCacheSpec", "load_model", "read_config", "resolve_dtype"]
+__all__ = ["KVCacheSpec", "load_model", "read_config"]
+
+log = logging.getLogger("kiln.runtime")
 
 PROJECTIONS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -43,17 +47,6 @@ class KVCacheSpec:
     quant: str | None = None
     k_scales: list[torch.Tensor] = field(default_factory=list)
     v_scales: list[torch.Tensor] = field(default_factory=list)
-
-
-def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> torch.dtype:
-    """The compute dtype. "auto" is float32 on CPU (no fast bf16 matmul without AVX512-BF16
-    or AMX) and the checkpoint's dtype elsewhere."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    saved = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    return torch.float32 if saved == "float32" else getattr(torch, saved)
 
 
 def check_servable(ckpt: Checkpoint) -> None:
@@ -80,7 +73,9 @@ def load_model(
     (rotary tables for `max_model_len` positions; None: the model's own limit)."""
     raw = read_config(model_dir)
     config = ModelInfo.for_runtime(raw, str(model_dir))
-    compute = resolve_dtype(dtype, raw, device)
+    choice = choose_dtype(dtype, raw, device)
+    log.info("%s: computing in %s (%s)", model_dir, choice.name, choice.reason)
+    compute = choice.dtype
     ckpt = open_checkpoint(model_dir)
     check_servable(ckpt)
 
@@ -115,6 +110,7 @@ def load_model(
         lm_head = make_linear([LinearWeights(WeightScheme(), embed)], compute, device)
     positions = max_model_len or config.max_position_embeddings
     model = CausalLM(config, embed, layers, tensor("model.norm.weight"), lm_head, positions)
+    model.dtype_reason = choice.reason
     return model, kv_cache_spec(ckpt, config.num_layers)
 
 

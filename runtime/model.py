@@ -71,6 +71,7 @@ class CausalLM:
         self.norm = norm
         self.lm_head = lm_head
         self.dtype = embed.dtype
+        self.dtype_reason = "the weights' dtype"  # the loader says why it chose this dtype
         self.device = embed.device
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
         # Tables for x * cos + rotate_half(x) * sin with rotate_half's sign folded into sin.

@@ -12,6 +12,10 @@ from tests.tiny_models import make_tiny_model
 # Hermetic: never reach a model hub, keep dataset caches out of the user's home.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The suite's fidelity specs (runtime vs transformers, the gate on an unchanged model) are
+# float32 ones, so "auto" means float32 on every CPU here, bf16-native or not; run the suite
+# with KILN_DTYPE=bfloat16 to see how they hold in bf16 (runtime/dtype.py).
+os.environ.setdefault("KILN_DTYPE", "float32")
 # The runtime's native kernels build once per machine in torch's extensions directory, which
 # follows XDG_CACHE_HOME: pin it before the session's private cache (below) moves that, so
 # test sessions and the servers they start share one build instead of compiling again.

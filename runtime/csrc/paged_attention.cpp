@@ -6,8 +6,8 @@
 // then reads it again. Here each (sequence, KV head) pair walks its block table and reads
 // each key and value row once, for all the query heads that share it (grouped-query).
 //
-// Layout (runtime/attention.py): caches [kv_heads, num_blocks, block_size, head_dim] float32;
-// q [batch, heads, head_dim] with query heads h * group .. h * group + group - 1 on KV head h;
+// Layout (runtime/attention.py): caches [kv_heads, num_blocks, block_size, head_dim] float32 or
+// bfloat16 (widened to float32 as each row is read); q [batch, heads, head_dim] float32 with query heads h * group .. h * group + group - 1 on KV head h;
 // block_tables [batch, width] int64; context_lens [batch] int64 (>= 1 and <= width * block_size).
 // Every (sequence, KV head) is computed alone, so a sequence's result does not depend on what
 // else is in the batch. Softmax is the usual max-subtracted one, accumulated in float32.
@@ -45,10 +45,20 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// A cache element widened to float32: bfloat16 is the upper half of a float32.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   const int64_t* tables;
   const int64_t* lens;
   float* out;
@@ -58,13 +68,13 @@ struct Problem {
 
 // Calls row(t, pointer) for positions t = 0 .. len - 1 of sequence b's KV head h in `cache`,
 // walking its block table.
-template <typename Row>
-inline void for_each_row(const Problem& pr, const float* cache, int64_t b, int64_t h, int64_t len,
+template <typename T, typename Row>
+inline void for_each_row(const Problem<T>& pr, const T* cache, int64_t b, int64_t h, int64_t len,
                          int64_t dim, Row&& row) {
   const int64_t bs = pr.block_size;
   for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
     const int64_t block = pr.tables[b * pr.width + slot];
-    const float* rows = cache + ((h * pr.num_blocks + block) * bs) * dim;
+    const T* rows = cache + ((h * pr.num_blocks + block) * bs) * dim;
     const int64_t n = std::min(bs, len - t0);
     for (int64_t j = 0; j < n; ++j) row(t0 + j, rows + j * dim);
   }
@@ -73,8 +83,8 @@ inline void for_each_row(const Problem& pr, const float* cache, int64_t b, int64
 // One (sequence, KV head): the group's scores against every key, softmax, weighted values.
 // DIM and GROUP are compile-time for the common shapes (the accumulators then live in
 // registers); 0 means "read it from the problem" (any other shape).
-template <int DIM, int GROUP>
-void attend_one(const Problem& pr, int64_t b, int64_t h, int64_t dim_rt, int64_t group_rt,
+template <typename T, int DIM, int GROUP>
+void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int64_t group_rt,
                 std::vector<float>& scores, std::vector<float>& acc_rt) {
   const int64_t dim = DIM ? DIM : dim_rt;
   const int64_t group = GROUP ? GROUP : group_rt;
@@ -82,12 +92,12 @@ void attend_one(const Problem& pr, int64_t b, int64_t h, int64_t dim_rt, int64_t
   const float* __restrict query = pr.q + (b * pr.heads + h * group) * dim;
   scores.resize(group * len);
   float* __restrict sc = scores.data();
-  for_each_row(pr, pr.k, b, h, len, dim, [&](int64_t t, const float* __restrict key) {
+  for_each_row(pr, pr.k, b, h, len, dim, [&](int64_t t, const T* __restrict key) {
     for (int64_t g = 0; g < group; ++g) {
       const float* __restrict qg = query + g * dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * key[d];
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * widen(key[d]);
       sc[g * len + t] = dot * pr.scale;
     }
   });
@@ -107,12 +117,12 @@ void attend_one(const Problem& pr, int64_t b, int64_t h, int64_t dim_rt, int64_t
   float acc_fixed[(DIM && GROUP) ? DIM * GROUP : 1];
   float* __restrict acc = (DIM && GROUP) ? acc_fixed : acc_rt.data();
   for (int64_t i = 0; i < group * dim; ++i) acc[i] = 0.f;
-  for_each_row(pr, pr.v, b, h, len, dim, [&](int64_t t, const float* __restrict value) {
+  for_each_row(pr, pr.v, b, h, len, dim, [&](int64_t t, const T* __restrict value) {
     for (int64_t g = 0; g < group; ++g) {
       const float p = sc[g * len + t];
       float* __restrict a = acc + g * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * value[d];
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(value[d]);
     }
   });
   for (int64_t g = 0; g < group; ++g) {
@@ -123,29 +133,51 @@ void attend_one(const Problem& pr, int64_t b, int64_t h, int64_t dim_rt, int64_t
   }
 }
 
-using Attend = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, std::vector<float>&,
-                        std::vector<float>&);
+template <typename T>
+using Attend = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t,
+                        std::vector<float>&, std::vector<float>&);
 
-template <int DIM>
-Attend pick_group(int64_t group) {
+template <typename T, int DIM>
+Attend<T> pick_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_one<DIM, 1>;
-    case 2: return &attend_one<DIM, 2>;
-    case 3: return &attend_one<DIM, 3>;
-    case 4: return &attend_one<DIM, 4>;
-    case 5: return &attend_one<DIM, 5>;
-    case 6: return &attend_one<DIM, 6>;
-    case 7: return &attend_one<DIM, 7>;
-    case 8: return &attend_one<DIM, 8>;
-    default: return &attend_one<0, 0>;
+    case 1: return &attend_one<T, DIM, 1>;
+    case 2: return &attend_one<T, DIM, 2>;
+    case 3: return &attend_one<T, DIM, 3>;
+    case 4: return &attend_one<T, DIM, 4>;
+    case 5: return &attend_one<T, DIM, 5>;
+    case 6: return &attend_one<T, DIM, 6>;
+    case 7: return &attend_one<T, DIM, 7>;
+    case 8: return &attend_one<T, DIM, 8>;
+    default: return &attend_one<T, 0, 0>;
   }
 }
 
-Attend pick(int64_t dim, int64_t group) {
+template <typename T>
+Attend<T> pick(int64_t dim, int64_t group) {
   if (group > 64) return nullptr;
-  if (dim == 64) return pick_group<64>(group);
-  if (dim == 128) return pick_group<128>(group);
-  return &attend_one<0, 0>;
+  if (dim == 64) return pick_group<T, 64>(group);
+  if (dim == 128) return pick_group<T, 128>(group);
+  return &attend_one<T, 0, 0>;
+}
+
+template <typename T>
+void run(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const int64_t* tables,
+         const int64_t* lens, at::Tensor& out, int64_t width, double scale) {
+  const int64_t batch = qc.size(0), heads = qc.size(1), dim = qc.size(2);
+  const int64_t kv_heads = kc.size(0), num_blocks = kc.size(1), block_size = kc.size(2);
+  const int64_t group = heads / kv_heads;
+  const Attend<T> attend = pick<T>(dim, group);
+  TORCH_CHECK(attend != nullptr, "paged_decode_attention: more than 64 query heads per KV head");
+  const Problem<T> pr{qc.data_ptr<float>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables, lens,
+                      out.data_ptr<float>(), heads, kv_heads, num_blocks, block_size, width,
+                      static_cast<float>(scale)};
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(group * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      attend(pr, item / kv_heads, item % kv_heads, dim, group, scores, acc);
+    }
+  });
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -153,9 +185,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 query and caches only");
+  const at::ScalarType held = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == held &&
+                  (held == at::kFloat || held == at::kBFloat16),
+              "paged_decode_attention: a float32 query and float32 or bfloat16 caches only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q [B, H, D], caches [KVH, NB, BS, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
@@ -171,9 +204,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(kc.size(3) == dim && heads % kv_heads == 0, "paged_decode_attention: head shapes");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.size(0) == batch,
               "paged_decode_attention: one block table and length per sequence");
-  const int64_t group = heads / kv_heads;
-  const Attend attend = pick(dim, group);
-  TORCH_CHECK(attend != nullptr, "paged_decode_attention: more than 64 query heads per KV head");
   const int64_t* table_p = tables.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
@@ -185,16 +215,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     }
   }
   at::Tensor out = at::empty_like(qc);
-  const Problem pr{qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), table_p,
-                   len_p, out.data_ptr<float>(), heads, kv_heads, num_blocks, block_size, width,
-                   static_cast<float>(scale)};
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(group * dim);
-    for (int64_t item = begin; item < end; ++item) {
-      attend(pr, item / kv_heads, item % kv_heads, dim, group, scores, acc);
-    }
-  });
+  if (held == at::kBFloat16) {
+    run<c10::BFloat16>(qc, kc, vc, table_p, len_p, out, width, scale);
+  } else {
+    run<float>(qc, kc, vc, table_p, len_p, out, width, scale);
+  }
   return out;
 }
 

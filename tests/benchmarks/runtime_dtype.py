@@ -1,0 +1,101 @@
+"""Decode speed by compute dtype, in one process: float32, bf16 as the runtime ran it before
+packed bf16 weights and the bf16 native decode kernel (plain F.linear, gathered attention),
+and bf16 now.
+
+    PYTHONPATH=. python tests/benchmarks/runtime_dtype.py --threads 1 --rounds 2
+
+SmolLM2-135M-Instruct (runtime_serving.smollm2_dir), a 128-token prompt. Single stream:
+ms per decoded token; batch: the median decode step with 32 sequences. Times are the
+process's CPU time (time.process_time), which on a shared host moves far less than wall
+time with one thread; with more threads it adds the threads up. The three engines run
+interleaved, round by round, so the ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kiln.runtime.attention as attention
+import kiln.runtime.linear as linear
+from kiln.runtime import Engine, SamplingParams
+from tests.benchmarks.runtime_serving import smollm2_dir
+
+
+def build(dtype: str, before: bool) -> Engine:
+    """An engine; `before`: bf16 without packed weights or the native decode kernel."""
+    attention.NATIVE_DECODE = not before
+    linear.PACKED_DTYPES = (torch.float32,) if before else (torch.float32, torch.bfloat16)
+    try:
+        return Engine.from_pretrained(
+            smollm2_dir(), max_num_seqs=32, max_model_len=300, dtype=dtype
+        )
+    finally:
+        attention.NATIVE_DECODE = True
+        linear.PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def single(engine: Engine, tokens: int) -> float:
+    """CPU ms per decoded token of one request (after its first two steps)."""
+    params = SamplingParams(max_tokens=tokens + 2, temperature=0, ignore_eos=True)
+    engine.add_request(list(range(1000, 1128)), params)
+    engine.step()
+    engine.step()
+    began = time.process_time()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (time.process_time() - began) / tokens * 1000
+
+
+def batch(engine: Engine, concurrency: int = 32, tokens: int = 6) -> float:
+    """Median CPU ms of a decode step with `concurrency` sequences."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(list(range(1000 + i, 1128 + i)), params)
+    steps = []
+    while engine.has_unfinished_requests():
+        began = time.process_time()
+        out = engine.step()
+        if len(out) == concurrency:
+            steps.append(time.process_time() - began)
+    return statistics.median(steps) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engines = {
+        "fp32": build("float32", before=False),
+        "bf16 before": build("bfloat16", before=True),
+        "bf16 now": build("bfloat16", before=False),
+    }
+    for engine in engines.values():
+        single(engine, 4)  # warm-up
+    results: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in engines}
+    for r in range(args.rounds):
+        for name, engine in engines.items():
+            results[name][0].append(single(engine, args.tokens))
+            results[name][1].append(batch(engine))
+        row = "  ".join(
+            f"{n}: {results[n][0][-1]:.1f} ms/token, c=32 step {results[n][1][-1]:.0f} ms"
+            for n in engines
+        )
+        print(f"round {r}: {row}", flush=True)
+    base_single, base_batch = min(results["fp32"][0]), min(results["fp32"][1])
+    for name, (singles, batches) in results.items():
+        print(
+            f"{name}: {1000 / min(singles):.1f} tok/s single stream "
+            f"({base_single / min(singles):.2f}x fp32), c=32 decode step {min(batches):.0f} ms "
+            f"({base_batch / min(batches):.2f}x fp32)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -487,10 +487,9 @@ def test_bin_checkpoint_is_converted_once_into_the_cache(tiny_llama: Path, tmp_p
     assert all(torch.equal(converted[k], original[k]) for k in original)
     assert json.loads((entry / sources.PROVENANCE_FILE).read_text())["kind"] == "hf_dir"
 
+    # The second call finds the entry and converts nothing: the weights file is not rewritten.
     mtime = (entry / "model.safetensors").stat().st_mtime_ns
-    started = time.perf_counter()
     assert sources.materialize(ref, cache) == entry
-    assert time.perf_counter() - started < 1.0
     assert (entry / "model.safetensors").stat().st_mtime_ns == mtime
 
 

@@ -146,26 +146,27 @@ def compile_cmd(
     from kiln.compiler.compile import compile_recipe
     from kiln.compiler.gating import check_gate_options, gate_compiled
     from kiln.compiler.recipe import load_recipe
+    from kiln.compiler.stdout_guard import stdout_to_stderr
     from kiln.compiler.trtllm.deploy import TargetFailure
     from kiln.runtime.errors import VerdictFailure
 
     parsed = load_recipe(recipe)
     check_gate_options(parsed, promote, not no_gate)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    failure: TargetFailure | None = None
+    # With --json, stdout carries exactly one JSON object: library prints go to stderr.
+    with stdout_to_stderr(as_json), Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("starting", total=None)
 
         def progress(text: str) -> None:
             bar.update(task, description=text)
 
+        step = None
         try:
             result = compile_recipe(recipe, output=output, force=force, progress=progress)
         except TargetFailure as exc:
-            if as_json:
-                click.echo(json.dumps({"artifact": None, "targets": exc.targets}))
-            raise
-        step = None
-        if not no_gate and parsed.config.gates is not None:
+            failure = exc
+        if failure is None and not no_gate and parsed.config.gates is not None:
             from kiln.gates.registry import Registry
 
             with Registry(registry_spec) as registry:
@@ -173,6 +174,10 @@ def compile_cmd(
                     result, parsed, registry=registry, promote=promote, force=force,
                     progress=progress,
                 )  # fmt: skip
+    if failure is not None:
+        if as_json:
+            click.echo(json.dumps({"artifact": None, "targets": failure.targets}))
+        raise failure
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "gate": step.to_dict() if step else None}))
     else:

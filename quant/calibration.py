@@ -26,6 +26,7 @@ from typing import Any
 from kiln.quant.schemes import Problem
 from kiln.quant.spec import CalibrationSpec
 from kiln.runtime.errors import CalibrationDataError
+from kiln.runtime.jsonlines import json_objects
 from kiln.runtime.traffic import TrafficError, TrafficRecord, read_traffic
 
 KEY = "calibration.dataset"
@@ -159,14 +160,8 @@ def read_text(path: Path) -> str:
 
 def _jsonl_texts(path: Path, field: str) -> list[str]:
     texts: list[str] = []
-    for number, line in enumerate(read_text(path).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CalibrationDataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(data, dict) or not isinstance(data.get(field), str):
+    for number, data in json_objects(path, CalibrationDataError):
+        if not isinstance(data.get(field), str):
             raise CalibrationDataError(
                 f"{path}:{number}: no string field {field!r}; set calibration.text_field "
                 "to the field that holds the text"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.errors import UsageError
+from kiln.runtime.jsonlines import json_objects
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -147,31 +148,18 @@ def read_traffic(path: str | Path, allow_redacted: bool = False) -> list[Traffic
     if not path.is_file():
         raise TrafficError(f"{path}: traffic file not found")
     records: list[TrafficRecord] = []
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise TrafficError(f"{where}: not UTF-8 text; a binary file?") from None
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TrafficError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(data, dict):
-                raise TrafficError(f"{where}: expected a JSON object, got {type(data).__name__}")
-            try:
-                record = TrafficRecord.from_dict(data, default_id=f"line-{number}")
-            except ValueError as exc:
-                raise TrafficError(f"{where}: {exc}") from None
-            if record.redacted and not allow_redacted:
-                raise TrafficError(
-                    f"{where}: the prompt was not recorded (only its hash); replay and "
-                    "calibration need it: record with `kiln serve --record-prompts`"
-                )
-            records.append(record)
+    for number, data in json_objects(path, TrafficError):
+        where = f"{path}:{number}"
+        try:
+            record = TrafficRecord.from_dict(data, default_id=f"line-{number}")
+        except ValueError as exc:
+            raise TrafficError(f"{where}: {exc}") from None
+        if record.redacted and not allow_redacted:
+            raise TrafficError(
+                f"{where}: the prompt was not recorded (only its hash); replay and "
+                "calibration need it: record with `kiln serve --record-prompts`"
+            )
+        records.append(record)
     return records
 
 

@@ -50,8 +50,11 @@ def dequantize_linear(
     """
     w = t[f"{prefix}.weight"]
     f32 = torch.float32
-    if w.dtype == torch.float8_e4m3fn:
-        return w.to(f32) * t[f"{prefix}.weights_scaling_factor"].to(f32)
+    if w.dtype == torch.float8_e4m3fn:  # FP8 per tensor, or rowwise per output channel
+        scale = t.get(f"{prefix}.per_channel_scale")
+        if scale is None:
+            scale = t[f"{prefix}.weights_scaling_factor"]
+        return w.to(f32) * scale.to(f32).reshape(-1, 1)
     if w.is_floating_point():
         return w.to(f32)
     algo = quant.get("quant_algo")

@@ -9,6 +9,9 @@ Layouts, chosen so one checkpoint builds on every GPU (trtllm-build lays quantis
 out for the GPU it runs on only for the ModelOpt-flow algorithms):
 - NO_QUANT: weights in `dtype`.
 - FP8: float8 weight, per-tensor `weights_scaling_factor` and `activation_scaling_factor`.
+- FP8_PER_CHANNEL_PER_TOKEN (FP8 rowwise, dynamic per-token activations): float8 weight and
+  `per_channel_scale` (out,) float32; lm_head in `dtype` (the loader requires it float). A
+  float linear keeps its whole attention or MLP block (and the norm feeding it) float.
   A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
   re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
 - W4A16_AWQ: int4 codes packed two output rows per byte, (out/2, in) int8, ModelOpt's
@@ -50,8 +53,10 @@ from kiln.compiler.trtllm.config import checkpoint_config
 from kiln.compiler.trtllm.conformance import (
     GROUPWISE,
     NO_EXCLUSIONS,
+    ROWWISE,
     exclude_modules,
     padded_features,
+    rowwise_exclude_modules,
 )
 from kiln.compiler.trtllm.source import Source, read_source
 from kiln.runtime.errors import UsageError
@@ -62,6 +67,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_ALGO = {
     "NO_QUANT": "NO_QUANT",
     "FP8": "FP8",
+    "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN",
     "W4A16_AWQ": "W4A16_AWQ",
     "W4A16_GPTQ": "W4A16_AWQ",
     "W8A16": "W8A16",
@@ -72,7 +78,6 @@ CHECKPOINT_ALGO = {
 NOT_EXPORTED = {
     "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
     "null (W8A16)",
-    "FP8_PER_CHANNEL_PER_TOKEN": "the FP8 rowwise layout is not exported yet; use method fp8",
     "W4A8_AWQ": "W4A8 AWQ is not exported yet; use awq with activations none",
 }
 FLOAT_WEIGHTS = ("NO_QUANT", "W8A16", "W4A16")  # trtllm-build quantises these itself
@@ -83,6 +88,8 @@ MODULES = {
     "up_proj": ("mlp.gate", "column"),
     "down_proj": ("mlp.proj", "row"),
 }
+# The linears of each block FP8 rowwise swaps whole (conformance.ROWWISE_BLOCKS).
+BLOCK_LINEARS = {"attention": ("qkv", "dense"), "mlp": ("fc", "gate", "proj")}
 
 
 def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -199,7 +206,7 @@ def _tensors(
     zero_point: bool,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one (fused, sharded) linear's weight."""
-    if algo in FLOAT_WEIGHTS or lin.scale is None:
+    if algo in FLOAT_WEIGHTS or lin.scale is None or (algo == ROWWISE and prefix == "lm_head"):
         return {f"{prefix}.weight": effective_weight(lin, dtype).contiguous()}
     f32 = torch.float32
     one = torch.ones(1, dtype=f32)
@@ -210,6 +217,11 @@ def _tensors(
             f"{prefix}.weight": lin.weight.contiguous(),
             f"{prefix}.weights_scaling_factor": lin.scale[:1, 0].to(f32),
             f"{prefix}.activation_scaling_factor": act,
+        }
+    if algo == ROWWISE:
+        return {
+            f"{prefix}.weight": lin.weight.contiguous(),
+            f"{prefix}.per_channel_scale": lin.scale[:, 0].to(f32).contiguous(),
         }
     if algo == "W4A16_AWQ":
         out = {
@@ -297,12 +309,16 @@ def export_checkpoint(
             "layers quantise whole attention and MLP blocks — quantise every linear of the "
             "decoder layers (ignore only lm_head), or use smoothquant with static activations"
         )
-    if algo in FLOAT_WEIGHTS and src.linears["lm_head"].scale is not None:
+    float_head = (*FLOAT_WEIGHTS, ROWWISE)  # TensorRT-LLM keeps lm_head float for these
+    if algo in float_head and src.linears["lm_head"].scale is not None:
         notes.append(
-            f"{algo}: lm_head stays in {dtype} (trtllm-build quantises only the decoder linears)"
+            f"{algo}: lm_head stays in {dtype} (TensorRT-LLM runs it in float under {algo})"
         )
-    quantised_head = algo not in FLOAT_WEIGHTS and src.linears["lm_head"].scale is not None
-    exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
+    quantised_head = algo not in float_head and src.linears["lm_head"].scale is not None
+    if algo == ROWWISE:
+        exclude = rowwise_exclude_modules(_float_blocks(excluded))
+    else:
+        exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
     modules = _modules(src)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -347,6 +363,22 @@ def _excluded(src: Source) -> list[str]:
             if src.linears[f"model.layers.{i}.{block}.{hf}"].scale is None:
                 names.append(f"transformer.layers.{i}.{trt}")
     return names
+
+
+def _float_blocks(excluded: list[str]) -> list[str]:
+    """The attention / MLP blocks whose linears are all in `excluded`; UsageError for a block
+    only partly float, which FP8 rowwise (whole-block layers) cannot express."""
+    blocks = list(dict.fromkeys(name.rpartition(".")[0] for name in excluded))
+    for block in blocks:
+        linears = [f"{block}.{n}" for n in BLOCK_LINEARS[block.rpartition(".")[2]]]
+        quantised = [n for n in linears if n not in excluded]
+        if quantised:
+            raise UsageError(
+                f"FP8 rowwise cannot keep {next(n for n in linears if n in excluded)} in float "
+                f"while {quantised[0]} is quantised: TensorRT-LLM swaps whole attention and "
+                "MLP blocks — ignore every projection of that block in the recipe, or none"
+            )
+    return blocks
 
 
 def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:

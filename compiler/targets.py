@@ -236,7 +236,7 @@ RECIPE_FOR = {
     "W4A16_AWQ": ("W4A16 AWQ", "method: awq"),
     "W4A16_GPTQ": ("W4A16 GPTQ", "method: gptq"),
     "W8A16": ("W8A16", "method: gptq, weight_bits: 8"),
-    "W4A8_AWQ": ("W4A8 AWQ", "method: awq, activations: fp8_static"),
+    "W4A8_AWQ": ("W4A8 AWQ", "method: awq, activations: fp8_static, backend: modelopt"),
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": ("W8A8 SmoothQuant", "method: smoothquant"),
     "NVFP4": ("NVFP4", "ModelOpt; not yet produced by kiln"),
 }

@@ -32,7 +32,7 @@ def checkpoint_config(
         "kv_cache_quant_algo": src.kv_cache_quant_algo,
         "exclude_modules": exclude,
     }
-    if algo == "W4A16_AWQ":
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         group = next(
             lin.scheme.group_size for lin in src.linears.values() if lin.scheme.strategy == "group"
         )

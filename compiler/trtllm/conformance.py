@@ -229,6 +229,9 @@ def _linear_params(
             params[f"{prefix}.prequant_scaling_factor"] = Param((in_r,), FLOATS)
         if quant.get("has_zero_point"):
             params[f"{prefix}.zero"] = Param((in_r // group, out_r), FLOATS)
+        if w4a8:  # preprocess_perlayer_weights turns these into the layer's alpha
+            params[f"{prefix}.weights_scaling_factor_2"] = Param((1,), ("F32",))
+            params[f"{prefix}.activation_scaling_factor"] = Param((1,), ("F32",))
         return params
     out_r, in_r = (out_f // tp, in_f) if role == "column" else (out_f, in_f // tp)
     if algo is None or algo in BUILD_QUANTISED:
@@ -344,6 +347,11 @@ def check_config(config: dict[str, Any]) -> list[str]:
     why = group_problem(algo or "", quant.get("group_size"))
     if why:
         problems.append(why)
+    if algo == "W4A8_AWQ" and not quant.get("pre_quant_scale"):
+        # models/modeling_utils.py preprocess_perlayer_weights divides every W4A8 linear's
+        # prequant_scaling_factor by its activation scale: without one it cannot load.
+        problems.append("W4A8_AWQ needs pre_quant_scale: true (a prequant_scaling_factor on "
+                        "every quantised linear)")  # fmt: skip
     excluded = [p for p in patterns or [] if p.startswith("transformer.layers.")]
     if algo in NO_EXCLUSIONS and excluded:
         problems.append(

@@ -58,7 +58,7 @@ def dequantize_linear(
     if w.is_floating_point():
         return w.to(f32)
     algo = quant.get("quant_algo")
-    if algo == "W4A16_AWQ":
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         codes = unpack_int4_rows(w).to(f32)
         group = int(quant["group_size"])
         scale = t[f"{prefix}.weights_scaling_factor"].to(dtype).to(f32)

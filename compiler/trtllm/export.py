@@ -19,6 +19,12 @@ out for the GPU it runs on only for the ModelOpt-flow algorithms):
   (out, in/group) float32; `prequant_scaling_factor` where the quantiser kept one;
   asymmetric groups add `zero` = -zero_point × scale laid out (in/group, out) in `dtype`,
   as the groupwise kernel reads it (w = code × scale + zero).
+- W4A8_AWQ (ModelOpt): the W4A16_AWQ tensors, `prequant_scaling_factor` on every linear
+  (ones where ModelOpt folded it into the norm: TensorRT-LLM divides it by the activation
+  scale), the static FP8 `activation_scaling_factor`, and `weights_scaling_factor_2`, the
+  per-tensor scale that lets the kernel hold the group scales in FP8: the largest group scale
+  × 7 / 448 (the layer's max |w| over FP8's max), as ModelOpt's own writer sets it. Features
+  pad to a multiple of max(128, group) × tp.
 - W4A16_GPTQ: exported as W4A16_AWQ (same groupwise kernel; TensorRT-LLM's W4A16_GPTQ
   layout is pre-interleaved for one GPU architecture). `producer.source_quant_algo` keeps
   the original name.
@@ -70,6 +76,7 @@ CHECKPOINT_ALGO = {
     "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN",
     "W4A16_AWQ": "W4A16_AWQ",
     "W4A16_GPTQ": "W4A16_AWQ",
+    "W4A8_AWQ": "W4A8_AWQ",
     "W8A16": "W8A16",
     "W4A16": "W4A16",
     "W8A8_SQ_PER_CHANNEL": "W8A8_SQ_PER_CHANNEL",
@@ -78,8 +85,8 @@ CHECKPOINT_ALGO = {
 NOT_EXPORTED = {
     "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
     "null (W8A16)",
-    "W4A8_AWQ": "W4A8 AWQ is not exported yet; use awq with activations none",
 }
+INT4_AWQ = ("W4A16_AWQ", "W4A8_AWQ")  # ModelOpt's packed int4 layout
 FLOAT_WEIGHTS = ("NO_QUANT", "W8A16", "W4A16")  # trtllm-build quantises these itself
 # HF projection → (TensorRT-LLM module, tensor-parallel role)
 MODULES = {
@@ -223,7 +230,7 @@ def _tensors(
             f"{prefix}.weight": lin.weight.contiguous(),
             f"{prefix}.per_channel_scale": lin.scale[:, 0].to(f32).contiguous(),
         }
-    if algo == "W4A16_AWQ":
+    if algo in INT4_AWQ:
         out = {
             f"{prefix}.weight": pack_int4_rows(lin.weight).contiguous(),
             f"{prefix}.weights_scaling_factor": lin.scale.to(f32).contiguous(),
@@ -236,6 +243,9 @@ def _tensors(
             points = lin.zero_point if lin.zero_point is not None else torch.zeros(lin.scale.shape)
             zero = -points.to(f32) * lin.scale.to(f32)
             out[f"{prefix}.zero"] = zero.t().contiguous().to(dtype)
+        if algo == "W4A8_AWQ":  # max |w| = 7 × the largest group scale; FP8's max is 448
+            out[f"{prefix}.weights_scaling_factor_2"] = (lin.scale.max() * (7 / 448)).reshape(1)
+            out[f"{prefix}.activation_scaling_factor"] = act
         return out
     if algo == "W8A8_SQ_PER_CHANNEL":
         return {
@@ -293,8 +303,8 @@ def export_checkpoint(
             f"tp_size {tp} does not split {info.num_heads} heads, {info.num_kv_heads} KV heads "
             f"and {info.intermediate_size} MLP columns"
         )
-    pre_quant = algo == "W4A16_AWQ" and any(
-        lin.pre_quant_scale is not None for lin in src.linears.values()
+    pre_quant = algo == "W4A8_AWQ" or (
+        algo == "W4A16_AWQ" and any(lin.pre_quant_scale is not None for lin in src.linears.values())
     )
     notes: list[str] = []
     if algo in ("W8A16", "W4A16"):
@@ -436,8 +446,9 @@ def _pad_groupwise(lin: LinearWeights, algo: str, role: str, tp: int) -> LinearW
         return lin
     group = lin.scheme.group_size or lin.in_features // lin.scale.shape[1]
     column = role == "column"
-    rows = padded_features(lin.out_features * (tp if column else 1), group, tp)
-    cols = padded_features(lin.in_features * (1 if column else tp), group, tp)
+    w4a8 = algo == "W4A8_AWQ"
+    rows = padded_features(lin.out_features * (tp if column else 1), group, tp, w4a8=w4a8)
+    cols = padded_features(lin.in_features * (1 if column else tp), group, tp, w4a8=w4a8)
     return pad_linear(lin, rows // tp if column else rows, cols if column else cols // tp)
 
 

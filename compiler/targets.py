@@ -228,8 +228,7 @@ def quant_algo(spec: QuantSpec) -> tuple[str, str | None]:
     return scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
 
 
-# Each QuantAlgo kiln can produce: (short name, how a recipe asks for it). NVFP4 is a
-# matrix value only: the quantiser does not produce it yet.
+# Each QuantAlgo kiln can produce: (short name, how a recipe asks for it).
 RECIPE_FOR = {
     "FP8": ("FP8", "method: fp8"),
     "FP8_PER_CHANNEL_PER_TOKEN": ("FP8 rowwise", "method: fp8_dynamic"),
@@ -238,7 +237,7 @@ RECIPE_FOR = {
     "W8A16": ("W8A16", "method: gptq, weight_bits: 8"),
     "W4A8_AWQ": ("W4A8 AWQ", "method: awq, activations: fp8_static, backend: modelopt"),
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": ("W8A8 SmoothQuant", "method: smoothquant"),
-    "NVFP4": ("NVFP4", "ModelOpt; not yet produced by kiln"),
+    "NVFP4": ("NVFP4", "method: nvfp4, backend: modelopt"),
 }
 
 

@@ -83,6 +83,8 @@ CHECKPOINT_ALGO = {
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
 }
 NOT_EXPORTED = {
+    "NVFP4": "the NVFP4 engine checkpoint is not exported yet; serve it with deploy.trtllm_path: "
+    "pytorch (ModelOpt's HF export)",
     "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
     "null (W8A16)",
 }

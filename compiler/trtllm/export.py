@@ -39,7 +39,9 @@ out for the GPU it runs on only for the ModelOpt-flow algorithms):
 Tensor parallel: qkv by heads (KV heads replicated when tp exceeds them), fc/gate/lm_head by
 rows (lm_head padded to a multiple of tp), dense/proj by columns; embedding replicated.
 Group-wise linears are padded to the shapes TensorRT-LLM's group-wise layer creates
-(features up to a multiple of max(64, group) × tp): each rank's own slice, then zeros.
+(features up to a multiple of max(64, group) × tp): each rank's own slice, then zeros, as
+the group-wise GEMM plugin reads them (K from the activation: a rank reads its shard's
+leading rows; cpp/tensorrt_llm/plugins/weightOnlyGroupwiseQuantMatmulPlugin `enqueue`).
 `exclude_modules` names the float linears as ModelOpt's writer does; for W8A16/W4A16 it also
 restates TensorRT-LLM's default exclusions and each name's tensors. The rules are stated in
 compiler/trtllm/conformance.py; its `check_checkpoint` proves a written checkpoint obeys them.

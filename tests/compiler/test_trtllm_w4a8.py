@@ -4,15 +4,13 @@ compiler/trtllm/conformance.py for Llama and Qwen2 at tp 1, 2 and 4."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.conformance import check_checkpoint, check_config, check_serve_options
+from kiln.compiler.trtllm.conformance import check_checkpoint, check_config
 from kiln.quant import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.checkpoint import open_checkpoint
@@ -20,7 +18,12 @@ from kiln.runtime.errors import UsageError
 from kiln.runtime.linear import effective_weight
 from tests.compiler.test_compile import kiln
 from tests.compiler.test_trtllm_export import max_rel_error
-from tests.compiler.test_trtllm_modelopt import _compare, modelopt_exports  # noqa: F401
+from tests.compiler.test_trtllm_modelopt import (  # noqa: F401
+    _compare,
+    kept_by_both,
+    modelopt_exports,
+)
+from tests.compiler.trtllm_recipes import compile_conforming, scheme_recipe
 
 CALIBRATION = CalibrationSpec(num_samples=4, max_seq_len=32)
 W4A8 = QuantSpec(
@@ -37,16 +40,9 @@ def test_w4a8_matches_modelopts_writer_where_both_keep_the_tensors(modelopt_expo
     # ModelOpt's HF writer re-smooths gate/up and folds the q/k/v pre-quant scale into the
     # norm (test_trtllm_modelopt); everything else, weights_scaling_factor_2 and the FP8
     # activation scales included, must agree.
-    same = [
-        k
-        for k in theirs
-        if ".mlp.fc." not in k
-        and ".mlp.gate." not in k
-        and "layernorm" not in k
-        and not k.endswith("qkv.prequant_scaling_factor")
-    ]
+    same = kept_by_both(theirs)
     assert any(k.endswith("weights_scaling_factor_2") for k in same)
-    _compare(ours, theirs, sorted(same), int4=True)
+    _compare(ours, theirs, same, int4=True)
     assert check_checkpoint(ours_dir) == []
     assert check_checkpoint(theirs_dir) == []  # NVIDIA's writer obeys the rules read from TRT-LLM
 
@@ -111,31 +107,17 @@ def test_w4a8_without_pre_quant_scales_is_named():
     assert any("pre_quant_scale: true" in p for p in check_config(config))
 
 
-def _recipe(tmp_path: Path, model: Path, targets: str, path: str = "both") -> Path:
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"""\
-name: tiny-w4a8
-model:
-  source: {model}
-quantization:
-  method: awq
-  group_size: 64
-  symmetric: true
-  activations: fp8_static
-  backend: modelopt
-calibration:
-  dataset: builtin:licenses
-  num_samples: 4
-  max_seq_len: 32
-report:
-  num_samples: 4
-  max_seq_len: 32
-targets: [{targets}]
-deploy:
-  trtllm_path: {path}
-output: out
-""")
-    return recipe
+W4A8_RECIPE = {
+    "method": "awq",
+    "group_size": 64,
+    "symmetric": True,
+    "activations": "fp8_static",
+    "backend": "modelopt",
+}
+
+
+def _recipe(tmp_path: Path, model: Path, target: str, path: str = "both") -> Path:
+    return scheme_recipe(tmp_path, model, W4A8_RECIPE, target, path)
 
 
 @pytest.mark.parametrize("target", ["h100-sxm", "l40s"])
@@ -153,11 +135,6 @@ def test_validate_refuses_w4a8_where_trtllm_has_no_kernels(tmp_path, tiny_llama,
 
 
 def test_compile_plans_a_w4a8_engine_and_serves_the_modelopt_export(tmp_path, tiny_llama):
-    code, stdout, stderr = kiln("compile", str(_recipe(tmp_path, tiny_llama, "h100-sxm")), "--json")
-    assert code == 0, stderr
-    result = json.loads(stdout.splitlines()[-1])  # ModelOpt prints its own lines first
-    assert result["targets"]["h100-sxm"] == {"engine": "planned", "pytorch": "ready"}
-    artifact = Path(result["artifact"])
-    assert check_checkpoint(next(artifact.glob("**/rank0.safetensors")).parent) == []
-    options = yaml.safe_load((artifact / "engines" / "h100-sxm" / "trtllm-serve.yaml").read_text())
-    assert check_serve_options(options) == []
+    status, artifact = compile_conforming(_recipe(tmp_path, tiny_llama, "h100-sxm"), "h100-sxm")
+    assert status == {"engine": "planned", "pytorch": "ready"}
+    assert any(artifact.glob("**/rank0.safetensors"))

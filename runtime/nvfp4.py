@@ -33,6 +33,14 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(codes >= 8, -magnitude, magnitude)
 
 
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) exact e2m1 values → (rows, cols/2) uint8, the inverse of `unpack_e2m1`."""
+    magnitudes = torch.tensor(E2M1_VALUES)
+    codes = (values.abs().unsqueeze(-1) == magnitudes).int().argmax(-1)
+    codes = (codes | torch.signbit(values).int() << 3).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """`x` (float32, already divided by its scale) rounded to the nearest e2m1 value."""
     a = x.abs().clamp(max=E2M1_MAX)

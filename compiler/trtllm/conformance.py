@@ -242,6 +242,16 @@ def _linear_params(
             f"{prefix}.weights_scaling_factor": Param((1,), ("F32",)),
             f"{prefix}.activation_scaling_factor": Param((1,), ("F32",)),
         }
+    if algo == "NVFP4":
+        # quantization/layers.py FP4Linear / FP4RowLinear (fp4 weight, FP8 scale per block of
+        # 16 inputs, float32 global scales), as models/modeling_utils.py
+        # preprocess_perlayer_weights reads them from the checkpoint: packed two codes a byte.
+        return {
+            f"{prefix}.weight": Param((out_r, in_r // 2), ("U8",)),
+            f"{prefix}.weights_scaling_factor": Param((out_r, in_r // 16), ("F8_E4M3",)),
+            f"{prefix}.weights_scaling_factor_2": Param((), ("F32",)),
+            f"{prefix}.activation_scaling_factor": Param((), ("F32",)),
+        }
     if algo == ROWWISE:  # quantization/layers.py Fp8RowwiseLinear / Fp8RowwiseRowLinear
         return {
             f"{prefix}.weight": Param((out_r, in_r), ("F8_E4M3",)),
@@ -360,6 +370,14 @@ def check_config(config: dict[str, Any]) -> list[str]:
         )
     if algo == ROWWISE:
         problems += rowwise_problems(config)
+    if algo == "NVFP4":  # quantization/layers.py FP4Linear asserts it per rank
+        tp = int(config["mapping"]["tp_size"])
+        for module, _, in_f, role in _linears(config):
+            per_rank = in_f // tp if role == "row" else in_f
+            if per_rank % 16 and layer_algo(module, algo, patterns) is not None:
+                problems.append(
+                    f"{module}: {per_rank} input features per rank; FP4 GEMMs take a multiple of 16"
+                )
     if algo in BUILD_QUANTISED:
         # quantization/quantize.py weight_only_quantize maps Embedding too: an embedding
         # not excluded needs scales a float checkpoint does not carry.

@@ -25,6 +25,10 @@ out for the GPU it runs on only for the ModelOpt-flow algorithms):
   per-tensor scale that lets the kernel hold the group scales in FP8: the largest group scale
   × 7 / 448 (the layer's max |w| over FP8's max), as ModelOpt's own writer sets it. Features
   pad to a multiple of max(128, group) × tp.
+- NVFP4 (ModelOpt): e2m1 codes packed two input columns per byte, (out, in/2) uint8; FP8
+  `weights_scaling_factor` per block of 16 inputs, float32 `weights_scaling_factor_2` per
+  tensor (q, k and v share theirs: ModelOpt makes them equal) and the activations' global
+  `activation_scaling_factor`, as ModelOpt's own writer lays them out.
 - W4A16_GPTQ: exported as W4A16_AWQ (same groupwise kernel; TensorRT-LLM's W4A16_GPTQ
   layout is pre-interleaved for one GPU architecture). `producer.source_quant_algo` keeps
   the original name.
@@ -67,6 +71,7 @@ from kiln.compiler.trtllm.conformance import (
     rowwise_exclude_modules,
 )
 from kiln.compiler.trtllm.source import Source, read_source
+from kiln.runtime import nvfp4
 from kiln.runtime.errors import UsageError
 from kiln.runtime.linear import LinearWeights, dequantize, effective_weight
 
@@ -79,14 +84,13 @@ CHECKPOINT_ALGO = {
     "W4A16_AWQ": "W4A16_AWQ",
     "W4A16_GPTQ": "W4A16_AWQ",
     "W4A8_AWQ": "W4A8_AWQ",
+    "NVFP4": "NVFP4",
     "W8A16": "W8A16",
     "W4A16": "W4A16",
     "W8A8_SQ_PER_CHANNEL": "W8A8_SQ_PER_CHANNEL",
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
 }
 NOT_EXPORTED = {
-    "NVFP4": "the NVFP4 engine checkpoint is not exported yet; serve it with deploy.trtllm_path: "
-    "pytorch (ModelOpt's HF export)",
     "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
     "null (W8A16)",
 }
@@ -215,8 +219,10 @@ def _tensors(
     dtype: torch.dtype,
     pre_quant: bool,
     zero_point: bool,
+    weight_global: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one (fused, sharded) linear's weight."""
+    """The checkpoint tensors of one (fused, sharded) linear's weight (`weight_global`: its
+    NVFP4 per-tensor weight scale)."""
     if algo in FLOAT_WEIGHTS or lin.scale is None or (algo == ROWWISE and prefix == "lm_head"):
         return {f"{prefix}.weight": effective_weight(lin, dtype).contiguous()}
     f32 = torch.float32
@@ -228,6 +234,14 @@ def _tensors(
             f"{prefix}.weight": lin.weight.contiguous(),
             f"{prefix}.weights_scaling_factor": lin.scale[:1, 0].to(f32),
             f"{prefix}.activation_scaling_factor": act,
+        }
+    if algo == "NVFP4":
+        assert weight_global is not None and lin.input_scale is not None
+        return {
+            f"{prefix}.weight": nvfp4.pack_e2m1(lin.weight),
+            f"{prefix}.weights_scaling_factor": (lin.scale / weight_global).to(torch.float8_e4m3fn),
+            f"{prefix}.weights_scaling_factor_2": weight_global.reshape(()),
+            f"{prefix}.activation_scaling_factor": lin.input_scale.to(f32).reshape(()),
         }
     if algo == ROWWISE:
         return {
@@ -395,6 +409,24 @@ def _float_blocks(excluded: list[str]) -> list[str]:
     return blocks
 
 
+def _weight_globals(src: Source) -> dict[str, torch.Tensor]:
+    """NVFP4: TensorRT-LLM module → its per-tensor weight scale (q/k/v: the largest of the
+    three, as TensorRT-LLM's own loader takes for its fused qkv)."""
+    found, out = src.weight_globals, {}
+    for i in range(src.info.num_layers if found else 0):
+        hf, trt = f"model.layers.{i}", f"transformer.layers.{i}"
+        names = [f"{hf}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        if all(n in found for n in names):
+            out[f"{trt}.attention.qkv"] = torch.stack([found[n] for n in names]).max()
+        for name, (module, _) in MODULES.items():
+            block = "self_attn" if name == "o_proj" else "mlp"
+            if f"{hf}.{block}.{name}" in found:
+                out[f"{trt}.{module}"] = found[f"{hf}.{block}.{name}"]
+    if "lm_head" in found:
+        out["lm_head"] = found["lm_head"]
+    return out
+
+
 def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:
     """TensorRT-LLM module name → (whole linear, tp role); q/k/v are fused per rank later."""
     out: dict[str, tuple[LinearWeights, str]] = {"lm_head": (src.linears["lm_head"], "column")}
@@ -467,6 +499,7 @@ def _rank_tensors(
     notes: list[str],
 ) -> dict[str, torch.Tensor]:
     info, zero_point = src.info, not src.symmetric
+    globals_ = _weight_globals(src)
     out: dict[str, torch.Tensor] = {
         "transformer.vocab_embedding.weight": src.tensors["model.embed_tokens.weight"].to(dtype),
         "transformer.ln_f.weight": src.tensors["model.norm.weight"].to(dtype),
@@ -475,7 +508,9 @@ def _rank_tensors(
         if name == "lm_head" and lin.out_features % tp:
             lin = pad_linear(lin, -(-lin.out_features // tp) * tp, lin.in_features)
         sharded = _pad_groupwise(_shard(lin, role, tp, rank), algo, role, tp)
-        out.update(_tensors(name, sharded, algo, role, dtype, pre_quant, zero_point))
+        out.update(
+            _tensors(name, sharded, algo, role, dtype, pre_quant, zero_point, globals_.get(name))
+        )
         out.update(_bias(name, sharded, dtype))
     for i in range(info.num_layers):
         prefix = f"model.layers.{i}.self_attn"
@@ -490,7 +525,10 @@ def _rank_tensors(
         qkv = _pad_groupwise(fuse_linears(parts, algo, notes, f"layer {i} qkv"), algo, "column", tp)
         layer = f"transformer.layers.{i}"
         qkv_prefix = f"{layer}.attention.qkv"
-        out.update(_tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point))
+        out.update(
+            _tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point,
+                     globals_.get(qkv_prefix))
+        )  # fmt: skip
         out.update(_bias(qkv_prefix, qkv, dtype))
         out[f"{layer}.input_layernorm.weight"] = src.tensors[
             f"model.layers.{i}.input_layernorm.weight"

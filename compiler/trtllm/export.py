@@ -9,11 +9,11 @@ Layouts, chosen so one checkpoint builds on every GPU (trtllm-build lays quantis
 out for the GPU it runs on only for the ModelOpt-flow algorithms):
 - NO_QUANT: weights in `dtype`.
 - FP8: float8 weight, per-tensor `weights_scaling_factor` and `activation_scaling_factor`.
+  A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
+  re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
 - FP8_PER_CHANNEL_PER_TOKEN (FP8 rowwise, dynamic per-token activations): float8 weight and
   `per_channel_scale` (out,) float32; lm_head in `dtype` (the loader requires it float). A
   float linear keeps its whole attention or MLP block (and the norm feeding it) float.
-  A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
-  re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
 - W4A16_AWQ: int4 codes packed two output rows per byte, (out/2, in) int8, ModelOpt's
   packing (`pack_int4_rows`; the runtime's reader unpacks it); `weights_scaling_factor`
   (out, in/group) float32; `prequant_scaling_factor` where the quantiser kept one;

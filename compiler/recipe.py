@@ -87,7 +87,7 @@ class QuantizationSection(_Strict):
     activations: ActivationMode = "default"
     kv_cache: KVCacheMode = "none"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
-    backend: BackendName = "llmcompressor"
+    backend: BackendName | None = None  # None: the method's (llmcompressor but for nvfp4)
     smoothing_strength: float = Field(0.8, gt=0.0, lt=1.0)
     dampening_frac: float = Field(0.01, gt=0.0, lt=1.0)
 
@@ -276,7 +276,9 @@ class Recipe:
 
 def resolve_quantization(q: QuantizationSection) -> QuantSpec:
     """A quantization section with its method's defaults filled in."""
-    filled = METHODS[q.method].fill(q.weight_bits, q.group_size, q.symmetric, q.activations)
+    filled = METHODS[q.method].fill(
+        q.weight_bits, q.group_size, q.symmetric, q.activations, q.backend
+    )
     return QuantSpec(**{**q.model_dump(), **filled, "ignore": tuple(q.ignore)})
 
 

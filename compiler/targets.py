@@ -228,17 +228,16 @@ def quant_algo(spec: QuantSpec) -> tuple[str, str | None]:
     return scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
 
 
-# Each QuantAlgo kiln can produce: (short name, how a recipe asks for it). NVFP4 is a
-# matrix value only: the quantiser does not produce it yet.
+# Each QuantAlgo kiln can produce: (short name, how a recipe asks for it).
 RECIPE_FOR = {
     "FP8": ("FP8", "method: fp8"),
     "FP8_PER_CHANNEL_PER_TOKEN": ("FP8 rowwise", "method: fp8_dynamic"),
     "W4A16_AWQ": ("W4A16 AWQ", "method: awq"),
     "W4A16_GPTQ": ("W4A16 GPTQ", "method: gptq"),
     "W8A16": ("W8A16", "method: gptq, weight_bits: 8"),
-    "W4A8_AWQ": ("W4A8 AWQ", "method: awq, activations: fp8_static"),
+    "W4A8_AWQ": ("W4A8 AWQ", "method: awq, activations: fp8_static, backend: modelopt"),
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": ("W8A8 SmoothQuant", "method: smoothquant"),
-    "NVFP4": ("NVFP4", "ModelOpt; not yet produced by kiln"),
+    "NVFP4": ("NVFP4", "method: nvfp4, backend: modelopt"),
 }
 
 

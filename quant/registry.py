@@ -38,6 +38,7 @@ class Method:
     group_size: int | None = None  # at the default width; other widths scale per channel
     symmetric: bool = True
     activations: str = "none"  # what `activations: default` means
+    backend: str = "llmcompressor"  # the backend that produces it when the recipe names none
 
     def fill(
         self,
@@ -45,6 +46,7 @@ class Method:
         group_size: int | None,
         symmetric: bool | None,
         activations: str,
+        backend: str | None = None,
     ) -> dict[str, Any]:
         """The keys a recipe left to the method (None, or activations `default`), filled in."""
         bits = self.weight_bits if weight_bits is None else weight_bits
@@ -54,6 +56,7 @@ class Method:
             "group_size": default_group if group_size is None else group_size,
             "symmetric": self.symmetric if symmetric is None else symmetric,
             "activations": self.activations if activations == "default" else activations,
+            "backend": self.backend if backend is None else backend,
         }
 
 
@@ -66,10 +69,12 @@ METHODS: dict[str, Method] = {
         Method("awq", 4, group_size=128, symmetric=False),
         Method("gptq", 4, group_size=128),
         Method("smoothquant", 8, activations="int8_dynamic"),
+        Method("nvfp4", 4, activations="nvfp4", backend="modelopt"),
     )
 }
 
-ACTIVATIONS = ("none", "int8_dynamic", "int8_static", "fp8_dynamic", "fp8_static")
+# nvfp4: FP4 per block of 16 with FP8 block scales, against a calibrated global scale.
+ACTIVATIONS = ("none", "int8_dynamic", "int8_static", "fp8_dynamic", "fp8_static", "nvfp4")
 # KV cache mode → TensorRT-LLM's kv_cache_quant_algo name for it.
 KV_CACHE: dict[str, str | None] = {"none": None, "fp8": "FP8", "int8": "INT8"}
 # Groups that kiln's quantisers and its runtime's kernels both take, largest first; None (one
@@ -114,6 +119,7 @@ SCHEMES: dict[str, SchemeDef] = {
         SchemeDef("W8A8_SQ", ("smoothquant",), 8, ("int8_dynamic", "int8_static"), "int",
                   trtllm=(("int8_dynamic", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"),
                           ("int8_static", "W8A8_SQ_PER_CHANNEL"))),
+        SchemeDef("NVFP4", ("nvfp4",), 4, ("nvfp4",), "float", trtllm=(("nvfp4", "NVFP4"),)),
     )
 }  # fmt: skip
 

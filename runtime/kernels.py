@@ -18,6 +18,9 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
 - W8A16 group-wise (`Int8GroupLinear`, the W8A16 preset's group 128): one
   `_weight_int8pack_mm` per group for decode-sized inputs (0.8 vs 3.6 ms at one token), a
   dequantised GEMM from 9 rows up (a per-group loop loses 2x at 32 tokens: 11 vs 5.6 ms).
+- NVFP4 (`Nvfp4Linear`): no FP4 arithmetic here (nor a torch FP4 GEMM on CUDA): the weight
+  is dequantised once and activations are fake-quantised per block of 16 (runtime/nvfp4.py),
+  the values Blackwell's FP4 GEMM multiplies (a correctness path, not a fast one).
 - Anything else integer: the generic `DequantLinear`.
 
 A layer with a pre-quant scale (ModelOpt's AWQ and SmoothQuant exports) runs the kernel its
@@ -32,6 +35,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from kiln.runtime import nvfp4
 from kiln.runtime.linear import (
     DenseLinear,
     DequantLinear,
@@ -41,6 +45,8 @@ from kiln.runtime.linear import (
     SplitLinear,
     bias_of,
     concat,
+    dequantize,
+    weights_to,
 )
 
 FP8_MAX = 448.0
@@ -358,6 +364,34 @@ class Fp8Linear(Linear):
         return F.linear(x, weight, self.bias)
 
 
+class Nvfp4Linear(Linear):
+    """NVFP4 weights and activations, emulated: y = fq(x) @ W^T in float32 (see above)."""
+
+    def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
+        assert w.input_scale is not None
+        self.weight = dequantize(weights_to(w, device), torch.float32)
+        self.input_scale = w.input_scale.float().to(device)
+        self.bias = bias_of(w, torch.float32, device)
+        self.dtype = dtype
+        self.out_features = w.out_features
+
+    @staticmethod
+    def supports(w: LinearWeights, device: torch.device) -> bool:
+        a = w.scheme.activations
+        return (
+            w.scheme.type == "float"
+            and w.scheme.num_bits == 4
+            and w.scheme.group_size == nvfp4.BLOCK
+            and a is not None
+            and a.num_bits == 4
+            and w.input_scale is not None
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(nvfp4.fake_quantize(x, self.input_scale), self.weight, self.bias)
+        return y.to(self.dtype)
+
+
 def _grouped(w: LinearWeights) -> bool:
     """True when every group has exactly group_size columns (always so without g_idx)."""
     if w.g_idx is None or w.scale is None:
@@ -379,6 +413,7 @@ LINEAR_KERNELS: list[tuple[Callable[[LinearWeights, torch.device], bool], Linear
     (Int8GroupLinear.supports, Int8GroupLinear),
     (Int8Linear.supports, Int8Linear),
     (Fp8Linear.supports, Fp8Linear),
+    (Nvfp4Linear.supports, Nvfp4Linear),
     (lambda w, d: w.scheme.type == "int" and w.scheme.activations is None, DequantLinear),
 ]
 

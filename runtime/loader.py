@@ -34,9 +34,10 @@ PROJECTIONS = {
     "down": ("mlp.down_proj",),
 }
 # What the kernels serve of a ModelOpt export: FP8 per-tensor static (Fp8Linear), W4A16 AWQ
-# (Int4Linear or DequantLinear) and W8A8 SmoothQuant with static activations (Int8Linear),
-# pre-quant scales applied to the input (PreScaledLinear); an FP8 KV cache or none.
-MODELOPT_SERVED = ("FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
+# (Int4Linear or DequantLinear), W8A8 SmoothQuant with static activations (Int8Linear) and
+# NVFP4 (Nvfp4Linear, emulated), pre-quant scales applied to the input (PreScaledLinear); an
+# FP8 KV cache or none.
+MODELOPT_SERVED = ("FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "NVFP4")
 MODELOPT_KV_SERVED = ("fp8",)
 
 

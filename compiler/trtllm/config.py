@@ -32,11 +32,13 @@ def checkpoint_config(
         "kv_cache_quant_algo": src.kv_cache_quant_algo,
         "exclude_modules": exclude,
     }
-    if algo == "W4A16_AWQ":
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         group = next(
             lin.scheme.group_size for lin in src.linears.values() if lin.scheme.strategy == "group"
         )
         quant.update(group_size=group, has_zero_point=not src.symmetric, pre_quant_scale=pre_quant)
+    if algo == "NVFP4":  # blocks of 16 (quantization/layers.py FP4Linear)
+        quant["group_size"] = 16
     family: dict[str, Any] = {}
     if info.architecture == "Qwen2ForCausalLM":  # models/qwen/config.py QWenConfig
         family = {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False}

@@ -8,6 +8,8 @@ states these rules, so this module is ours.
 - Exclusions (`exclude_modules`): three matchers read the one list, each with fnmatchcase.
 - Group-wise int4 (`W4A16_AWQ`, `W4A8_AWQ`): allowed group sizes and the padding of every
   group-wise linear's features.
+- FP8 rowwise (`FP8_PER_CHANNEL_PER_TOKEN`): whole attention / MLP blocks and their norms are
+  swapped, so exclusions name blocks, never single linears (`rowwise_*`).
 - The parameters each layer class creates, per rank (`expected_parameters`), compared with
   what a checkpoint holds (`check_checkpoint`): TensorRT-LLM raises on a missing tensor or a
   shape mismatch and only warns on an extra one.
@@ -130,6 +132,60 @@ def padded_features(features: int, group_size: int, tp: int, *, w4a8: bool = Fal
     return math.ceil(features / multiple) * multiple
 
 
+# ---- FP8 rowwise: whole blocks, not linears -------------------------------------------
+
+ROWWISE = "FP8_PER_CHANNEL_PER_TOKEN"
+# tensorrt_llm/quantization/quantize.py `fp8_rowwise_quantize`: swaps RmsNorm, Attention and
+# GatedMLP modules (never a bare linear, so lm_head stays float), matching exclude_modules
+# with fnmatchcase against those module names; a null list means none, and these three are
+# always added.
+ROWWISE_ALWAYS_EXCLUDED = ("*ln_f", "*ln_embed", "*lm_head")
+# The norm whose Fp8RowwiseRmsNorm output (FP8 values + per-token scales) feeds each block
+# (models/llama/model.py LLaMADecoderLayer): a block and its norm are swapped together or not
+# at all, as quantize.py's own Meta recipe excludes `*input_layernorm` with `*attention`.
+ROWWISE_BLOCKS = {"attention": "input_layernorm", "mlp": "post_layernorm"}
+
+
+def rowwise_excluded(module: str, patterns: list[str] | None) -> bool:
+    """Whether fp8_rowwise_quantize keeps block or norm `module` in float."""
+    rules = [*(patterns or []), *ROWWISE_ALWAYS_EXCLUDED]
+    return any(fnmatch.fnmatchcase(module, p) for p in rules)
+
+
+def rowwise_exclude_modules(float_blocks: list[str]) -> list[str]:
+    """`exclude_modules` keeping each block in `float_blocks` (`transformer.layers.N.mlp`,
+    `...attention`) in float, with the norm that feeds it."""
+    out = []
+    for block in float_blocks:
+        layer, _, kind = block.rpartition(".")
+        out += [block, f"{layer}.{ROWWISE_BLOCKS[kind]}"]
+    return out
+
+
+def rowwise_problems(config: dict[str, Any]) -> list[str]:
+    """Exclusions an FP8 rowwise checkpoint's config gets wrong."""
+    patterns = (config.get("quantization") or {}).get("exclude_modules")
+    problems = []
+    for i in range(int(config["num_hidden_layers"])):
+        layer = f"transformer.layers.{i}"
+        for kind, norm in ROWWISE_BLOCKS.items():
+            block, feeder = f"{layer}.{kind}", f"{layer}.{norm}"
+            if rowwise_excluded(block, patterns) != rowwise_excluded(feeder, patterns):
+                problems.append(
+                    f"{feeder} and {block}: FP8 rowwise swaps a norm and the block it feeds "
+                    "together; exclude both or neither"
+                )
+    for module, *_ in _linears(config):
+        block = module.rpartition(".")[0]
+        named = [p for p in patterns or [] if fnmatch.fnmatchcase(module, p)]
+        if block and named and not rowwise_excluded(block, patterns):
+            problems.append(
+                f"exclude_modules {named[0]!r} names the linear {module}: FP8 rowwise swaps "
+                f"whole blocks, so it is quantised with {block}"
+            )
+    return problems
+
+
 # ---- the parameters each layer class creates, per rank ----------------------------------
 
 
@@ -173,6 +229,9 @@ def _linear_params(
             params[f"{prefix}.prequant_scaling_factor"] = Param((in_r,), FLOATS)
         if quant.get("has_zero_point"):
             params[f"{prefix}.zero"] = Param((in_r // group, out_r), FLOATS)
+        if w4a8:  # preprocess_perlayer_weights turns these into the layer's alpha
+            params[f"{prefix}.weights_scaling_factor_2"] = Param((1,), ("F32",))
+            params[f"{prefix}.activation_scaling_factor"] = Param((1,), ("F32",))
         return params
     out_r, in_r = (out_f // tp, in_f) if role == "column" else (out_f, in_f // tp)
     if algo is None or algo in BUILD_QUANTISED:
@@ -182,6 +241,21 @@ def _linear_params(
             f"{prefix}.weight": Param((out_r, in_r), ("F8_E4M3",)),
             f"{prefix}.weights_scaling_factor": Param((1,), ("F32",)),
             f"{prefix}.activation_scaling_factor": Param((1,), ("F32",)),
+        }
+    if algo == "NVFP4":
+        # quantization/layers.py FP4Linear / FP4RowLinear (fp4 weight, FP8 scale per block of
+        # 16 inputs, float32 global scales), as models/modeling_utils.py
+        # preprocess_perlayer_weights reads them from the checkpoint: packed two codes a byte.
+        return {
+            f"{prefix}.weight": Param((out_r, in_r // 2), ("U8",)),
+            f"{prefix}.weights_scaling_factor": Param((out_r, in_r // 16), ("F8_E4M3",)),
+            f"{prefix}.weights_scaling_factor_2": Param((), ("F32",)),
+            f"{prefix}.activation_scaling_factor": Param((), ("F32",)),
+        }
+    if algo == ROWWISE:  # quantization/layers.py Fp8RowwiseLinear / Fp8RowwiseRowLinear
+        return {
+            f"{prefix}.weight": Param((out_r, in_r), ("F8_E4M3",)),
+            f"{prefix}.per_channel_scale": Param((out_r,), ("F32",)),
         }
     if algo == "W8A8_SQ_PER_CHANNEL":  # quantization/layers.py Int8SmoothQuantLinear
         return {
@@ -230,6 +304,8 @@ def layer_algo(module: str, algo: str | None, patterns: list[str] | None) -> str
     """The quant algo TensorRT-LLM gives linear `module` (None: it stays float)."""
     if algo in NO_EXCLUSIONS:  # smooth_quantize_plugin: every block linear, never lm_head
         return None if module == "lm_head" else algo
+    if algo == ROWWISE:
+        return None if rowwise_excluded(module.rpartition(".")[0] or module, patterns) else algo
     return None if module_excluded(module, patterns) else algo
 
 
@@ -281,12 +357,27 @@ def check_config(config: dict[str, Any]) -> list[str]:
     why = group_problem(algo or "", quant.get("group_size"))
     if why:
         problems.append(why)
+    if algo == "W4A8_AWQ" and not quant.get("pre_quant_scale"):
+        # models/modeling_utils.py preprocess_perlayer_weights divides every W4A8 linear's
+        # prequant_scaling_factor by its activation scale: without one it cannot load.
+        problems.append("W4A8_AWQ needs pre_quant_scale: true (a prequant_scaling_factor on "
+                        "every quantised linear)")  # fmt: skip
     excluded = [p for p in patterns or [] if p.startswith("transformer.layers.")]
     if algo in NO_EXCLUSIONS and excluded:
         problems.append(
             f"{algo} quantises whole attention and MLP blocks and ignores exclude_modules "
             f"({excluded[0]} would be quantised anyway)"
         )
+    if algo == ROWWISE:
+        problems += rowwise_problems(config)
+    if algo == "NVFP4":  # quantization/layers.py FP4Linear asserts it per rank
+        tp = int(config["mapping"]["tp_size"])
+        for module, _, in_f, role in _linears(config):
+            per_rank = in_f // tp if role == "row" else in_f
+            if per_rank % 16 and layer_algo(module, algo, patterns) is not None:
+                problems.append(
+                    f"{module}: {per_rank} input features per rank; FP4 GEMMs take a multiple of 16"
+                )
     if algo in BUILD_QUANTISED:
         # quantization/quantize.py weight_only_quantize maps Embedding too: an embedding
         # not excluded needs scales a float checkpoint does not carry.

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from kiln.runtime.checkpoint.modelopt import unpack_int4_rows
 from kiln.runtime.errors import ArtifactError
+from kiln.runtime.nvfp4 import unpack_e2m1
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HF_MLP = {"mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}
@@ -50,12 +51,18 @@ def dequantize_linear(
     """
     w = t[f"{prefix}.weight"]
     f32 = torch.float32
-    if w.dtype == torch.float8_e4m3fn:
-        return w.to(f32) * t[f"{prefix}.weights_scaling_factor"].to(f32)
+    if w.dtype == torch.float8_e4m3fn:  # FP8 per tensor, or rowwise per output channel
+        scale = t.get(f"{prefix}.per_channel_scale")
+        if scale is None:
+            scale = t[f"{prefix}.weights_scaling_factor"]
+        return w.to(f32) * scale.to(f32).reshape(-1, 1)
     if w.is_floating_point():
         return w.to(f32)
+    if f"{prefix}.weights_scaling_factor_2" in t and w.dtype == torch.uint8:  # NVFP4
+        block = t[f"{prefix}.weights_scaling_factor"].to(f32).repeat_interleave(16, dim=1)
+        return unpack_e2m1(w) * block * t[f"{prefix}.weights_scaling_factor_2"].to(f32)
     algo = quant.get("quant_algo")
-    if algo == "W4A16_AWQ":
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         codes = unpack_int4_rows(w).to(f32)
         group = int(quant["group_size"])
         scale = t[f"{prefix}.weights_scaling_factor"].to(dtype).to(f32)

@@ -11,11 +11,24 @@ out for the GPU it runs on only for the ModelOpt-flow algorithms):
 - FP8: float8 weight, per-tensor `weights_scaling_factor` and `activation_scaling_factor`.
   A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
   re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
+- FP8_PER_CHANNEL_PER_TOKEN (FP8 rowwise, dynamic per-token activations): float8 weight and
+  `per_channel_scale` (out,) float32; lm_head in `dtype` (the loader requires it float). A
+  float linear keeps its whole attention or MLP block (and the norm feeding it) float.
 - W4A16_AWQ: int4 codes packed two output rows per byte, (out/2, in) int8, ModelOpt's
   packing (`pack_int4_rows`; the runtime's reader unpacks it); `weights_scaling_factor`
   (out, in/group) float32; `prequant_scaling_factor` where the quantiser kept one;
   asymmetric groups add `zero` = -zero_point × scale laid out (in/group, out) in `dtype`,
   as the groupwise kernel reads it (w = code × scale + zero).
+- W4A8_AWQ (ModelOpt): the W4A16_AWQ tensors, `prequant_scaling_factor` on every linear
+  (ones where ModelOpt folded it into the norm: TensorRT-LLM divides it by the activation
+  scale), the static FP8 `activation_scaling_factor`, and `weights_scaling_factor_2`, the
+  per-tensor scale that lets the kernel hold the group scales in FP8: the largest group scale
+  × 7 / 448 (the layer's max |w| over FP8's max), as ModelOpt's own writer sets it. Features
+  pad to a multiple of max(128, group) × tp.
+- NVFP4 (ModelOpt): e2m1 codes packed two input columns per byte, (out, in/2) uint8; FP8
+  `weights_scaling_factor` per block of 16 inputs, float32 `weights_scaling_factor_2` per
+  tensor (q, k and v share theirs: ModelOpt makes them equal) and the activations' global
+  `activation_scaling_factor`, as ModelOpt's own writer lays them out.
 - W4A16_GPTQ: exported as W4A16_AWQ (same groupwise kernel; TensorRT-LLM's W4A16_GPTQ
   layout is pre-interleaved for one GPU architecture). `producer.source_quant_algo` keeps
   the original name.
@@ -30,7 +43,9 @@ out for the GPU it runs on only for the ModelOpt-flow algorithms):
 Tensor parallel: qkv by heads (KV heads replicated when tp exceeds them), fc/gate/lm_head by
 rows (lm_head padded to a multiple of tp), dense/proj by columns; embedding replicated.
 Group-wise linears are padded to the shapes TensorRT-LLM's group-wise layer creates
-(features up to a multiple of max(64, group) × tp): each rank's own slice, then zeros.
+(features up to a multiple of max(64, group) × tp): each rank's own slice, then zeros, as
+the group-wise GEMM plugin reads them (K from the activation: a rank reads its shard's
+leading rows; cpp/tensorrt_llm/plugins/weightOnlyGroupwiseQuantMatmulPlugin `enqueue`).
 `exclude_modules` names the float linears as ModelOpt's writer does; for W8A16/W4A16 it also
 restates TensorRT-LLM's default exclusions and each name's tensors. The rules are stated in
 compiler/trtllm/conformance.py; its `check_checkpoint` proves a written checkpoint obeys them.
@@ -50,10 +65,13 @@ from kiln.compiler.trtllm.config import checkpoint_config
 from kiln.compiler.trtllm.conformance import (
     GROUPWISE,
     NO_EXCLUSIONS,
+    ROWWISE,
     exclude_modules,
     padded_features,
+    rowwise_exclude_modules,
 )
 from kiln.compiler.trtllm.source import Source, read_source
+from kiln.runtime import nvfp4
 from kiln.runtime.errors import UsageError
 from kiln.runtime.linear import LinearWeights, dequantize, effective_weight
 
@@ -62,8 +80,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_ALGO = {
     "NO_QUANT": "NO_QUANT",
     "FP8": "FP8",
+    "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN",
     "W4A16_AWQ": "W4A16_AWQ",
     "W4A16_GPTQ": "W4A16_AWQ",
+    "W4A8_AWQ": "W4A8_AWQ",
+    "NVFP4": "NVFP4",
     "W8A16": "W8A16",
     "W4A16": "W4A16",
     "W8A8_SQ_PER_CHANNEL": "W8A8_SQ_PER_CHANNEL",
@@ -72,9 +93,8 @@ CHECKPOINT_ALGO = {
 NOT_EXPORTED = {
     "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
     "null (W8A16)",
-    "FP8_PER_CHANNEL_PER_TOKEN": "the FP8 rowwise layout is not exported yet; use method fp8",
-    "W4A8_AWQ": "W4A8 AWQ is not exported yet; use awq with activations none",
 }
+INT4_AWQ = ("W4A16_AWQ", "W4A8_AWQ")  # ModelOpt's packed int4 layout
 FLOAT_WEIGHTS = ("NO_QUANT", "W8A16", "W4A16")  # trtllm-build quantises these itself
 # HF projection → (TensorRT-LLM module, tensor-parallel role)
 MODULES = {
@@ -83,6 +103,8 @@ MODULES = {
     "up_proj": ("mlp.gate", "column"),
     "down_proj": ("mlp.proj", "row"),
 }
+# The linears of each block FP8 rowwise swaps whole (conformance.ROWWISE_BLOCKS).
+BLOCK_LINEARS = {"attention": ("qkv", "dense"), "mlp": ("fc", "gate", "proj")}
 
 
 def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -197,9 +219,11 @@ def _tensors(
     dtype: torch.dtype,
     pre_quant: bool,
     zero_point: bool,
+    weight_global: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one (fused, sharded) linear's weight."""
-    if algo in FLOAT_WEIGHTS or lin.scale is None:
+    """The checkpoint tensors of one (fused, sharded) linear's weight (`weight_global`: its
+    NVFP4 per-tensor weight scale)."""
+    if algo in FLOAT_WEIGHTS or lin.scale is None or (algo == ROWWISE and prefix == "lm_head"):
         return {f"{prefix}.weight": effective_weight(lin, dtype).contiguous()}
     f32 = torch.float32
     one = torch.ones(1, dtype=f32)
@@ -211,7 +235,20 @@ def _tensors(
             f"{prefix}.weights_scaling_factor": lin.scale[:1, 0].to(f32),
             f"{prefix}.activation_scaling_factor": act,
         }
-    if algo == "W4A16_AWQ":
+    if algo == "NVFP4":
+        assert weight_global is not None and lin.input_scale is not None
+        return {
+            f"{prefix}.weight": nvfp4.pack_e2m1(lin.weight),
+            f"{prefix}.weights_scaling_factor": (lin.scale / weight_global).to(torch.float8_e4m3fn),
+            f"{prefix}.weights_scaling_factor_2": weight_global.reshape(()),
+            f"{prefix}.activation_scaling_factor": lin.input_scale.to(f32).reshape(()),
+        }
+    if algo == ROWWISE:
+        return {
+            f"{prefix}.weight": lin.weight.contiguous(),
+            f"{prefix}.per_channel_scale": lin.scale[:, 0].to(f32).contiguous(),
+        }
+    if algo in INT4_AWQ:
         out = {
             f"{prefix}.weight": pack_int4_rows(lin.weight).contiguous(),
             f"{prefix}.weights_scaling_factor": lin.scale.to(f32).contiguous(),
@@ -224,6 +261,9 @@ def _tensors(
             points = lin.zero_point if lin.zero_point is not None else torch.zeros(lin.scale.shape)
             zero = -points.to(f32) * lin.scale.to(f32)
             out[f"{prefix}.zero"] = zero.t().contiguous().to(dtype)
+        if algo == "W4A8_AWQ":  # max |w| = 7 × the largest group scale; FP8's max is 448
+            out[f"{prefix}.weights_scaling_factor_2"] = (lin.scale.max() * (7 / 448)).reshape(1)
+            out[f"{prefix}.activation_scaling_factor"] = act
         return out
     if algo == "W8A8_SQ_PER_CHANNEL":
         return {
@@ -281,8 +321,8 @@ def export_checkpoint(
             f"tp_size {tp} does not split {info.num_heads} heads, {info.num_kv_heads} KV heads "
             f"and {info.intermediate_size} MLP columns"
         )
-    pre_quant = algo == "W4A16_AWQ" and any(
-        lin.pre_quant_scale is not None for lin in src.linears.values()
+    pre_quant = algo == "W4A8_AWQ" or (
+        algo == "W4A16_AWQ" and any(lin.pre_quant_scale is not None for lin in src.linears.values())
     )
     notes: list[str] = []
     if algo in ("W8A16", "W4A16"):
@@ -297,12 +337,16 @@ def export_checkpoint(
             "layers quantise whole attention and MLP blocks — quantise every linear of the "
             "decoder layers (ignore only lm_head), or use smoothquant with static activations"
         )
-    if algo in FLOAT_WEIGHTS and src.linears["lm_head"].scale is not None:
+    float_head = (*FLOAT_WEIGHTS, ROWWISE)  # TensorRT-LLM keeps lm_head float for these
+    if algo in float_head and src.linears["lm_head"].scale is not None:
         notes.append(
-            f"{algo}: lm_head stays in {dtype} (trtllm-build quantises only the decoder linears)"
+            f"{algo}: lm_head stays in {dtype} (TensorRT-LLM runs it in float under {algo})"
         )
-    quantised_head = algo not in FLOAT_WEIGHTS and src.linears["lm_head"].scale is not None
-    exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
+    quantised_head = algo not in float_head and src.linears["lm_head"].scale is not None
+    if algo == ROWWISE:
+        exclude = rowwise_exclude_modules(_float_blocks(excluded))
+    else:
+        exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
     modules = _modules(src)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -347,6 +391,40 @@ def _excluded(src: Source) -> list[str]:
             if src.linears[f"model.layers.{i}.{block}.{hf}"].scale is None:
                 names.append(f"transformer.layers.{i}.{trt}")
     return names
+
+
+def _float_blocks(excluded: list[str]) -> list[str]:
+    """The attention / MLP blocks whose linears are all in `excluded`; UsageError for a block
+    only partly float, which FP8 rowwise (whole-block layers) cannot express."""
+    blocks = list(dict.fromkeys(name.rpartition(".")[0] for name in excluded))
+    for block in blocks:
+        linears = [f"{block}.{n}" for n in BLOCK_LINEARS[block.rpartition(".")[2]]]
+        quantised = [n for n in linears if n not in excluded]
+        if quantised:
+            raise UsageError(
+                f"FP8 rowwise cannot keep {next(n for n in linears if n in excluded)} in float "
+                f"while {quantised[0]} is quantised: TensorRT-LLM swaps whole attention and "
+                "MLP blocks — ignore every projection of that block in the recipe, or none"
+            )
+    return blocks
+
+
+def _weight_globals(src: Source) -> dict[str, torch.Tensor]:
+    """NVFP4: TensorRT-LLM module → its per-tensor weight scale (q/k/v: the largest of the
+    three, as TensorRT-LLM's own loader takes for its fused qkv)."""
+    found, out = src.weight_globals, {}
+    for i in range(src.info.num_layers if found else 0):
+        hf, trt = f"model.layers.{i}", f"transformer.layers.{i}"
+        names = [f"{hf}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        if all(n in found for n in names):
+            out[f"{trt}.attention.qkv"] = torch.stack([found[n] for n in names]).max()
+        for name, (module, _) in MODULES.items():
+            block = "self_attn" if name == "o_proj" else "mlp"
+            if f"{hf}.{block}.{name}" in found:
+                out[f"{trt}.{module}"] = found[f"{hf}.{block}.{name}"]
+    if "lm_head" in found:
+        out["lm_head"] = found["lm_head"]
+    return out
 
 
 def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:
@@ -404,8 +482,9 @@ def _pad_groupwise(lin: LinearWeights, algo: str, role: str, tp: int) -> LinearW
         return lin
     group = lin.scheme.group_size or lin.in_features // lin.scale.shape[1]
     column = role == "column"
-    rows = padded_features(lin.out_features * (tp if column else 1), group, tp)
-    cols = padded_features(lin.in_features * (1 if column else tp), group, tp)
+    w4a8 = algo == "W4A8_AWQ"
+    rows = padded_features(lin.out_features * (tp if column else 1), group, tp, w4a8=w4a8)
+    cols = padded_features(lin.in_features * (1 if column else tp), group, tp, w4a8=w4a8)
     return pad_linear(lin, rows // tp if column else rows, cols if column else cols // tp)
 
 
@@ -420,6 +499,7 @@ def _rank_tensors(
     notes: list[str],
 ) -> dict[str, torch.Tensor]:
     info, zero_point = src.info, not src.symmetric
+    globals_ = _weight_globals(src)
     out: dict[str, torch.Tensor] = {
         "transformer.vocab_embedding.weight": src.tensors["model.embed_tokens.weight"].to(dtype),
         "transformer.ln_f.weight": src.tensors["model.norm.weight"].to(dtype),
@@ -428,7 +508,9 @@ def _rank_tensors(
         if name == "lm_head" and lin.out_features % tp:
             lin = pad_linear(lin, -(-lin.out_features // tp) * tp, lin.in_features)
         sharded = _pad_groupwise(_shard(lin, role, tp, rank), algo, role, tp)
-        out.update(_tensors(name, sharded, algo, role, dtype, pre_quant, zero_point))
+        out.update(
+            _tensors(name, sharded, algo, role, dtype, pre_quant, zero_point, globals_.get(name))
+        )
         out.update(_bias(name, sharded, dtype))
     for i in range(info.num_layers):
         prefix = f"model.layers.{i}.self_attn"
@@ -443,7 +525,10 @@ def _rank_tensors(
         qkv = _pad_groupwise(fuse_linears(parts, algo, notes, f"layer {i} qkv"), algo, "column", tp)
         layer = f"transformer.layers.{i}"
         qkv_prefix = f"{layer}.attention.qkv"
-        out.update(_tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point))
+        out.update(
+            _tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point,
+                     globals_.get(qkv_prefix))
+        )  # fmt: skip
         out.update(_bias(qkv_prefix, qkv, dtype))
         out[f"{layer}.input_layernorm.weight"] = src.tensors[
             f"model.layers.{i}.input_layernorm.weight"

@@ -39,6 +39,9 @@ class Source:
     linears: dict[str, LinearWeights] = field(default_factory=dict)  # HF module name → linear
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # embeddings, norms
     kv_scales: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → dequant scale
+    # NVFP4: HF module name → its per-tensor weight scale (`weight_scale_2`), which the
+    # reader folds into the block scales and the TensorRT-LLM layout keeps apart.
+    weight_globals: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def trtllm_algo(scheme: WeightScheme, actorder: bool) -> str:
@@ -111,6 +114,11 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
     tied = LinearWeights(WeightScheme(), embed)
     src.linears["lm_head"] = ckpt.linear("lm_head") if ckpt.has_linear("lm_head") else tied
     src.symmetric = all(lin.scheme.symmetric for lin in src.linears.values())
+    if recorded == "NVFP4":
+        for name, lin in src.linears.items():
+            if lin.scale is not None:
+                scale_2 = ckpt.tensor(f"{name}.weight_scale_2").to(torch.float32).reshape(())
+                src.weight_globals[name] = scale_2
     src.tensors["model.embed_tokens.weight"] = embed
     src.tensors["model.norm.weight"] = ckpt.tensor("model.norm.weight")
     for i in range(info.num_layers):

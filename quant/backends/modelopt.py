@@ -1,10 +1,11 @@
 """NVIDIA ModelOpt backend: `mtq.quantize(model, cfg, forward_loop)` → `export_hf_checkpoint`.
 
 Starts from ModelOpt's own presets (FP8_DEFAULT_CFG, INT4_AWQ_CFG, INT8_SMOOTHQUANT_CFG,
-W4A8_AWQ_BETA_CFG), sets the AWQ block size to the group size, adds FP8_KV_CFG for an FP8
-KV cache, and appends a disabling entry for every linear the spec ignores. The export writes
-`hf_quant_config.json` and a config.json whose quantization_config has quant_method
-"modelopt"; unquantised tensors are exported in the dtype the model was loaded in.
+W4A8_AWQ_BETA_CFG, NVFP4_DEFAULT_CFG), sets the AWQ block size to the group size, adds
+FP8_KV_CFG for an FP8 KV cache, and appends a disabling entry for every linear the spec
+ignores. The export writes `hf_quant_config.json` and a config.json whose
+quantization_config has quant_method "modelopt"; unquantised tensors are exported in the
+dtype the model was loaded in.
 
 What ships differs from the calibrated in-memory model in one ModelOpt-made way (see
 modelopt/torch/export): AWQ's per-linear pre_quant_scales of q/k/v (and gate/up) are
@@ -33,6 +34,10 @@ PRESETS = {
     "W4A16_AWQ": "INT4_AWQ_CFG",
     "W8A8_SQ": "INT8_SMOOTHQUANT_CFG",
     "W4A8_AWQ": "W4A8_AWQ_BETA_CFG",
+    # Calibrates on a CPU (max amax collection) and exports there, but ModelOpt's NVFP4 fake
+    # quantiser asserts a CUDA tensor, so the calibrated model cannot run on a CPU: the
+    # export is read back and run with kiln's own NVFP4 emulation (runtime/nvfp4.py).
+    "NVFP4": "NVFP4_DEFAULT_CFG",
 }
 
 
@@ -73,7 +78,7 @@ def calibrate(model: Any, scheme: Scheme, spec: QuantSpec, samples: list[list[in
     "modelopt",
     format="modelopt",
     schemes={"NO_QUANT", *PRESETS},
-    activations={"none", "fp8_static", "int8_static"},
+    activations={"none", "fp8_static", "int8_static", "nvfp4"},
     kv_cache={"none", "fp8"},
     packages=("nvidia-modelopt",),
 )
@@ -120,6 +125,7 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kiln.runtime import nvfp4
     from kiln.runtime.checkpoint import open_checkpoint
     from kiln.runtime.linear import LinearWeights, dequantize, effective_weight
 
@@ -156,7 +162,11 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
         acts = linear.scheme.activations
         if linear.pre_quant_scale is not None or linear.input_scale is not None:
             fake_quant = (
-                fake_quant_int8 if acts is not None and acts.type == "int" else fake_quant_fp8
+                fake_quant_int8
+                if acts is not None and acts.type == "int"
+                else nvfp4.fake_quantize
+                if acts is not None and acts.num_bits == 4
+                else fake_quant_fp8
             )
             model.get_submodule(prefix).register_forward_pre_hook(
                 _input_hook(linear.pre_quant_scale, linear.input_scale, fake_quant)

@@ -14,6 +14,9 @@ On disk, as nvidia-modelopt 0.4x writes it:
   `pre_quant_scale` [K] where it was not folded into the preceding norm (o_proj, down_proj).
   W4A8_AWQ: W4A16_AWQ plus a static FP8 `input_scale` and a per-tensor `weight_scale_2`,
   which only re-expresses the int4 codes in FP8 for the kernel: not part of the values.
+  NVFP4: `weight` uint8 [N, K/2], two e2m1 codes per byte along K (runtime/nvfp4.py),
+  `weight_scale` float8_e4m3fn [N, K/16] per block of 16, `weight_scale_2` () per tensor
+  (w = e2m1 × weight_scale × weight_scale_2), `input_scale` () the activations' global scale.
 - FP8 KV cache: per layer `self_attn.k_proj.k_scale` and `self_attn.v_proj.v_scale` (),
   the scales that dequantise the cached keys and values.
 """
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.runtime import nvfp4
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme, row_scales
 
@@ -36,12 +40,17 @@ if TYPE_CHECKING:
 CONFIG_FILE = "hf_quant_config.json"
 FP8_STATIC = ActivationScheme("float", 8, "tensor", dynamic=False)
 INT8_STATIC = ActivationScheme("int", 8, "tensor", dynamic=False)
+NVFP4_BLOCKS = ActivationScheme("float", 4, "group", dynamic=True)  # static global scale
 # quant_algo → (how its weights are stored, the weight tensor's dtype on disk)
 SCHEMES: dict[str, tuple[WeightScheme, torch.dtype]] = {
     "FP8": (WeightScheme("float", 8, "tensor", activations=FP8_STATIC), torch.float8_e4m3fn),
     "W8A8_SQ_PER_CHANNEL": (WeightScheme("int", 8, "channel", activations=INT8_STATIC), torch.int8),
     "W4A16_AWQ": (WeightScheme("int", 4, "group"), torch.uint8),
     "W4A8_AWQ": (WeightScheme("int", 4, "group", activations=FP8_STATIC), torch.uint8),
+    "NVFP4": (
+        WeightScheme("float", 4, "group", nvfp4.BLOCK, activations=NVFP4_BLOCKS),
+        torch.uint8,
+    ),
 }
 KV_CACHE = {"FP8": "fp8", "INT8": "int8"}
 
@@ -88,8 +97,13 @@ class ModelOptExport:
                 f"{self.source}: {module}.weight is {weight.dtype}, but quant_algo "
                 f"{self.quant_algo} stores {stored}; the checkpoint is inconsistent"
             )
-        codes = unpack_int4_rows(weight) if stored == torch.uint8 else weight
-        scale = row_scales(files.get(f"{module}.weight_scale"), codes.shape[0])
+        if self.quant_algo == "NVFP4":  # e2m1 values; the global scale folds into the blocks'
+            codes = nvfp4.unpack_e2m1(weight)
+            scale = files.get(f"{module}.weight_scale").to(torch.float32)
+            scale = scale * files.get(f"{module}.weight_scale_2").to(torch.float32)
+        else:
+            codes = unpack_int4_rows(weight) if stored == torch.uint8 else weight
+            scale = row_scales(files.get(f"{module}.weight_scale"), codes.shape[0])
         if scheme.strategy == "group":
             size = self.group_size or codes.shape[1] // scale.shape[1]
             scheme = replace(scheme, group_size=size)

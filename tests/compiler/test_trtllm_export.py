@@ -203,11 +203,11 @@ def test_float_checkpoint_exports_without_quantisation(exported):
 
 
 def test_modes_without_a_portable_layout_are_refused(tiny_llama, tmp_path):
-    spec = QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic")
+    spec = QuantSpec(method="gptq", weight_bits=8, group_size=64)
     quantize(tiny_llama, spec, CALIBRATION, tmp_path / "q")
     with pytest.raises(UsageError) as err:
         export_checkpoint(tmp_path / "q", tmp_path / "trt")
-    assert "FP8_PER_CHANNEL_PER_TOKEN" in err.value.message and "method fp8" in err.value.message
+    assert "W8A16_GPTQ" in err.value.message and "group_size: null" in err.value.message
 
 
 def test_mistral_exports(tiny_mistral, tmp_path):

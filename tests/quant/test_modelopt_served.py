@@ -92,12 +92,12 @@ def test_modelopt_algorithm_kiln_cannot_read_is_named(quantised: Quantised, tmp_
 
     from kiln.runtime.checkpoint import open_checkpoint
 
-    model_dir = tmp_path / "nvfp4"
+    model_dir = tmp_path / "mxfp4"
     shutil.copytree(quantised("modelopt-fp8-kv_fp8")[0], model_dir)
     config = json.loads((model_dir / "hf_quant_config.json").read_text())
-    config["quantization"]["quant_algo"] = "NVFP4"
+    config["quantization"]["quant_algo"] = "W4A8_MXFP4_FP8"
     (model_dir / "hf_quant_config.json").write_text(json.dumps(config))
     with pytest.raises(ArtifactError) as err:
         open_checkpoint(model_dir)
-    assert str(model_dir) in err.value.message and "'NVFP4'" in err.value.message
+    assert str(model_dir) in err.value.message and "'W4A8_MXFP4_FP8'" in err.value.message
     assert "W4A16_AWQ" in err.value.message  # what it does read

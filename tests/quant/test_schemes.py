@@ -210,7 +210,7 @@ def test_backend_refusal_names_what_the_backend_can_do_and_who_can() -> None:
     [problem] = check(QuantSpec(method="gptq", weight_bits=4, group_size=64, backend="modelopt"))
     assert problem.key == "quantization.backend"
     assert "llmcompressor can do W4A16_GPTQ" in problem.problem
-    assert problem.allowed == "modelopt does FP8, NO_QUANT, W4A16_AWQ, W4A8_AWQ, W8A8_SQ"
+    assert problem.allowed == "modelopt does FP8, NO_QUANT, NVFP4, W4A16_AWQ, W4A8_AWQ, W8A8_SQ"
     [problem] = check(
         QuantSpec(method="awq", weight_bits=4, group_size=64, activations="fp8_static")
     )

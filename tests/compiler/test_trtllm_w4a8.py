@@ -1,0 +1,140 @@
+"""W4A8 AWQ (ModelOpt: int4 group weights, static FP8 activations) exported as TensorRT-LLM
+1.2's W4A8_AWQ checkpoint: against ModelOpt's own writer, read back, and held to the rules of
+compiler/trtllm/conformance.py for Llama and Qwen2 at tp 1, 2 and 4."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.conformance import check_checkpoint, check_config
+from kiln.quant import quantize
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.checkpoint import open_checkpoint
+from kiln.runtime.errors import UsageError
+from kiln.runtime.linear import effective_weight
+from tests.compiler.test_compile import kiln
+from tests.compiler.test_trtllm_export import max_rel_error
+from tests.compiler.test_trtllm_modelopt import (  # noqa: F401
+    _compare,
+    kept_by_both,
+    modelopt_exports,
+)
+from tests.compiler.trtllm_recipes import compile_conforming, scheme_recipe
+
+CALIBRATION = CalibrationSpec(num_samples=4, max_seq_len=32)
+W4A8 = QuantSpec(
+    method="awq", weight_bits=4, group_size=64, activations="fp8_static", backend="modelopt"
+)
+
+
+def test_w4a8_matches_modelopts_writer_where_both_keep_the_tensors(modelopt_exports):  # noqa: F811
+    theirs_dir, ours_dir = modelopt_exports("W4A8_AWQ_BETA_CFG")
+    config_o, (ours,) = read_checkpoint(ours_dir)
+    config_m, (theirs,) = read_checkpoint(theirs_dir)
+    assert config_o["quantization"] == config_m["quantization"]
+    assert set(ours) == set(theirs)
+    # ModelOpt's HF writer re-smooths gate/up and folds the q/k/v pre-quant scale into the
+    # norm (test_trtllm_modelopt); everything else, weights_scaling_factor_2 and the FP8
+    # activation scales included, must agree.
+    same = kept_by_both(theirs)
+    assert any(k.endswith("weights_scaling_factor_2") for k in same)
+    _compare(ours, theirs, same, int4=True)
+    assert check_checkpoint(ours_dir) == []
+    assert check_checkpoint(theirs_dir) == []  # NVIDIA's writer obeys the rules read from TRT-LLM
+
+
+@pytest.fixture(scope="module")
+def w4a8(tmp_path_factory, tiny_llama, tiny_qwen2):
+    """arch → the tiny model of `arch` quantised W4A8 AWQ g64 by kiln's ModelOpt backend."""
+    models, made = {"llama": tiny_llama, "qwen2": tiny_qwen2}, {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = tmp_path_factory.mktemp(f"w4a8-{arch}")
+            quantize(models[arch], W4A8, CALIBRATION, made[arch])
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_w4a8_checkpoint_conforms(w4a8, arch, tp, tmp_path):
+    try:
+        export_checkpoint(w4a8(arch), tmp_path, tp_size=tp)
+    except UsageError as exc:  # o_proj's 128 inputs / 4 = 32 cut a group of 64
+        assert tp == 4 and "group of 64" in exc.message
+        return
+    assert check_checkpoint(tmp_path) == []
+    config, ranks = read_checkpoint(tmp_path)
+    assert config["quantization"]["pre_quant_scale"] is True
+    # W4A8's group-wise layer pads features to a multiple of max(128, group) × tp.
+    hidden = 128 if tp == 1 else 256
+    for rank in ranks:
+        assert rank["transformer.layers.0.mlp.proj.weight"].shape == (hidden // 2, 256 // tp)
+        assert rank["transformer.layers.0.mlp.proj.weights_scaling_factor_2"].shape == (1,)
+
+
+def test_w4a8_decodes_to_the_quantisers_weights(w4a8, tmp_path):
+    export_checkpoint(w4a8("llama"), tmp_path)
+    decoded = decode_checkpoint(tmp_path)
+    ckpt = open_checkpoint(w4a8("llama"))
+    for layer in range(2):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
+            module = f"model.layers.{layer}.{name}"
+            want = effective_weight(ckpt.linear(module), torch.float32)
+            # group scales are stored in the model's dtype (bf16): < 2^-8 relative
+            assert max_rel_error(decoded[f"{module}.weight"], want) < 2**-7, module
+
+
+def test_w4a8_tp2_shards_reassemble_to_the_tp1_weights(w4a8, tmp_path):
+    export_checkpoint(w4a8("qwen2"), tmp_path / "one")
+    export_checkpoint(w4a8("qwen2"), tmp_path / "two", tp_size=2)
+    one, two = decode_checkpoint(tmp_path / "one"), decode_checkpoint(tmp_path / "two")
+    assert one.keys() == two.keys()
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_w4a8_without_pre_quant_scales_is_named():
+    config = {
+        "num_hidden_layers": 1,
+        "quantization": {"quant_algo": "W4A8_AWQ", "group_size": 128, "exclude_modules": []},
+    }
+    assert any("pre_quant_scale: true" in p for p in check_config(config))
+
+
+W4A8_RECIPE = {
+    "method": "awq",
+    "group_size": 64,
+    "symmetric": True,
+    "activations": "fp8_static",
+    "backend": "modelopt",
+}
+
+
+def _recipe(tmp_path: Path, model: Path, target: str, path: str = "both") -> Path:
+    return scheme_recipe(tmp_path, model, W4A8_RECIPE, target, path)
+
+
+@pytest.mark.parametrize("target", ["h100-sxm", "l40s"])
+def test_validate_takes_w4a8_for_hopper_and_ada_engines(tmp_path, tiny_llama, target):
+    code, _, stderr = kiln("validate", str(_recipe(tmp_path, tiny_llama, target, "engine")))
+    assert code == 0, stderr
+
+
+@pytest.mark.parametrize(("target", "why"), [("b200", "W4A8_AWQ does not run on b200"),
+                                             ("a100-80gb", "no FP8 tensor cores")])  # fmt: skip
+def test_validate_refuses_w4a8_where_trtllm_has_no_kernels(tmp_path, tiny_llama, target, why):
+    code, _, stderr = kiln("validate", str(_recipe(tmp_path, tiny_llama, target, "engine")))
+    assert code == 2
+    assert why in stderr
+
+
+def test_compile_plans_a_w4a8_engine_and_serves_the_modelopt_export(tmp_path, tiny_llama):
+    status, artifact = compile_conforming(_recipe(tmp_path, tiny_llama, "h100-sxm"), "h100-sxm")
+    assert status == {"engine": "planned", "pytorch": "ready"}
+    assert any(artifact.glob("**/rank0.safetensors"))

@@ -1,0 +1,47 @@
+"""Tiny recipes for one quantisation scheme and one GPU target, and a compile that returns
+the artifact with its checkpoint and trtllm-serve options checked against the conformance
+rules (compiler/trtllm/conformance.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kiln.compiler.trtllm.conformance import check_checkpoint, check_serve_options
+from tests.compiler.test_compile import kiln
+
+
+def scheme_recipe(
+    tmp_path: Path, model: Path, quantization: dict[str, Any], target: str, path: str = "both"
+) -> Path:
+    """A recipe quantising `model` as `quantization` says, for `target` on `path`."""
+    recipe = {
+        "name": f"tiny-{quantization['method']}",
+        "model": {"source": str(model)},
+        "quantization": quantization,
+        "calibration": {"dataset": "builtin:licenses", "num_samples": 4, "max_seq_len": 32},
+        "report": {"num_samples": 4, "max_seq_len": 32},
+        "targets": [target],
+        "deploy": {"trtllm_path": path},
+        "output": "out",
+    }
+    out = tmp_path / "recipe.yaml"
+    out.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return out
+
+
+def compile_conforming(recipe: Path, target: str) -> tuple[dict[str, str], Path]:
+    """`kiln compile --json` of `recipe`: (target's path status, artifact), after checking that
+    every exported checkpoint and the target's trtllm-serve options obey the rules."""
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout.splitlines()[-1])  # ModelOpt prints its own lines first
+    artifact = Path(result["artifact"])
+    for rank0 in artifact.glob("**/rank0.safetensors"):
+        assert check_checkpoint(rank0.parent) == [], rank0.parent
+    options = yaml.safe_load((artifact / "engines" / target / "trtllm-serve.yaml").read_text())
+    assert check_serve_options(options) == []
+    return result["targets"][target], artifact

@@ -308,3 +308,32 @@ def test_names_dtypes_shapes_and_quant_config_equal_modelopts_export(
     quant_theirs = json.loads((theirs / "hf_quant_config.json").read_text())["quantization"]
     assert quant_ours == quant_theirs
     assert check_hf_checkpoint(theirs, 1) == []  # the rules were read from TensorRT-LLM
+
+
+# ---- in `kiln compile` ------------------------------------------------------------------------
+
+
+def test_compile_serves_an_llm_compressor_int4_artifact_on_the_pytorch_path(tmp_path, tiny_llama):
+    from kiln.runtime import artifact
+    from tests.compiler.test_compile import kiln, recipe_file
+
+    recipe = recipe_file(tmp_path, tiny_llama, samples=4, seq=32, extra="targets: [l40s]\n")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    path = Path(json.loads(stdout)["artifact"])
+    assert json.loads(stdout)["targets"]["l40s"]["pytorch"] == "ready"
+    assert artifact.verify(path) == []  # the conversion is part of the digest
+    assert check_hf_checkpoint(path / "trtllm" / "hf", 1) == []
+    serve = (path / "engines" / "l40s" / "trtllm-serve.yaml").read_text()
+    assert serve.startswith("# from the artifact directory: trtllm-serve trtllm/hf --backend")
+
+
+def test_compile_names_the_tp_rule_the_pytorch_backend_would_break(tmp_path, tiny_llama):
+    from tests.compiler.test_compile import kiln, recipe_file
+
+    extra = "targets: [l40s]\ndeploy:\n  tp_size: 4\n  trtllm_path: pytorch\n"
+    recipe = recipe_file(tmp_path, tiny_llama, samples=4, seq=32, extra=extra)
+    code, stdout, _ = kiln("compile", str(recipe), "--json")
+    assert code == 3
+    status = json.loads(stdout)["targets"]["l40s"]["pytorch"]
+    assert status.startswith("unsupported: conformance: tp=4 exceeds the 2 KV heads")

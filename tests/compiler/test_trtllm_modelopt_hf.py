@@ -337,3 +337,14 @@ def test_compile_names_the_tp_rule_the_pytorch_backend_would_break(tmp_path, tin
     assert code == 3
     status = json.loads(stdout)["targets"]["l40s"]["pytorch"]
     assert status.startswith("unsupported: conformance: tp=4 exceeds the 2 KV heads")
+
+
+def test_validate_accepts_on_the_pytorch_path_exactly_the_schemes_that_convert():
+    from kiln.compiler.targets import check_target
+
+    fp8_kv, awq = SPECS["fp8_kv"], QuantSpec(method="awq", weight_bits=4, group_size=128)
+    assert check_target(fp8_kv, "h100-sxm", path="pytorch") == []
+    assert check_target(awq, "l40s", path="pytorch") == []
+    assert check_target(SPECS["gptq"], "a100-80gb", path="pytorch") == []
+    (why,) = check_target(QuantSpec(method="gptq", weight_bits=8), "l40s", path="pytorch")
+    assert "nor does kiln convert it exactly: W8A16 from compressed-tensors" in why.problem

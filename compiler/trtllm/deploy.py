@@ -60,6 +60,7 @@ from kiln.runtime.model_info import ModelInfo
 
 TRTLLM_DIR = "trtllm"
 PYTORCH_HF_DIR = f"{TRTLLM_DIR}/hf"  # the ModelOpt HF conversion the PyTorch path serves
+PYTORCH_DRAFT_DIR = f"{TRTLLM_DIR}/hf-draft"  # and the draft's, where it needs one
 ENGINES_DIR = "engines"
 CHECKPOINT_DTYPE = "bfloat16"
 # tensorrt_llm/llmapi/llm_args.py `supports_backend`: DraftTarget and NGram decoding run on
@@ -90,6 +91,8 @@ class SpeculativeTarget:
     exports: dict[int, ExportRecord] = field(default_factory=dict)  # the draft's, per tp
     ngram_size: int = 3  # method ngram: max_matching_ngram_size
     external_draft_engine: bool = False  # also plan the engine for external draft tokens
+    served_dir: str | None = None  # the draft trtllm-serve loads; None: `<draft_dir>/model`
+    served_problem: str | None = None  # why no draft checkpoint that backend loads exists
 
 
 @dataclass(frozen=True)
@@ -112,17 +115,34 @@ def pytorch_checkpoint(root: Path, ctx: TargetContext) -> TargetContext:
     """`ctx` serving, on the PyTorch path, a checkpoint its backend loads: `model/` as it is
     where it loads that, else the exact ModelOpt HF conversion written to `trtllm/hf/` in the
     artifact `root` (or, in `served_problem`, why none could be written)."""
-    if ctx.path == "engine" or pytorch_problem(ctx.model_format, ctx.quant_algo) is None:
+    if ctx.path == "engine":
         return ctx
-    if ctx.model_format != "compressed-tensors":
-        return ctx
+    draft = ctx.speculative
+    if draft is not None and draft.method == "draft" and draft.exports:
+        export = next(iter(draft.exports.values()))
+        fmt, algo = export.source_format or "float", export.source_quant_algo or "NO_QUANT"
+        src = root / str(draft.draft_dir) / MODEL_DIR
+        served, why = _convert(fmt, algo, src, root / PYTORCH_DRAFT_DIR)
+        dir_ = PYTORCH_DRAFT_DIR if served else None
+        ctx = replace(ctx, speculative=replace(draft, served_dir=dir_, served_problem=why))
+    served, why = _convert(ctx.model_format, ctx.quant_algo, root / MODEL_DIR,
+                           root / PYTORCH_HF_DIR)  # fmt: skip
+    if served is None:
+        return replace(ctx, served_problem=why)
+    return replace(ctx, model_format="modelopt", quant_algo=served, served_dir=PYTORCH_HF_DIR)
+
+
+def _convert(fmt: str, algo: str, src: Path, out: Path) -> tuple[str | None, str | None]:
+    """(the quant_algo of `src`'s ModelOpt HF conversion written to `out`, None) where the
+    PyTorch backend cannot load `src` itself but its conversion is exact; (None, why not)
+    where neither; (None, None) where `src` loads as it is."""
+    if pytorch_problem(fmt, algo) is None or fmt != "compressed-tensors":
+        return None, None
     try:
-        section = convert_to_modelopt_hf(root / MODEL_DIR, root / PYTORCH_HF_DIR)
+        return convert_to_modelopt_hf(src, out)["quant_algo"], None
     except KilnError as exc:
-        shutil.rmtree(root / PYTORCH_HF_DIR, ignore_errors=True)
-        return replace(ctx, served_problem=exc.message)
-    return replace(ctx, model_format="modelopt", quant_algo=section["quant_algo"],
-                   served_dir=PYTORCH_HF_DIR)  # fmt: skip
+        shutil.rmtree(out, ignore_errors=True)
+        return None, exc.message
 
 
 class TargetFailure(StageFailure):
@@ -199,7 +219,12 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
         tp_rules = check_hf_checkpoint(root / ctx.served_dir, plan.tp_size)
         loads = "conformance: " + "; ".join(tp_rules[:3]) if tp_rules else None
     draft = speculative.exports.get(plan.tp_size) if speculative else None
-    if loads is None and draft is not None and draft.source_format is not None:
+    if loads is None and speculative is not None and speculative.served_problem is not None:
+        loads = f"the draft: {speculative.served_problem}"
+    elif loads is None and speculative is not None and speculative.served_dir is not None:
+        why_not = check_hf_checkpoint(root / speculative.served_dir, plan.tp_size)
+        loads = f"the draft: conformance: {'; '.join(why_not[:3])}" if why_not else None
+    elif loads is None and draft is not None and draft.source_format is not None:
         why = pytorch_problem(draft.source_format, draft.source_quant_algo or "NO_QUANT")
         loads = None if why is None else f"the draft: {why}"
     if ctx.path == "engine":
@@ -230,8 +255,8 @@ def _serve_speculation(speculative: SpeculativeTarget | None) -> dict[str, Any]:
     if speculative.method == "ngram":
         return {"max_draft_len": speculative.max_draft_len, "ngram_size": speculative.ngram_size}
     # Artifact-relative: trtllm-serve runs from the artifact directory (see the YAML header).
-    return {"draft_dir": f"{speculative.draft_dir}/{MODEL_DIR}",
-            "max_draft_len": speculative.max_draft_len}  # fmt: skip
+    draft_dir = speculative.served_dir or f"{speculative.draft_dir}/{MODEL_DIR}"
+    return {"draft_dir": draft_dir, "max_draft_len": speculative.max_draft_len}
 
 
 def _draft_build(root: Path, name: str, plan: Plan, speculative: SpeculativeTarget) -> DraftBuild:

@@ -506,3 +506,24 @@ def test_validate_refuses_speculation_that_only_an_engine_would_serve(
     opted = recipe_file(tmp_path, tiny_llama, engine_only.format(EXTERNAL), method="none", name="o")
     code, _, stderr = kiln("validate", str(opted))
     assert code == 0, stderr
+
+
+def test_an_llm_compressor_fp8_draft_is_served_from_its_modelopt_conversion(
+    tmp_path: Path, made_draft: tuple[Path, dict], tiny_llama: Path
+) -> None:
+    from kiln.compiler.trtllm.hf_rules import check_hf_checkpoint
+
+    section = (
+        f"  draft:\n    source: {made_draft[0]}\n    quantization:\n      method: fp8\n"
+        "      activations: fp8_static\n  max_draft_len: 2\n"
+    )
+    recipe = recipe_file(tmp_path, tiny_llama, section, method="none")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["targets"]["h100-sxm"]["pytorch"] == "ready"
+    path = Path(result["artifact"])
+    options = yaml.safe_load((path / "engines" / "h100-sxm" / "trtllm-serve.yaml").read_text())
+    assert options["speculative_config"]["speculative_model_dir"] == "trtllm/hf-draft"
+    assert check_hf_checkpoint(path / "trtllm" / "hf-draft", 1) == []
+    assert artifact.verify(path) == []

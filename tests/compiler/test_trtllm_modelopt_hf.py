@@ -348,3 +348,23 @@ def test_validate_accepts_on_the_pytorch_path_exactly_the_schemes_that_convert()
     assert check_target(SPECS["gptq"], "a100-80gb", path="pytorch") == []
     (why,) = check_target(QuantSpec(method="gptq", weight_bits=8), "l40s", path="pytorch")
     assert "nor does kiln convert it exactly: W8A16 from compressed-tensors" in why.problem
+
+
+def test_tied_embeddings_and_a_float_down_proj_convert_as_excluded_modules(tmp_path):
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    ignore = ("lm_head", r"re:model\.layers\.1\.mlp\.down_proj$")
+    spec = QuantSpec(method="gptq", weight_bits=4, group_size=64, ignore=ignore)
+    quantize(model, spec, CALIBRATION, tmp_path / "ct")
+    section = convert_to_modelopt_hf(tmp_path / "ct", tmp_path / "hf")
+    assert "model.layers.1.mlp.down_proj" in section["exclude_modules"]
+    assert check_hf_checkpoint(tmp_path / "hf", 2) == []
+    with (
+        safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as a,
+        safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as b,
+    ):
+        assert "lm_head.weight" not in set(b.keys())
+        name = "model.layers.1.mlp.down_proj.weight"
+        assert torch.equal(a.get_tensor(name), b.get_tensor(name))
+        assert "model.layers.1.mlp.down_proj.pre_quant_scale" not in set(b.keys())

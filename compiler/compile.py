@@ -17,7 +17,13 @@ from kiln.compiler.preflight import Preflight, run_preflight
 from kiln.compiler.recipe import load_recipe
 from kiln.compiler.speculative import Speculation, compile_draft
 from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
-from kiln.compiler.trtllm.deploy import TargetContext, TargetFailure, target_failures, write_target
+from kiln.compiler.trtllm.deploy import (
+    TargetContext,
+    TargetFailure,
+    pytorch_checkpoint,
+    target_failures,
+    write_target,
+)
 from kiln.runtime import artifact
 from kiln.runtime.artifact import Manifest
 from kiln.runtime.user_cache import cache_home
@@ -134,9 +140,10 @@ def _run_stages(
             fill_artifact(model, staging.dir)
             if speculation is not None:
                 speculation.install(staging.dir)
+            served = pytorch_checkpoint(staging.dir, context) if pre.plans else context
             for name, target_plan in pre.plans.items():
                 progress(f"engines: {name}")
-                manifest.targets[name] = write_target(staging.dir, name, target_plan, context)
+                manifest.targets[name] = write_target(staging.dir, name, target_plan, served)
             failures = [f for n, t in manifest.targets.items() for f in target_failures(n, t)]
             if failures:  # raised inside assemble: the staging directory is discarded
                 raise TargetFailure(failures, target_statuses(manifest))

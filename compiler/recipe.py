@@ -158,6 +158,11 @@ class SpeculativeSection(_Strict):
     auto_max_tokens: int = Field(32, ge=4, le=1024)
     auto_max_k: int = Field(8, ge=1, le=16)
     max_matching_ngram_size: int = Field(3, ge=1, le=16)  # ngram: suffix length looked up
+    # Speculation is served by trtllm-serve's speculative_config (PyTorch backend): TensorRT-
+    # LLM 1.2 drives DraftTarget/NGram nowhere else. True also plans the 1.2.x engine for
+    # externally drafted tokens (draft_tokens_external + a draft engine), which speculates
+    # only under a C++ Executor API client that supplies the draft tokens itself.
+    external_draft_engine: bool = False
 
     @field_validator("draft", mode="before")
     @classmethod
@@ -459,6 +464,15 @@ def _speculative_problems(recipe: Recipe) -> list[str]:
         problems.append(recipe.problem(
             "speculative.draft", "method ngram drafts from the prompt itself, not a model",
             "drop speculative.draft, or use method: draft",
+        ))  # fmt: skip
+    if recipe.config.deploy.trtllm_path == "engine" and not spec.external_draft_engine:
+        problems.append(recipe.problem(
+            "speculative", "with deploy.trtllm_path engine nothing would speculate: TensorRT-LLM "
+            "1.2's LLM API and trtllm-serve run DraftTarget and NGram on the PyTorch backend "
+            "only, and serve an engine as plain decoding",
+            "deploy.trtllm_path: both or pytorch (trtllm-serve.yaml's speculative_config), or "
+            "speculative.external_draft_engine: true for a C++ Executor API client that passes "
+            "its own draft tokens",
         ))  # fmt: skip
     if spec.method == "ngram" and spec.max_draft_len == "auto":
         problems.append(recipe.problem(

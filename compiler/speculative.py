@@ -15,13 +15,16 @@ draft at that K, on the same prompts and machine, decides it (`measure_speedup`)
 manifest records both rates beside the machine.
 
 TensorRT-LLM spellings this feeds (compiler/trtllm/build.py and serve_config.py), checked
-in its sources: `trtllm-build --speculative_decoding_mode draft_tokens_external
---max_draft_len K` for the target plus a plain draft engine
-(examples/draft_target_model/README.md; prompt lookup builds only the target,
-examples/prompt_lookup/README.md); the LLM API / trtllm-serve YAML `speculative_config:
+in its sources. What speculates by default is the LLM API / trtllm-serve YAML `speculative_config:
 {decoding_type: DraftTarget | NGram, max_draft_len, speculative_model_dir,
 max_matching_ngram_size}` (tensorrt_llm/llmapi/llm_args.py `DecodingBaseConfig.from_dict`,
-docs/source/features/speculative-decoding.md).
+docs/source/features/speculative-decoding.md): 1.2's LLM API runs DraftTarget and NGram on
+the PyTorch backend only, so the engine is planned for plain decoding unless the recipe sets
+`speculative.external_draft_engine: true`, which plans `trtllm-build
+--speculative_decoding_mode draft_tokens_external --max_draft_len K` for the target plus a
+plain draft engine (examples/draft_target_model/README.md; prompt lookup builds only the
+target, examples/prompt_lookup/README.md) for a C++ Executor API client that passes draft
+tokens itself.
 
 The tokenizer comparison itself is compiler/tokenizer_match.py.
 """
@@ -74,6 +77,7 @@ class SpeculativePlan:
     auto_max_tokens: int = 32
     auto_max_k: int = 8
     max_matching_ngram_size: int = 3
+    external_draft_engine: bool = False  # also plan an engine for external draft tokens
     source: sources.SourceRef | None = None  # the draft's
     info: ModelInfo | None = None
     spec: QuantSpec = field(default_factory=QuantSpec)
@@ -94,6 +98,7 @@ def check_speculative(
         auto_max_tokens=section.auto_max_tokens,
         auto_max_k=section.auto_max_k,
         max_matching_ngram_size=section.max_matching_ngram_size,
+        external_draft_engine=section.external_draft_engine,
     )
     draft_spec = recipe.draft_quant_spec()
     if section.draft is None or draft_spec is None:
@@ -299,7 +304,12 @@ def compile_draft(
         k = int(plan.max_draft_len or 1)
         ngram = SpeculativeRecord(method="ngram", max_draft_len=k, chosen_by="recipe",
                                   max_matching_ngram_size=plan.max_matching_ngram_size)  # fmt: skip
-        spec_target = SpeculativeTarget("ngram", k, ngram_size=plan.max_matching_ngram_size)
+        spec_target = SpeculativeTarget(
+            "ngram",
+            k,
+            ngram_size=plan.max_matching_ngram_size,
+            external_draft_engine=plan.external_draft_engine,
+        )
         return Speculation([], input_key("speculative", ngram.to_dict()), ngram, spec_target)
     job = draft_job(plan, recipe, tuple(sorted(target.exports)))
     draft = build_model(job, cache, tools, force=force, progress=progress)
@@ -343,6 +353,7 @@ def compile_draft(
         spec=plan.spec,
         info=plan.info,
         exports={tp: draft.export(tp) for tp in job.tps},
+        external_draft_engine=plan.external_draft_engine,
     )
     return Speculation(stages, key, section, spec_target, packaged.path / packaged.record["name"])
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from kiln.compiler.trtllm.conformance import INT4_GROUP_SIZES, group_problem, pytorch_problem
 from kiln.compiler.trtllm.export import CHECKPOINT_ALGO, NOT_EXPORTED
+from kiln.compiler.trtllm.modelopt_hf import conversion_problem
 from kiln.quant.backends import BACKENDS
 from kiln.quant.schemes import Problem, resolve
 from kiln.quant.spec import QuantSpec
@@ -316,14 +317,22 @@ def check_algos(
 def _unloadable(spec: QuantSpec, algo: str, path: str) -> str | None:
     """Why what kiln writes for `spec` cannot be loaded on `path` (None: it can), judged
     from the recipe alone: the engine path needs kiln's checkpoint export of the scheme, the
-    PyTorch path a checkpoint format its loader reads (conformance.pytorch_problem)."""
+    PyTorch path a checkpoint format its loader reads (conformance.pytorch_problem), or
+    an exact ModelOpt HF conversion of it (modelopt_hf.conversion_problem)."""
     if path == "engine":
         if algo in NOT_EXPORTED:
             return f"{algo} has no TensorRT-LLM checkpoint export: {NOT_EXPORTED[algo]}"
         return None if algo in CHECKPOINT_ALGO else f"{algo} has no TensorRT-LLM checkpoint export"
     backend = BACKENDS.get(spec.backend)
     fmt = "float" if algo == "NO_QUANT" else backend.format if backend else None
-    return None if fmt is None else pytorch_problem(fmt, algo)
+    why = None if fmt is None else pytorch_problem(fmt, algo)
+    if why is None or fmt != "compressed-tensors":
+        return why
+    kv_algo = quant_algo(spec)[1]
+    converts = conversion_problem(
+        algo, kv_algo, symmetric=spec.symmetric, group_size=spec.group_size
+    )
+    return None if converts is None else f"{why}; nor does kiln convert it exactly: {converts}"
 
 
 def check_target(spec: QuantSpec, target_name: str, path: str = "both") -> list[Problem]:

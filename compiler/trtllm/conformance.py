@@ -14,7 +14,8 @@ states these rules, so this module is ours.
   what a checkpoint holds (`check_checkpoint`): TensorRT-LLM raises on a missing tensor or a
   shape mismatch and only warns on an extra one.
 - Which checkpoint formats the PyTorch backend loads (`pytorch_problem`), and the LLM API
-  arguments a trtllm-serve options file may hold (`check_serve_options`).
+  arguments a trtllm-serve options file may hold (`check_serve_options`). What it reads from
+  a ModelOpt HF checkpoint, tensor by tensor and per tp, is hf_rules.py.
 The trtllm-build flags and their legal combinations are checked where the build is planned
 (compiler/trtllm/build.py `check_build_args`), from commands/build.py and plugin/plugin.py.
 """

@@ -5,31 +5,46 @@ For every target in the recipe the artifact gets, under `engines/<target>/`:
 - `build.sh` and the exact `trtllm-build` command (status `planned`), or the engines
   themselves with their `kiln-engine.json` stamp (status `built`, only where TensorRT-LLM
   1.2.x and a GPU of the target's compute capability are present);
-- `trtllm-serve.yaml`: options for the PyTorch backend serving `model/` directly;
+- `trtllm-serve.yaml`: options for the PyTorch backend serving `model/` directly, or, for
+  an llm-compressor checkpoint that backend does not load, its exact ModelOpt HF conversion
+  in `trtllm/hf/` (compiler/trtllm/modelopt_hf.py; checked per tp by hf_rules.py);
 and under `trtllm/tp<N>/` the unified checkpoint `trtllm-build` reads. A scheme that one
 path cannot carry is recorded as `unsupported: <reason>` for that path; nothing pretends.
 
-With speculative decoding (compiler/speculative.py) the target engine is planned for
-externally drafted tokens, a draft model adds its own engine plan (from the nested draft
-artifact's `draft/trtllm/tp<N>/`) and the serve YAML gets a `speculative_config`.
+With speculative decoding (compiler/speculative.py) the serve YAML gets a
+`speculative_config`: that is what speculates, TensorRT-LLM 1.2's LLM API running DraftTarget
+and NGram on the PyTorch backend only. The engine is planned for plain decoding (build.sh says
+so) unless the recipe sets `speculative.external_draft_engine: true`; then the target engine
+is planned for externally drafted tokens, a draft model adds its own engine plan (from the
+nested draft artifact's `draft/trtllm/tp<N>/`), and kiln warns that only a C++ Executor API
+client that passes its own draft tokens speculates with it.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kiln.compiler.planner import DeploySpec, Plan
 from kiln.compiler.targets import PROFILES, check_target
-from kiln.compiler.trtllm.build import BuildPlanError, DraftBuild, build_plan, run_build
+from kiln.compiler.trtllm.build import (
+    ENGINE_SPECULATION,
+    BuildPlanError,
+    DraftBuild,
+    build_plan,
+    run_build,
+)
 from kiln.compiler.trtllm.conformance import (
     check_checkpoint,
     check_serve_options,
     pytorch_problem,
 )
 from kiln.compiler.trtllm.export import export_checkpoint
+from kiln.compiler.trtllm.hf_rules import HF_ALGOS, check_hf_checkpoint
+from kiln.compiler.trtllm.modelopt_hf import convert_to_modelopt_hf
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.artifact import (
@@ -44,8 +59,19 @@ from kiln.runtime.errors import KilnError, StageFailure
 from kiln.runtime.model_info import ModelInfo
 
 TRTLLM_DIR = "trtllm"
+PYTORCH_HF_DIR = f"{TRTLLM_DIR}/hf"  # the ModelOpt HF conversion the PyTorch path serves
+PYTORCH_DRAFT_DIR = f"{TRTLLM_DIR}/hf-draft"  # and the draft's, where it needs one
 ENGINES_DIR = "engines"
 CHECKPOINT_DTYPE = "bfloat16"
+# tensorrt_llm/llmapi/llm_args.py `supports_backend`: DraftTarget and NGram decoding run on
+# the PyTorch backend only, so an engine planned for external drafts is served plainly.
+PLAIN_ENGINE = (
+    "plain decoding: speculative decoding is served by trtllm-serve.yaml's speculative_config "
+    "(TensorRT-LLM 1.2's LLM API runs DraftTarget and NGram on the PyTorch backend only); "
+    "speculative.external_draft_engine: true plans this engine for a C++ Executor API client "
+    "that passes its own draft tokens"
+)
+log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(tp: int) -> str:
@@ -64,6 +90,9 @@ class SpeculativeTarget:
     info: ModelInfo | None = None  # the draft's shapes
     exports: dict[int, ExportRecord] = field(default_factory=dict)  # the draft's, per tp
     ngram_size: int = 3  # method ngram: max_matching_ngram_size
+    external_draft_engine: bool = False  # also plan the engine for external draft tokens
+    served_dir: str | None = None  # the draft trtllm-serve loads; None: `<draft_dir>/model`
+    served_problem: str | None = None  # why no draft checkpoint that backend loads exists
 
 
 @dataclass(frozen=True)
@@ -76,8 +105,44 @@ class TargetContext:
     path: str = "both"  # the recipe's deploy.trtllm_path: both | engine | pytorch
     exports: dict[int, ExportRecord] = field(default_factory=dict)  # `trtllm/tp<N>/`, per tp
     speculative: SpeculativeTarget | None = None
-    model_format: str = "compressed-tensors"  # of `model/`, what the PyTorch path serves
-    quant_algo: str = "NO_QUANT"  # the quantiser's TensorRT-LLM name for it
+    model_format: str = "compressed-tensors"  # of what the PyTorch path serves
+    quant_algo: str = "NO_QUANT"  # the TensorRT-LLM name of what it serves
+    served_dir: str = MODEL_DIR  # artifact-relative checkpoint the PyTorch path serves
+    served_problem: str | None = None  # why no checkpoint that path loads could be written
+
+
+def pytorch_checkpoint(root: Path, ctx: TargetContext) -> TargetContext:
+    """`ctx` serving, on the PyTorch path, a checkpoint its backend loads: `model/` as it is
+    where it loads that, else the exact ModelOpt HF conversion written to `trtllm/hf/` in the
+    artifact `root` (or, in `served_problem`, why none could be written)."""
+    if ctx.path == "engine":
+        return ctx
+    draft = ctx.speculative
+    if draft is not None and draft.method == "draft" and draft.exports:
+        export = next(iter(draft.exports.values()))
+        fmt, algo = export.source_format or "float", export.source_quant_algo or "NO_QUANT"
+        src = root / str(draft.draft_dir) / MODEL_DIR
+        served, why = _convert(fmt, algo, src, root / PYTORCH_DRAFT_DIR)
+        dir_ = PYTORCH_DRAFT_DIR if served else None
+        ctx = replace(ctx, speculative=replace(draft, served_dir=dir_, served_problem=why))
+    served, why = _convert(ctx.model_format, ctx.quant_algo, root / MODEL_DIR,
+                           root / PYTORCH_HF_DIR)  # fmt: skip
+    if served is None:
+        return replace(ctx, served_problem=why)
+    return replace(ctx, model_format="modelopt", quant_algo=served, served_dir=PYTORCH_HF_DIR)
+
+
+def _convert(fmt: str, algo: str, src: Path, out: Path) -> tuple[str | None, str | None]:
+    """(the quant_algo of `src`'s ModelOpt HF conversion written to `out`, None) where the
+    PyTorch backend cannot load `src` itself but its conversion is exact; (None, why not)
+    where neither; (None, None) where `src` loads as it is."""
+    if pytorch_problem(fmt, algo) is None or fmt != "compressed-tensors":
+        return None, None
+    try:
+        return convert_to_modelopt_hf(src, out)["quant_algo"], None
+    except KilnError as exc:
+        shutil.rmtree(out, ignore_errors=True)
+        return None, exc.message
 
 
 class TargetFailure(StageFailure):
@@ -149,9 +214,17 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
         record.engine = _build(root, name, plan, ctx, record)
 
     pytorch_problems = check_target(ctx.spec, name, path="pytorch")
-    loads = pytorch_problem(ctx.model_format, ctx.quant_algo)
+    loads = ctx.served_problem or pytorch_problem(ctx.model_format, ctx.quant_algo)
+    if loads is None and ctx.model_format == "modelopt" and ctx.quant_algo in HF_ALGOS:
+        tp_rules = check_hf_checkpoint(root / ctx.served_dir, plan.tp_size)
+        loads = "conformance: " + "; ".join(tp_rules[:3]) if tp_rules else None
     draft = speculative.exports.get(plan.tp_size) if speculative else None
-    if loads is None and draft is not None and draft.source_format is not None:
+    if loads is None and speculative is not None and speculative.served_problem is not None:
+        loads = f"the draft: {speculative.served_problem}"
+    elif loads is None and speculative is not None and speculative.served_dir is not None:
+        why_not = check_hf_checkpoint(root / speculative.served_dir, plan.tp_size)
+        loads = f"the draft: conformance: {'; '.join(why_not[:3])}" if why_not else None
+    elif loads is None and draft is not None and draft.source_format is not None:
         why = pytorch_problem(draft.source_format, draft.source_quant_algo or "NO_QUANT")
         loads = None if why is None else f"the draft: {why}"
     if ctx.path == "engine":
@@ -166,11 +239,9 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
         if problems:
             record.pytorch = "unsupported: conformance: " + "; ".join(problems)
             return record
-        # A draft is named by its path inside the artifact: serve from the artifact root.
-        header = ""
-        if speculative is not None:
-            header = (f"from the artifact directory: trtllm-serve {MODEL_DIR} --backend "
-                      f"pytorch --config {ENGINES_DIR}/{name}/trtllm-serve.yaml")  # fmt: skip
+        # Paths are artifact-relative (the served checkpoint, a draft): serve from its root.
+        header = (f"from the artifact directory: trtllm-serve {ctx.served_dir} --backend "
+                  f"pytorch --config {ENGINES_DIR}/{name}/trtllm-serve.yaml")  # fmt: skip
         write_serve_config(engine_dir / "trtllm-serve.yaml", options, header)
         record.serve_config = f"{ENGINES_DIR}/{name}/trtllm-serve.yaml"
         record.pytorch = "ready"
@@ -184,8 +255,8 @@ def _serve_speculation(speculative: SpeculativeTarget | None) -> dict[str, Any]:
     if speculative.method == "ngram":
         return {"max_draft_len": speculative.max_draft_len, "ngram_size": speculative.ngram_size}
     # Artifact-relative: trtllm-serve runs from the artifact directory (see the YAML header).
-    return {"draft_dir": f"{speculative.draft_dir}/{MODEL_DIR}",
-            "max_draft_len": speculative.max_draft_len}  # fmt: skip
+    draft_dir = speculative.served_dir or f"{speculative.draft_dir}/{MODEL_DIR}"
+    return {"draft_dir": draft_dir, "max_draft_len": speculative.max_draft_len}
 
 
 def _draft_build(root: Path, name: str, plan: Plan, speculative: SpeculativeTarget) -> DraftBuild:
@@ -204,6 +275,8 @@ def _build(root: Path, name: str, plan: Plan, ctx: TargetContext, record: Target
     """Plan the engine build, run it where this machine can, and record the outcome."""
     engine_dir = root / ENGINES_DIR / name / "engine"
     speculative = ctx.speculative
+    if speculative is not None and not speculative.external_draft_engine:
+        speculative = None  # the engine decodes plainly; trtllm-serve.yaml speculates
     draft: DraftBuild | None = None
     extra: dict[str, str | None] | None = None
     if speculative is not None and speculative.method == "draft":
@@ -221,6 +294,11 @@ def _build(root: Path, name: str, plan: Plan, ctx: TargetContext, record: Target
                            extra_args=extra)  # fmt: skip
     except BuildPlanError as exc:
         return "unsupported: " + "; ".join(str(p) for p in exc.problems)
+    if speculative is not None:
+        log.warning("%s: the engine is planned for external draft tokens: %s", name,
+                    ENGINE_SPECULATION)  # fmt: skip
+    elif ctx.speculative is not None:
+        build.notes.append(PLAIN_ENGINE)
     # The recorded command and build.sh use artifact-relative paths: the artifact is renamed
     # into place after this, and is usually copied to a GPU builder before building.
     relative = build.relative_to(root)

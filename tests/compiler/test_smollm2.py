@@ -26,5 +26,9 @@ def test_gptq_w4a16_keeps_smollm2_perplexity_within_20_percent(
     model_bytes = sum(e.size for p, e in manifest.files.items() if p.startswith("model/"))
     assert model_bytes < 0.45 * manifest.source.parameters * 4
     assert manifest.targets["h100-sxm"].engine == "planned"
-    # GPTQ int4 in compressed-tensors: TensorRT-LLM's PyTorch backend cannot load it.
-    assert manifest.targets["l40s"].pytorch.startswith("unsupported: TensorRT-LLM's PyTorch")
+    # GPTQ int4 in compressed-tensors: served on TensorRT-LLM's PyTorch backend from its
+    # exact ModelOpt HF conversion, which keeps the two float down_proj layers float.
+    assert manifest.targets["l40s"].pytorch == "ready"
+    quant = json.loads((smollm2_gptq_artifact / "trtllm/hf/hf_quant_config.json").read_text())
+    assert quant["quantization"]["quant_algo"] == "W4A16_AWQ"
+    assert "model.layers.11.mlp.down_proj" in quant["quantization"]["exclude_modules"]

@@ -5,6 +5,7 @@ flags and serve YAML it feeds, and `kiln draft`."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from kiln.runtime import artifact
 from kiln.runtime.errors import RecipeError
 
 SMALL_AUTO = "  auto_prompts: 2\n  auto_max_tokens: 8\n  auto_max_k: 4\n"
+EXTERNAL = "  external_draft_engine: true\n"
 
 
 def kiln(*args: str) -> tuple[int, str, str]:
@@ -303,7 +305,9 @@ def compiled(
     tmp = tmp_path_factory.mktemp("compile-spec")
     # A float model: TensorRT-LLM's PyTorch backend, which serves the draft-target YAML,
     # does not load int4 compressed-tensors checkpoints.
-    recipe = recipe_file(tmp, tiny_llama, f"  draft: {made_draft[0]}\n{SMALL_AUTO}", method="none")
+    # external_draft_engine: the engine plan for external draft tokens is asked for here.
+    section = f"  draft: {made_draft[0]}\n{SMALL_AUTO}{EXTERNAL}"
+    recipe = recipe_file(tmp, tiny_llama, section, method="none")
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 0, stderr
     result = json.loads(stdout)
@@ -445,11 +449,13 @@ def test_the_runtime_turns_speculation_on_from_the_artifact(
 
 
 def test_ngram_speculation_builds_only_the_target_and_serves_ngram(
-    tmp_path: Path, tiny_llama: Path
+    tmp_path: Path, tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    section = "  method: ngram\n  max_draft_len: 3\n  max_matching_ngram_size: 2\n"
+    section = f"  method: ngram\n  max_draft_len: 3\n  max_matching_ngram_size: 2\n{EXTERNAL}"
     recipe = recipe_file(tmp_path, tiny_llama, section, method="none")
-    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    with caplog.at_level(logging.WARNING, logger="kiln.compiler.trtllm.deploy"):
+        code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert "trtllm-serve and the LLM API run DraftTarget and NGram on the PyTorch" in caplog.text
     assert code == 0, stderr
     path = Path(json.loads(stdout)["artifact"])
     manifest = artifact.load_manifest(path)
@@ -468,3 +474,56 @@ def test_ngram_speculation_builds_only_the_target_and_serves_ngram(
         "max_draft_len": 3,
         "max_matching_ngram_size": 2,
     }
+
+
+def test_by_default_trtllm_serve_speculates_and_the_engine_decodes_plainly(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    section = "  method: ngram\n  max_draft_len: 3\n  max_matching_ngram_size: 2\n"
+    recipe = recipe_file(tmp_path, tiny_llama, section, method="none")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    path = Path(json.loads(stdout)["artifact"])
+    target = artifact.load_manifest(path).targets["h100-sxm"]
+    assert (target.engine, target.pytorch) == ("planned", "ready")
+    (command,) = target.build.commands
+    assert "--speculative_decoding_mode" not in command and "--max_draft_len" not in command
+    script = (path / "engines" / "h100-sxm" / "build.sh").read_text()
+    assert "# note: plain decoding: speculative decoding is served by trtllm-serve.yaml" in script
+    options = yaml.safe_load((path / "engines" / "h100-sxm" / "trtllm-serve.yaml").read_text())
+    assert options["speculative_config"]["decoding_type"] == "NGram"
+
+
+def test_validate_refuses_speculation_that_only_an_engine_would_serve(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    engine_only = "  method: ngram\n  max_draft_len: 3\n{}deploy:\n  trtllm_path: engine\n"
+    recipe = recipe_file(tmp_path, tiny_llama, engine_only.format(""), method="none")
+    code, _, stderr = kiln("validate", str(recipe))
+    assert code == 2
+    assert "nothing would speculate" in stderr and "PyTorch backend only" in stderr
+    assert "external_draft_engine: true" in stderr
+    opted = recipe_file(tmp_path, tiny_llama, engine_only.format(EXTERNAL), method="none", name="o")
+    code, _, stderr = kiln("validate", str(opted))
+    assert code == 0, stderr
+
+
+def test_an_llm_compressor_fp8_draft_is_served_from_its_modelopt_conversion(
+    tmp_path: Path, made_draft: tuple[Path, dict], tiny_llama: Path
+) -> None:
+    from kiln.compiler.trtllm.hf_rules import check_hf_checkpoint
+
+    section = (
+        f"  draft:\n    source: {made_draft[0]}\n    quantization:\n      method: fp8\n"
+        "      activations: fp8_static\n  max_draft_len: 2\n"
+    )
+    recipe = recipe_file(tmp_path, tiny_llama, section, method="none")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["targets"]["h100-sxm"]["pytorch"] == "ready"
+    path = Path(result["artifact"])
+    options = yaml.safe_load((path / "engines" / "h100-sxm" / "trtllm-serve.yaml").read_text())
+    assert options["speculative_config"]["speculative_model_dir"] == "trtllm/hf-draft"
+    assert check_hf_checkpoint(path / "trtllm" / "hf-draft", 1) == []
+    assert artifact.verify(path) == []

@@ -137,12 +137,18 @@ def test_a_failed_build_or_no_usable_path_fails_the_target():
 def test_kiln_validate_refuses_a_path_that_cannot_load_what_kiln_writes(
     tmp_path: Path, tiny_llama: Path
 ):
-    # GPTQ int4 in compressed-tensors: the PyTorch backend cannot load it.
+    # Asymmetric GPTQ int4 in compressed-tensors: the PyTorch backend cannot load it, and
+    # its zero points have no place in the ModelOpt HF format kiln converts to.
     extra = "targets: [l40s]\ndeploy:\n  trtllm_path: pytorch\n"
-    code, _, stderr = kiln("validate", str(recipe_file(tmp_path, tiny_llama, extra=extra)))
+    recipe = recipe_file(tmp_path, tiny_llama, extra=extra)
+    recipe.write_text(
+        recipe.read_text().replace("  method: gptq\n", "  method: gptq\n  symmetric: false\n")
+    )
+    code, _, stderr = kiln("validate", str(recipe))
     assert code == 2
     assert "does not load W4A16_GPTQ from a compressed-tensors checkpoint" in stderr
     assert "backend: modelopt" in stderr
+    assert "nor does kiln convert it exactly: asymmetric int4 groups" in stderr
 
 
 def test_compile_with_no_usable_target_path_exits_nonzero_and_publishes_nothing(
@@ -166,8 +172,9 @@ def test_compile_json_reports_each_targets_status(tmp_path: Path, tiny_llama: Pa
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 0, stderr
     status = json.loads(stdout)["targets"]["l40s"]
-    assert status["engine"] == "planned"
-    assert status["pytorch"].startswith("unsupported: TensorRT-LLM's PyTorch backend does not load")
+    # GPTQ int4 (symmetric, group 64): served on the PyTorch path from its exact ModelOpt
+    # HF conversion (test_trtllm_modelopt_hf.py).
+    assert status == {"engine": "planned", "pytorch": "ready"}
 
 
 # ---- group-wise padding ------------------------------------------------------------------

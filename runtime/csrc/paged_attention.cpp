@@ -13,6 +13,9 @@
 // else is in the batch. Softmax is the usual max-subtracted one, accumulated in float32.
 
 #include <ATen/ATen.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -133,6 +136,136 @@ void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int6
   }
 }
 
+#if defined(__AVX512F__)
+// The same computation in AVX-512, for the specialised shapes (head_dim a multiple of 16):
+// each run of 16 keys is widened to float32 once into a stack buffer, scored for every query
+// head of the group at once (one partial-sum vector per key, then one transposing reduction
+// instead of a horizontal sum per key), exp runs 16 lanes wide, and the group's value
+// accumulators live in registers. SmolLM2-135M's shapes at batch 32, context 150-175, bf16
+// cache, one thread, a Xeon with AVX-512: 0.35 vs 0.57 ms of CPU per layer. Only the
+// summation order differs from the scalar path.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp_nonpositive, 16 lanes: the same range reduction and polynomial.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+// Lane j of the result is the sum of v[j]'s 16 lanes.
+inline __m512 sum_each(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = v[2 * i], y = v[2 * i + 1];
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = a[2 * i], y = a[2 * i + 1];
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m512 x = b[2 * i], y = b[2 * i + 1];
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+  }
+  const __m512 mixed =
+      _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  // The shuffles leave v[j]'s sum in lane 4 * (j % 4) + j / 4.
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, mixed);
+}
+
+template <typename T, int DIM, int GROUP>
+void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
+                   std::vector<float>& scores, std::vector<float>&) {
+  constexpr int NV = DIM / 16;
+  const int64_t len = pr.lens[b], bs = pr.block_size;
+  const float* query = pr.q + (b * pr.heads + h * GROUP) * DIM;
+  scores.resize(GROUP * len + 16);
+  float* sc = scores.data();
+  const __m512 scale = _mm512_set1_ps(pr.scale);
+  alignas(64) float wide[16 * DIM];  // 16 keys widened once, read by every query head
+  for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
+    const int64_t block = pr.tables[b * pr.width + slot];
+    const T* rows = pr.k + ((h * pr.num_blocks + block) * bs) * DIM;
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t j = 0; j < m; ++j)
+        for (int i = 0; i < NV; ++i)
+          _mm512_store_ps(wide + j * DIM + 16 * i, load16(rows + (j0 + j) * DIM + 16 * i));
+      const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
+      for (int g = 0; g < GROUP; ++g) {
+        const float* qg = query + g * DIM;
+        __m512 part[16];
+        for (int j = 0; j < 16; ++j) {
+          if (j >= m) {
+            part[j] = _mm512_setzero_ps();
+            continue;
+          }
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_load_ps(wide + j * DIM));
+          for (int i = 1; i < NV; ++i)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), _mm512_load_ps(wide + j * DIM + 16 * i), s);
+          part[j] = s;
+        }
+        _mm512_mask_storeu_ps(sc + g * len + t0 + j0, live, _mm512_mul_ps(sum_each(part), scale));
+      }
+    }
+  }
+  float total[GROUP];
+  for (int g = 0; g < GROUP; ++g) {
+    float* row = sc + g * len;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 live = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+      top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, row + t));
+    }
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 live = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+      const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peak));
+      _mm512_mask_storeu_ps(row + t, live, e);
+      sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[GROUP][NV];
+  for (int g = 0; g < GROUP; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  for_each_row(pr, pr.v, b, h, len, DIM, [&](int64_t t, const T* value) {
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16(value + 16 * i);
+    for (int g = 0; g < GROUP; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * len + t]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+    }
+  });
+  for (int g = 0; g < GROUP; ++g) {
+    float* target = pr.out + (b * pr.heads + h * GROUP + g) * DIM;
+    const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(target + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+  }
+}
+#define KILN_ATTEND attend_avx512
+#else
+#define KILN_ATTEND attend_one
+#endif
+
 template <typename T>
 using Attend = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t,
                         std::vector<float>&, std::vector<float>&);
@@ -140,14 +273,14 @@ using Attend = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t,
 template <typename T, int DIM>
 Attend<T> pick_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_one<T, DIM, 1>;
-    case 2: return &attend_one<T, DIM, 2>;
-    case 3: return &attend_one<T, DIM, 3>;
-    case 4: return &attend_one<T, DIM, 4>;
-    case 5: return &attend_one<T, DIM, 5>;
-    case 6: return &attend_one<T, DIM, 6>;
-    case 7: return &attend_one<T, DIM, 7>;
-    case 8: return &attend_one<T, DIM, 8>;
+    case 1: return &KILN_ATTEND<T, DIM, 1>;
+    case 2: return &KILN_ATTEND<T, DIM, 2>;
+    case 3: return &KILN_ATTEND<T, DIM, 3>;
+    case 4: return &KILN_ATTEND<T, DIM, 4>;
+    case 5: return &KILN_ATTEND<T, DIM, 5>;
+    case 6: return &KILN_ATTEND<T, DIM, 6>;
+    case 7: return &KILN_ATTEND<T, DIM, 7>;
+    case 8: return &KILN_ATTEND<T, DIM, 8>;
     default: return &attend_one<T, 0, 0>;
   }
 }

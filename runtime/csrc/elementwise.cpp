@@ -1,0 +1,222 @@
+// kiln runtime: the decoder's elementwise steps fused into one pass each, CPU.
+//
+// Hand-written because torch runs them as chains of separate operators, each reading and
+// writing the whole activation (rms_norm in bfloat16 is an upcast, a square, a mean, two
+// multiplies and a downcast; silu(gate) * up is two passes over [tokens, 2 x intermediate]):
+// at prefill sizes every pass streams megabytes, at one token every operator pays its
+// dispatch. Each function here reads its inputs once and writes its output once, computing
+// in float32 and rounding to the storage dtype where torch rounds:
+//   rms_norm:     y = x * rsqrt(mean(x^2) + eps) * w, rounded once (as torch does);
+//   add_rms_norm: residual += delta (rounded, as torch's add), then rms_norm of it;
+//   silu_mul:     silu(gate) rounded, times up, rounded (torch's two operators).
+// Results match torch's up to float32 summation order (the mean) and exp's last bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  c10::BFloat16 out;
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    out.x = static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  } else {
+    out.x = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+  return out;
+}
+
+// One row: y = x * rsqrt(mean(x^2) + eps) * w; `wide` holds the row in float32.
+template <typename T>
+inline void norm_row(const float* wide, const T* w, T* y, int64_t H, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < H; ++i) sum += wide[i] * wide[i];
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) y[i] = narrow<T>(wide[i] * r * widen(w[i]));
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 1 && w.is_contiguous() &&
+                  w.size(0) == x.size(1),
+              name, ": contiguous x [M, H] and weight [H]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              name, ": float32 or bfloat16 x and weight of the same dtype");
+}
+
+template <typename T>
+void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::Tensor& y,
+               double eps) {
+  const int64_t M = x.size(0), H = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(H);
+    for (int64_t m = begin; m < end; ++m) {
+      T* row = xp + m * H;
+      if (dp) {
+        const T* d = dp + m * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) row[i] = narrow<T>(widen(row[i]) + widen(d[i]));
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) wide[i] = widen(row[i]);
+      norm_row<T>(wide.data(), wp, yp + m * H, H, static_cast<float>(eps));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm(x, w, "rms_norm");
+  at::Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) {
+    norm_rows<c10::BFloat16>(x, nullptr, w, y, eps);
+  } else {
+    norm_rows<float>(x, nullptr, w, y, eps);
+  }
+  return y;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& w,
+                         double eps) {
+  check_norm(residual, w, "add_rms_norm_");
+  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
+              "add_rms_norm_: delta must match the residual's shape and dtype");
+  const at::Tensor d = delta.contiguous();
+  at::Tensor y = at::empty_like(residual);
+  if (residual.scalar_type() == at::kBFloat16) {
+    norm_rows<c10::BFloat16>(residual, &d, w, y, eps);
+  } else {
+    norm_rows<float>(residual, &d, w, y, eps);
+  }
+  return y;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// exp(x), 16 lanes: 2^k * p(r) with r = x - k ln2 and a degree-6 Taylor polynomial
+// (relative error < 2e-7); x is clamped to [-87, 88], where float32 neither under- nor
+// overflows.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline __m512 silu16(__m512 g) {
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+inline __m512 load16(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 live) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __mmask16 live, __m512 v) { _mm512_mask_storeu_ps(p, live, v); }
+inline void store16(c10::BFloat16* p, __mmask16 live, __m512 v) {
+  _mm256_mask_storeu_epi16(p, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+// A float32 vector rounded to T's precision (to nearest even) and widened back.
+inline __m512 round16(float*, __m512 v) { return v; }
+inline __m512 round16(c10::BFloat16*, __m512 v) {
+  const __m256i narrow = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16));
+}
+
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t I) {
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 live = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
+    const __m512 s = round16(static_cast<T*>(nullptr), silu16(load16(gate + i, live)));
+    store16(o + i, live, _mm512_mul_ps(s, load16(up + i, live)));
+  }
+}
+#else
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t I) {
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = widen(gate[i]);
+    const float s = widen(narrow<T>(g / (1.f + std::exp(-g))));
+    o[i] = narrow<T>(s * widen(up[i]));
+  }
+}
+#endif
+
+template <typename T>
+void silu_mul_rows(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) silu_mul_row<T>(gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_mul: a contiguous CPU [M, 2 * I] gate and up side by side");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_mul_rows<c10::BFloat16>(gate_up, out);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "silu_mul: float32 or bfloat16 only");
+    silu_mul_rows<float>(gate_up, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+}

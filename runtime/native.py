@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp")
 ]
-OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul")
+OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_")
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -8,7 +8,9 @@
 // in float32 and rounding to the storage dtype where torch rounds:
 //   rms_norm:     y = x * rsqrt(mean(x^2) + eps) * w, rounded once (as torch does);
 //   add_rms_norm: residual += delta (rounded, as torch's add), then rms_norm of it;
-//   silu_mul:     silu(gate) rounded, times up, rounded (torch's two operators).
+//   silu_mul:     silu(gate) rounded, times up, rounded (torch's two operators);
+//   rope_:        x * cos rounded, plus rotate_half(x) * sin rounded, in place on the query
+//                 and key heads of the fused qkv output, cos and sin picked by position.
 // Results match torch's up to float32 summation order (the mean) and exp's last bit.
 
 #include <ATen/ATen.h>
@@ -207,16 +209,69 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+template <typename T>
+void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const at::Tensor& sin,
+               int64_t heads, int64_t dim) {
+  const int64_t tokens = qkv.size(0), stride = qkv.stride(0), half = dim / 2;
+  T* base = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + pos[t] * dim;
+      const T* s = sp + pos[t] * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = base + t * stride + h * dim;
+        for (int64_t i = 0; i < dim; ++i) x[i] = widen(row[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) {
+          const float swapped = i < half ? x[i + half] : x[i - half];
+          const float scaled = widen(narrow<T>(x[i] * widen(c[i])));
+          row[i] = narrow<T>(scaled + swapped * widen(s[i]));
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin, int64_t heads, int64_t dim) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= heads * dim && dim % 2 == 0,
+              "rope_: a CPU qkv [T, >= heads * dim] with unit column stride and an even dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == dim &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rope_: cos and sin tables [positions, dim] in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.size(0) == qkv.size(0),
+              "rope_: one int64 position per token");
+  const at::Tensor pc = positions.contiguous();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < pc.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_: position past the tables");
+  }
+  if (qkv.scalar_type() == at::kBFloat16) {
+    rope_rows<c10::BFloat16>(qkv, pos, cos, sin, heads, dim);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kFloat, "rope_: float32 or bfloat16 only");
+    rope_rows<float>(qkv, pos, cos, sin, heads, dim);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int dim) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
 }

@@ -76,3 +76,29 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
         torch.ops.kiln.rms_norm(torch.zeros(2, 8), torch.ones(8).bfloat16(), 1e-5)
     with pytest.raises(RuntimeError, match="gate and up"):
         torch.ops.kiln.silu_mul(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_query_and_key_heads_in_place_by_position(dtype: torch.dtype) -> None:
+    heads, kv_heads, dim, positions_held = 4, 2, 16, 40
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    angles = torch.outer(torch.arange(positions_held).float(), torch.rand(dim // 2))
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    positions = torch.tensor([0, 5, 39, 7, 7, 1])
+    rotated = (heads + kv_heads) * dim
+    x = qkv[:, :rotated].unflatten(-1, (heads + kv_heads, dim))
+    swapped = torch.cat((x[..., dim // 2 :], x[..., : dim // 2]), -1)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected = torch.addcmul(x * c, swapped, s).flatten(1)
+    values = qkv[:, rotated:].clone()
+    torch.ops.kiln.rope_(qkv, positions, cos, sin, heads + kv_heads, dim)
+    torch.testing.assert_close(qkv[:, :rotated], expected, **tolerance(dtype))
+    assert torch.equal(qkv[:, rotated:], values)  # the value heads are not rotated
+
+
+def test_rope_refuses_a_position_past_its_tables() -> None:
+    table = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="past the tables"):
+        torch.ops.kiln.rope_(torch.zeros(1, 16), torch.tensor([4]), table, table, 2, 8)

@@ -22,19 +22,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using namespace kiln_simd;
 
 template <typename T>
 inline T narrow(float x);
@@ -127,34 +119,11 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// exp(x), 16 lanes: 2^k * p(r) with r = x - k ln2 and a degree-6 Taylor polynomial
-// (relative error < 2e-7); x is clamped to [-87, 88], where float32 neither under- nor
-// overflows.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-
 inline __m512 silu16(__m512 g) {
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 decay = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), decay));
 }
 
-inline __m512 load16(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 live) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 inline void store16(float* p, __mmask16 live, __m512 v) { _mm512_mask_storeu_ps(p, live, v); }
 inline void store16(c10::BFloat16* p, __mmask16 live, __m512 v) {
   _mm256_mask_storeu_epi16(p, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
@@ -191,7 +160,9 @@ void silu_mul_rows(const at::Tensor& gu, at::Tensor& out) {
   const T* gp = gu.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) silu_mul_row<T>(gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
+    for (int64_t m = begin; m < end; ++m) {
+      silu_mul_row<T>(gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
+    }
   });
 }
 
@@ -266,7 +237,9 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int dim) -> ()");
+  m.def(
+      "rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int dim) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {

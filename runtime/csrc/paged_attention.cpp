@@ -13,9 +13,6 @@
 // else is in the batch. Softmax is the usual max-subtracted one, accumulated in float32.
 
 #include <ATen/ATen.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -26,7 +23,11 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using namespace kiln_simd;
 
 // exp(x) for x <= 0 (scores minus their maximum), vectorisable: 2^k * p(r) with
 // r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative error < 2e-7,
@@ -46,15 +47,6 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
-}
-
-// A cache element widened to float32: bfloat16 is the upper half of a float32.
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
 }
 
 template <typename T>
@@ -144,51 +136,6 @@ void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int6
 // accumulators live in registers. SmolLM2-135M's shapes at batch 32, context 150-175, bf16
 // cache, one thread, a Xeon with AVX-512: 0.35 vs 0.57 ms of CPU per layer. Only the
 // summation order differs from the scalar path.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp_nonpositive, 16 lanes: the same range reduction and polynomial.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-
-// Lane j of the result is the sum of v[j]'s 16 lanes.
-inline __m512 sum_each(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 x = v[2 * i], y = v[2 * i + 1];
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512 x = a[2 * i], y = a[2 * i + 1];
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {
-    const __m512 x = b[2 * i], y = b[2 * i + 1];
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-  }
-  const __m512 mixed =
-      _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-  // The shuffles leave v[j]'s sum in lane 4 * (j % 4) + j / 4.
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, mixed);
-}
-
 template <typename T, int DIM, int GROUP>
 void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
                    std::vector<float>& scores, std::vector<float>&) {
@@ -219,7 +166,8 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
           }
           __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_load_ps(wide + j * DIM));
           for (int i = 1; i < NV; ++i)
-            s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), _mm512_load_ps(wide + j * DIM + 16 * i), s);
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i),
+                                _mm512_load_ps(wide + j * DIM + 16 * i), s);
           part[j] = s;
         }
         _mm512_mask_storeu_ps(sc + g * len + t0 + j0, live, _mm512_mul_ps(sum_each(part), scale));
@@ -238,7 +186,7 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 16) {
       const __mmask16 live = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peak));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peak));
       _mm512_mask_storeu_ps(row + t, live, e);
       sum = _mm512_mask_add_ps(sum, live, sum, e);
     }

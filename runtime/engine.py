@@ -20,6 +20,7 @@ from typing import Any, TypedDict, Unpack
 
 import torch
 
+from kiln.runtime.allocator import keep_freed_memory
 from kiln.runtime.config import EngineConfig, engine_config
 from kiln.runtime.detokenizer import Detokenizer, find_stop
 from kiln.runtime.errors import ArtifactError, UsageError
@@ -67,6 +68,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if model.device.type == "cpu":
+            keep_freed_memory()
         self.model = model
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None

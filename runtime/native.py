@@ -1,7 +1,8 @@
 """Native CPU kernels of the runtime, compiled from runtime/csrc/ on first use.
 
 Hand-written where no installable library does the job on a CPU box (see each source's
-header): today one, single-token attention read straight from the paged KV cache. The
+header): single-token attention read straight from the paged KV cache, and the decoder's
+fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding). The
 build uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency),
 once per machine and source version; the shared object is cached in torch's extensions
 directory (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no
@@ -23,8 +24,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
-OPS = ("paged_decode_attention",)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp"]
+HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
+OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_")
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -110,7 +113,7 @@ def _load() -> bool:
 
 def _build_key() -> str:
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())

@@ -23,7 +23,11 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using namespace kiln_simd;
 
 // exp(x) for x <= 0 (scores minus their maximum), vectorisable: 2^k * p(r) with
 // r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative error < 2e-7,
@@ -43,15 +47,6 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
-}
-
-// A cache element widened to float32: bfloat16 is the upper half of a float32.
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
 }
 
 template <typename T>
@@ -133,6 +128,92 @@ void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int6
   }
 }
 
+#if defined(__AVX512F__)
+// The same computation in AVX-512, for the specialised shapes (head_dim a multiple of 16):
+// each run of 16 keys is widened to float32 once into a stack buffer, scored for every query
+// head of the group at once (one partial-sum vector per key, then one transposing reduction
+// instead of a horizontal sum per key), exp runs 16 lanes wide, and the group's value
+// accumulators live in registers. SmolLM2-135M's shapes at batch 32, context 150-175, bf16
+// cache, one thread, a Xeon with AVX-512: 0.35 vs 0.57 ms of CPU per layer. Only the
+// summation order differs from the scalar path.
+template <typename T, int DIM, int GROUP>
+void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
+                   std::vector<float>& scores, std::vector<float>&) {
+  constexpr int NV = DIM / 16;
+  const int64_t len = pr.lens[b], bs = pr.block_size;
+  const float* query = pr.q + (b * pr.heads + h * GROUP) * DIM;
+  scores.resize(GROUP * len + 16);
+  float* sc = scores.data();
+  const __m512 scale = _mm512_set1_ps(pr.scale);
+  alignas(64) float wide[16 * DIM];  // 16 keys widened once, read by every query head
+  for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
+    const int64_t block = pr.tables[b * pr.width + slot];
+    const T* rows = pr.k + ((h * pr.num_blocks + block) * bs) * DIM;
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t j = 0; j < m; ++j)
+        for (int i = 0; i < NV; ++i)
+          _mm512_store_ps(wide + j * DIM + 16 * i, load16(rows + (j0 + j) * DIM + 16 * i));
+      const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
+      for (int g = 0; g < GROUP; ++g) {
+        const float* qg = query + g * DIM;
+        __m512 part[16];
+        for (int j = 0; j < 16; ++j) {
+          if (j >= m) {
+            part[j] = _mm512_setzero_ps();
+            continue;
+          }
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_load_ps(wide + j * DIM));
+          for (int i = 1; i < NV; ++i)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i),
+                                _mm512_load_ps(wide + j * DIM + 16 * i), s);
+          part[j] = s;
+        }
+        _mm512_mask_storeu_ps(sc + g * len + t0 + j0, live, _mm512_mul_ps(sum_each(part), scale));
+      }
+    }
+  }
+  float total[GROUP];
+  for (int g = 0; g < GROUP; ++g) {
+    float* row = sc + g * len;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 live = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+      top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, row + t));
+    }
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 live = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + t), peak));
+      _mm512_mask_storeu_ps(row + t, live, e);
+      sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[GROUP][NV];
+  for (int g = 0; g < GROUP; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  for_each_row(pr, pr.v, b, h, len, DIM, [&](int64_t t, const T* value) {
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16(value + 16 * i);
+    for (int g = 0; g < GROUP; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * len + t]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+    }
+  });
+  for (int g = 0; g < GROUP; ++g) {
+    float* target = pr.out + (b * pr.heads + h * GROUP + g) * DIM;
+    const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(target + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+  }
+}
+#define KILN_ATTEND attend_avx512
+#else
+#define KILN_ATTEND attend_one
+#endif
+
 template <typename T>
 using Attend = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t,
                         std::vector<float>&, std::vector<float>&);
@@ -140,14 +221,14 @@ using Attend = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t,
 template <typename T, int DIM>
 Attend<T> pick_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_one<T, DIM, 1>;
-    case 2: return &attend_one<T, DIM, 2>;
-    case 3: return &attend_one<T, DIM, 3>;
-    case 4: return &attend_one<T, DIM, 4>;
-    case 5: return &attend_one<T, DIM, 5>;
-    case 6: return &attend_one<T, DIM, 6>;
-    case 7: return &attend_one<T, DIM, 7>;
-    case 8: return &attend_one<T, DIM, 8>;
+    case 1: return &KILN_ATTEND<T, DIM, 1>;
+    case 2: return &KILN_ATTEND<T, DIM, 2>;
+    case 3: return &KILN_ATTEND<T, DIM, 3>;
+    case 4: return &KILN_ATTEND<T, DIM, 4>;
+    case 5: return &KILN_ATTEND<T, DIM, 5>;
+    case 6: return &KILN_ATTEND<T, DIM, 6>;
+    case 7: return &KILN_ATTEND<T, DIM, 7>;
+    case 8: return &KILN_ATTEND<T, DIM, 8>;
     default: return &attend_one<T, 0, 0>;
   }
 }

@@ -1,0 +1,250 @@
+// kiln runtime: the decoder's elementwise steps fused into one pass each, CPU.
+//
+// Hand-written because torch runs them as chains of separate operators, each reading and
+// writing the whole activation (rms_norm in bfloat16 is an upcast, a square, a mean, two
+// multiplies and a downcast; silu(gate) * up is two passes over [tokens, 2 x intermediate]):
+// at prefill sizes every pass streams megabytes, at one token every operator pays its
+// dispatch. Each function here reads its inputs once and writes its output once, computing
+// in float32 and rounding to the storage dtype where torch rounds:
+//   rms_norm:     y = x * rsqrt(mean(x^2) + eps) * w, rounded once (as torch does);
+//   add_rms_norm: residual += delta (rounded, as torch's add), then rms_norm of it;
+//   silu_mul:     silu(gate) rounded, times up, rounded (torch's two operators);
+//   rope_:        x * cos rounded, plus rotate_half(x) * sin rounded, in place on the query
+//                 and key heads of the fused qkv output, cos and sin picked by position.
+// Results match torch's up to float32 summation order (the mean) and exp's last bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using namespace kiln_simd;
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  c10::BFloat16 out;
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    out.x = static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  } else {
+    out.x = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+  return out;
+}
+
+// One row: y = x * rsqrt(mean(x^2) + eps) * w; `wide` holds the row in float32.
+template <typename T>
+inline void norm_row(const float* wide, const T* w, T* y, int64_t H, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < H; ++i) sum += wide[i] * wide[i];
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) y[i] = narrow<T>(wide[i] * r * widen(w[i]));
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 1 && w.is_contiguous() &&
+                  w.size(0) == x.size(1),
+              name, ": contiguous x [M, H] and weight [H]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              name, ": float32 or bfloat16 x and weight of the same dtype");
+}
+
+template <typename T>
+void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::Tensor& y,
+               double eps) {
+  const int64_t M = x.size(0), H = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(H);
+    for (int64_t m = begin; m < end; ++m) {
+      T* row = xp + m * H;
+      if (dp) {
+        const T* d = dp + m * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) row[i] = narrow<T>(widen(row[i]) + widen(d[i]));
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) wide[i] = widen(row[i]);
+      norm_row<T>(wide.data(), wp, yp + m * H, H, static_cast<float>(eps));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm(x, w, "rms_norm");
+  at::Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) {
+    norm_rows<c10::BFloat16>(x, nullptr, w, y, eps);
+  } else {
+    norm_rows<float>(x, nullptr, w, y, eps);
+  }
+  return y;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& w,
+                         double eps) {
+  check_norm(residual, w, "add_rms_norm_");
+  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
+              "add_rms_norm_: delta must match the residual's shape and dtype");
+  const at::Tensor d = delta.contiguous();
+  at::Tensor y = at::empty_like(residual);
+  if (residual.scalar_type() == at::kBFloat16) {
+    norm_rows<c10::BFloat16>(residual, &d, w, y, eps);
+  } else {
+    norm_rows<float>(residual, &d, w, y, eps);
+  }
+  return y;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline __m512 silu16(__m512 g) {
+  const __m512 decay = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), decay));
+}
+
+inline void store16(float* p, __mmask16 live, __m512 v) { _mm512_mask_storeu_ps(p, live, v); }
+inline void store16(c10::BFloat16* p, __mmask16 live, __m512 v) {
+  _mm256_mask_storeu_epi16(p, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+// A float32 vector rounded to T's precision (to nearest even) and widened back.
+inline __m512 round16(float*, __m512 v) { return v; }
+inline __m512 round16(c10::BFloat16*, __m512 v) {
+  const __m256i narrow = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16));
+}
+
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t I) {
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 live = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
+    const __m512 s = round16(static_cast<T*>(nullptr), silu16(load16(gate + i, live)));
+    store16(o + i, live, _mm512_mul_ps(s, load16(up + i, live)));
+  }
+}
+#else
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t I) {
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = widen(gate[i]);
+    const float s = widen(narrow<T>(g / (1.f + std::exp(-g))));
+    o[i] = narrow<T>(s * widen(up[i]));
+  }
+}
+#endif
+
+template <typename T>
+void silu_mul_rows(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      silu_mul_row<T>(gp + m * 2 * I, gp + m * 2 * I + I, op + m * I, I);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0,
+              "silu_mul: a contiguous CPU [M, 2 * I] gate and up side by side");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_mul_rows<c10::BFloat16>(gate_up, out);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "silu_mul: float32 or bfloat16 only");
+    silu_mul_rows<float>(gate_up, out);
+  }
+  return out;
+}
+
+template <typename T>
+void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const at::Tensor& sin,
+               int64_t heads, int64_t dim) {
+  const int64_t tokens = qkv.size(0), stride = qkv.stride(0), half = dim / 2;
+  T* base = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + pos[t] * dim;
+      const T* s = sp + pos[t] * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = base + t * stride + h * dim;
+        for (int64_t i = 0; i < dim; ++i) x[i] = widen(row[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) {
+          const float swapped = i < half ? x[i + half] : x[i - half];
+          const float scaled = widen(narrow<T>(x[i] * widen(c[i])));
+          row[i] = narrow<T>(scaled + swapped * widen(s[i]));
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin, int64_t heads, int64_t dim) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= heads * dim && dim % 2 == 0,
+              "rope_: a CPU qkv [T, >= heads * dim] with unit column stride and an even dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == dim &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rope_: cos and sin tables [positions, dim] in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.size(0) == qkv.size(0),
+              "rope_: one int64 position per token");
+  const at::Tensor pc = positions.contiguous();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < pc.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_: position past the tables");
+  }
+  if (qkv.scalar_type() == at::kBFloat16) {
+    rope_rows<c10::BFloat16>(qkv, pos, cos, sin, heads, dim);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kFloat, "rope_: float32 or bfloat16 only");
+    rope_rows<float>(qkv, pos, cos, sin, heads, dim);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, int dim) "
+      "-> ()");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+}

@@ -1,0 +1,104 @@
+"""The fused elementwise kernels (runtime/csrc/elementwise.cpp) against the torch operators
+they replace: the same values, in float32 and bfloat16, for widths that end mid-vector."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.runtime import native
+
+pytestmark = pytest.mark.skipif(
+    native.missing_toolchain() is not None or os.environ.get("KILN_NATIVE") == "0",
+    reason=f"native kernels cannot be built here: {native.missing_toolchain()}",
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+WIDTHS = [576, 64, 37]  # SmolLM2's hidden size, one vector's worth, and a ragged tail
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    # bf16: torch's mean and ours sum in different orders; a rounding boundary moves one ulp.
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.01}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built() -> None:
+    assert native.available()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_rms_norm_matches_torch(dtype: torch.dtype, width: int, rows: int) -> None:
+    generator = torch.Generator().manual_seed(width + rows)
+    x = torch.randn(rows, width, generator=generator).to(dtype)
+    weight = (torch.rand(width, generator=generator) + 0.5).to(dtype)
+    got = torch.ops.kiln.rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, F.rms_norm(x, (width,), weight, 1e-5), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_add_rms_norm_adds_in_place_then_normalises(dtype: torch.dtype, width: int) -> None:
+    generator = torch.Generator().manual_seed(width)
+    residual = torch.randn(5, width, generator=generator).to(dtype)
+    delta = torch.randn(5, width, generator=generator).to(dtype)
+    weight = (torch.rand(width, generator=generator) + 0.5).to(dtype)
+    total = residual + delta
+    got = torch.ops.kiln.add_rms_norm_(residual, delta, weight, 1e-6)
+    assert torch.equal(residual, total)  # the add rounds exactly as torch's
+    torch.testing.assert_close(got, F.rms_norm(total, (width,), weight, 1e-6), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_silu_mul_matches_silu_times_up(dtype: torch.dtype, width: int) -> None:
+    generator = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(7, 2 * width, generator=generator) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped ends and zero
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    got = torch.ops.kiln.silu_mul(gate_up)
+    assert got.shape == (7, width) and got.dtype == dtype
+    torch.testing.assert_close(
+        got, expected, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 0.01
+    )
+
+
+def test_kernels_refuse_what_they_cannot_read() -> None:
+    with pytest.raises(RuntimeError, match="weight \\[H\\]"):
+        torch.ops.kiln.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.ops.kiln.rms_norm(torch.zeros(2, 8), torch.ones(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="gate and up"):
+        torch.ops.kiln.silu_mul(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_query_and_key_heads_in_place_by_position(dtype: torch.dtype) -> None:
+    heads, kv_heads, dim, positions_held = 4, 2, 16, 40
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    angles = torch.outer(torch.arange(positions_held).float(), torch.rand(dim // 2))
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    positions = torch.tensor([0, 5, 39, 7, 7, 1])
+    rotated = (heads + kv_heads) * dim
+    x = qkv[:, :rotated].unflatten(-1, (heads + kv_heads, dim))
+    swapped = torch.cat((x[..., dim // 2 :], x[..., : dim // 2]), -1)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected = torch.addcmul(x * c, swapped, s).flatten(1)
+    values = qkv[:, rotated:].clone()
+    torch.ops.kiln.rope_(qkv, positions, cos, sin, heads + kv_heads, dim)
+    torch.testing.assert_close(qkv[:, :rotated], expected, **tolerance(dtype))
+    assert torch.equal(qkv[:, rotated:], values)  # the value heads are not rotated
+
+
+def test_rope_refuses_a_position_past_its_tables() -> None:
+    table = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="past the tables"):
+        torch.ops.kiln.rope_(torch.zeros(1, 16), torch.tensor([4]), table, table, 2, 8)

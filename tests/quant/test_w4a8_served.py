@@ -15,16 +15,21 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from kiln.quant.backends.modelopt import calibrate, load_checkpoint
+from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.quant.calibration import load_texts, tokenize
-from kiln.quant.schemes import resolve
 from kiln.runtime import Engine
 from kiln.runtime.checkpoint import open_checkpoint
 from kiln.runtime.kernels import Fp8Linear
-from kiln.runtime.linear import ActivationScheme, LinearWeights, PreScaledLinear, WeightScheme
-from tests.quant.conftest import CALIBRATION, SPECS, Quantised
+from kiln.runtime.linear import (
+    ActivationScheme,
+    LinearWeights,
+    PreScaledLinear,
+    WeightScheme,
+    effective_weight,
+)
+from tests.quant.conftest import CALIBRATION, Quantised, export_modelopt_awq
 from tests.runtime.conftest import assert_close_to_reference
 
 KEY = "modelopt-w4a8-awq-g64"
@@ -101,26 +106,13 @@ def test_activation_rounding_is_modelopts_fp8_fake_quantiser() -> None:
     assert torch.equal(layer(x), fp8_eager(x, torch.tensor(0.5 * 448)))
 
 
-@torch.no_grad()
 def test_served_weights_are_modelopts_fake_quantised_weights(tiny_llama: Path, tmp_path) -> None:
     """o_proj and down_proj keep their own pre_quant_scale in the export, so what is served
     there must be ModelOpt's calibrated W4A8 weight (int4 blocks, then per-tensor FP8) ×
     pre_quant_scale, up to the float16 the GPU holds group scales in."""
-    from modelopt.torch.export import export_hf_checkpoint
-
-    from kiln.runtime.linear import effective_weight
-
-    spec = SPECS[KEY]
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     ids = tokenize(load_texts(CALIBRATION), tokenizer, CALIBRATION.max_seq_len)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    calibrate(model, resolve(spec), spec, ids)
-    expected = {}
-    for name in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
-        linear = model.get_submodule(name)
-        pqs = linear.input_quantizer.pre_quant_scale.flatten()
-        expected[name] = linear.weight_quantizer(linear.weight) * pqs[None, :]
-    export_hf_checkpoint(model, dtype=torch.float32, export_dir=tmp_path)
+    expected = export_modelopt_awq(tiny_llama, KEY, ids, tmp_path)
     ckpt = open_checkpoint(tmp_path)
     for name, want in expected.items():
         got = effective_weight(ckpt.served_linear(name), torch.float32)

@@ -34,10 +34,11 @@ PROJECTIONS = {
     "down": ("mlp.down_proj",),
 }
 # What the kernels serve of a ModelOpt export: FP8 per-tensor static (Fp8Linear), W4A16 AWQ
-# (Int4Linear or DequantLinear), W8A8 SmoothQuant with static activations (Int8Linear) and
-# NVFP4 (Nvfp4Linear, emulated), pre-quant scales applied to the input (PreScaledLinear); an
+# (Int4Linear or DequantLinear), W8A8 SmoothQuant with static activations (Int8Linear),
+# NVFP4 (Nvfp4Linear, emulated) and W4A8 AWQ (as the FP8 weights the GPU multiplies, on
+# Fp8Linear: runtime/w4a8.py), pre-quant scales applied to the input (PreScaledLinear); an
 # FP8 KV cache or none.
-MODELOPT_SERVED = ("FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "NVFP4")
+MODELOPT_SERVED = ("FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "NVFP4", "W4A8_AWQ")
 MODELOPT_KV_SERVED = ("fp8",)
 
 
@@ -81,7 +82,7 @@ def load_model(
     check_servable(ckpt)
 
     def linear(prefix: str, names: tuple[str, ...]) -> Any:
-        parts = [ckpt.linear(f"{prefix}.{n}".lstrip(".")) for n in names]
+        parts = [ckpt.served_linear(f"{prefix}.{n}".lstrip(".")) for n in names]
         try:
             return make_linear(parts, compute, device)
         except ValueError as exc:

@@ -116,7 +116,8 @@ def fake_quant_int8(x: Any, scale: Any) -> Any:
 def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
     """(model, effective weights) of a ModelOpt HF export, in float32 on CPU.
 
-    The model computes with the dequantised weights and applies the exported activation
+    The model computes with the dequantised weights as the deployed kernel holds them
+    (`served_linear`: W4A8 AWQ's FP8-rounded weights) and applies the exported activation
     scales (pre_quant_scale, then fake quantisation of the input: int8 for SmoothQuant, fp8
     otherwise) and KV cache scales (keys and values rounded after RoPE, as the cache holds
     them). Effective weights are dequantised weight × pre_quant_scale per input column,
@@ -140,7 +141,7 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
         prefix, _, leaf = key.rpartition(".")
         if ckpt.is_quantised(prefix):  # its scales are decoded with its weight
             if leaf == "weight":
-                quantised[prefix] = linear = ckpt.linear(prefix)
+                quantised[prefix] = linear = ckpt.served_linear(prefix)
                 state[f"{prefix}.weight"] = dequantize(linear, torch.float32)
                 if linear.bias is not None:
                     state[f"{prefix}.bias"] = linear.bias.float()

@@ -9,7 +9,9 @@ and the quantisation report's reading of ModelOpt exports.
 `open_checkpoint(dir)` reads config.json, picks the format from `quantization_config.
 quant_method` (or ModelOpt's `hf_quant_config.json`) and returns a `Checkpoint`:
 `linear(module)` decodes one projection into a `LinearWeights` (signed codes or FP8 values,
-[N, groups] scales, zero points, static input scale, pre-quant scale), `kv_cache` and
+[N, groups] scales, zero points, static input scale, pre-quant scale) as stored,
+`served_linear(module)` as the deployed kernel computes with it (what the runtime serves and
+the quantisation report measures), `kv_cache` and
 `kv_scales(layer)` describe a quantised KV cache, `tensor(name)` returns any other tensor as
 stored. Each format's on-disk facts are in the module of its name beside this one.
 """
@@ -45,6 +47,10 @@ class QuantFormat(Protocol):
 
     def linear(self, files: TensorFiles, module: str) -> LinearWeights: ...
 
+    def served(self, files: TensorFiles, module: str, stored: LinearWeights) -> LinearWeights:
+        """`stored` (what `linear` decoded) as the deployed kernel computes with it."""
+        ...
+
     def kv_scale_names(self, layer: int) -> tuple[str, str]: ...
 
 
@@ -61,6 +67,9 @@ class Float:
 
     def linear(self, files: TensorFiles, module: str) -> LinearWeights:
         raise AssertionError("a float checkpoint has no quantised linear")
+
+    def served(self, files: TensorFiles, module: str, stored: LinearWeights) -> LinearWeights:
+        return stored
 
     def kv_scale_names(self, layer: int) -> tuple[str, str]:
         raise AssertionError("a float checkpoint has no KV-cache scales")
@@ -112,6 +121,14 @@ class Checkpoint:
         if not self.is_quantised(module):
             return LinearWeights(DENSE, self.files.get(f"{module}.weight"), bias=bias)
         return replace(self.quant.linear(self.files, module), bias=bias)
+
+    def served_linear(self, module: str) -> LinearWeights:
+        """One linear as the deployed kernel computes with it: as stored, except where that
+        kernel rounds the stored values once more (ModelOpt's W4A8 AWQ: runtime/w4a8.py)."""
+        stored = self.linear(module)
+        if not self.is_quantised(module):
+            return stored
+        return self.quant.served(self.files, module, stored)
 
     def kv_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (key, value) scales that dequantise layer `layer`'s quantised KV cache."""

@@ -12,8 +12,10 @@ On disk, as nvidia-modelopt 0.4x writes it:
   W4A16_AWQ: `weight` uint8 [N/2, K], byte (r, c) holding the signed int4 codes of rows 2r
   (low nibble) and 2r+1 (high nibble) of column c; `weight_scale` [N, K/group];
   `pre_quant_scale` [K] where it was not folded into the preceding norm (o_proj, down_proj).
-  W4A8_AWQ: W4A16_AWQ plus a static FP8 `input_scale` and a per-tensor `weight_scale_2`,
-  which only re-expresses the int4 codes in FP8 for the kernel: not part of the values.
+  W4A8_AWQ: W4A16_AWQ plus a static FP8 `input_scale` and a per-tensor `weight_scale_2`
+  (ModelOpt: the FP8 quantiser's amax of the int4 weight / 448). The kernel multiplies FP8
+  e4m3(code × scale / weight_scale_2), so that rounding is part of the served values
+  (`served`, runtime/w4a8.py); `linear` returns the int4 codes and group scales as stored.
   NVFP4: `weight` uint8 [N, K/2], two e2m1 codes per byte along K (runtime/nvfp4.py),
   `weight_scale` float8_e4m3fn [N, K/16] per block of 16, `weight_scale_2` () per tensor
   (w = e2m1 × weight_scale × weight_scale_2), `input_scale` () the activations' global scale.
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.runtime import nvfp4
+from kiln.runtime import nvfp4, w4a8
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme, row_scales
 
@@ -118,6 +120,11 @@ class ModelOptExport:
             input_scale=input_scale,
             pre_quant_scale=None if pqs is None else pqs.to(torch.float32),
         )
+
+    def served(self, files: TensorFiles, module: str, stored: LinearWeights) -> LinearWeights:
+        if self.quant_algo != "W4A8_AWQ":
+            return stored
+        return w4a8.fp8_weights(stored, files.get(f"{module}.weight_scale_2"))
 
     def kv_scale_names(self, layer: int) -> tuple[str, str]:
         prefix = f"model.layers.{layer}.self_attn"

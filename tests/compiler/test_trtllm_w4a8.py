@@ -4,10 +4,12 @@ compiler/trtllm/conformance.py for Llama and Qwen2 at tp 1, 2 and 4."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.conformance import check_checkpoint, check_config
@@ -138,3 +140,24 @@ def test_compile_plans_a_w4a8_engine_and_serves_the_modelopt_export(tmp_path, ti
     status, artifact = compile_conforming(_recipe(tmp_path, tiny_llama, "h100-sxm"), "h100-sxm")
     assert status == {"engine": "planned", "pytorch": "ready"}
     assert any(artifact.glob("**/rank0.safetensors"))
+
+
+def test_compile_reports_and_gates_w4a8_on_the_values_that_ship(tmp_path, tiny_llama):
+    """The report stage and the gate run the W4A8 export in kiln's runtime (FP8-rounded int4
+    weights, FP8 activations: runtime/w4a8.py), so a recipe with `gates:` compiles and gates."""
+    recipe = yaml.safe_load(_recipe(tmp_path, tiny_llama, "h100-sxm").read_text())
+    recipe["gates"] = {  # small enough for the tiny model; no shadow traffic
+        "tasks": ["kiln_mc"],
+        "limit": 8,
+        "divergence": {"num_texts": 2, "max_seq_len": 32, "top_k": 10},
+        "thresholds": {},
+    }
+    path = tmp_path / "gated.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, stdout, stderr = kiln("compile", str(path), "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout.splitlines()[-1])
+    assert "report" in result["stages"]
+    assert result["gate"]["passed"] and result["gate"]["baseline"]["kind"] == "source"
+    report = json.loads((Path(result["artifact"]) / "reports" / "quantization.json").read_text())
+    assert report["format"] == "modelopt" and report["kl_mean"] > 0

@@ -64,3 +64,33 @@ def quantised(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Qua
         return made[key]
 
     return get
+
+
+# The AWQ linears whose own pre_quant_scale ModelOpt's export keeps as calibrated (q/k/v and
+# gate/up are re-smoothed with a shared scale on export and re-quantised).
+KEPT_SCALES = ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj")
+
+
+def export_modelopt_awq(
+    model_dir: Path, key: str, calibration_ids: list[list[int]], out: Path
+) -> dict[str, Any]:
+    """Calibrate the float model at `model_dir` as SPECS[key] with ModelOpt and export it to
+    `out`; returns ModelOpt's fake-quantised weights × pre_quant_scale of KEPT_SCALES."""
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from kiln.quant.backends.modelopt import calibrate
+    from kiln.quant.schemes import resolve
+
+    spec = SPECS[key]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    calibrate(model, resolve(spec), spec, calibration_ids)
+    expected = {}
+    with torch.no_grad():
+        for name in KEPT_SCALES:
+            linear = model.get_submodule(name)
+            pqs = linear.input_quantizer.pre_quant_scale.flatten()
+            expected[name] = linear.weight_quantizer(linear.weight) * pqs[None, :]
+        export_hf_checkpoint(model, dtype=torch.float32, export_dir=out)
+    return expected

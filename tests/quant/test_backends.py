@@ -18,7 +18,7 @@ from kiln.quant.report import load_quantised
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.errors import PreflightError
-from tests.quant.conftest import CALIBRATION, SPECS, Quantised
+from tests.quant.conftest import CALIBRATION, SPECS, Quantised, export_modelopt_awq
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"
 
@@ -207,17 +207,7 @@ def test_modelopt_awq_weights_dequantise_to_the_calibrated_values(
     """o_proj and down_proj keep their own pre_quant_scale in the export, so their
     dequantised codes × pre_quant_scale must equal ModelOpt's fake-quantised weights.
     (q/k/v and gate/up are re-smoothed with a shared scale on export and re-quantised.)"""
-    from modelopt.torch.export import export_hf_checkpoint
-
-    spec = SPECS["modelopt-awq-w4-g64"]
-    model = _float_model(tiny_llama)
-    calibrate(model, resolve(spec), spec, calibration_ids)
-    expected = {}
-    for name in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
-        linear = model.get_submodule(name)
-        pqs = linear.input_quantizer.pre_quant_scale.flatten()
-        expected[name] = linear.weight_quantizer(linear.weight) * pqs[None, :]
-    export_hf_checkpoint(model, dtype=torch.float32, export_dir=tmp_path)
+    expected = export_modelopt_awq(tiny_llama, "modelopt-awq-w4-g64", calibration_ids, tmp_path)
     _, weights = load_checkpoint(tmp_path)
     for name, weight in expected.items():
         torch.testing.assert_close(weights[name], weight, atol=1e-6, rtol=1e-5)

@@ -76,13 +76,20 @@ def test_each_served_linear_computes_what_the_exported_model_does(
 
 
 def test_unserved_modelopt_scheme_is_refused_naming_what_is_served(
-    quantised: Quantised,
+    quantised: Quantised, tmp_path
 ) -> None:
-    model_dir, _ = quantised("modelopt-w4a8-awq-g64")
+    import json
+    import shutil
+
+    model_dir = tmp_path / "int8-kv"  # an INT8 KV cache: read, but not served by ModelOpt's
+    shutil.copytree(quantised("modelopt-fp8-kv_fp8")[0], model_dir)
+    config = json.loads((model_dir / "hf_quant_config.json").read_text())
+    config["quantization"]["kv_cache_quant_algo"] = "INT8"
+    (model_dir / "hf_quant_config.json").write_text(json.dumps(config))
     with pytest.raises(ArtifactError) as err:
         Engine.from_pretrained(model_dir)
     message = err.value.message
-    assert str(model_dir) in message and "W4A8_AWQ" in message
+    assert str(model_dir) in message and "int8 KV cache" in message
     assert "FP8, W4A16_AWQ, W8A8_SQ_PER_CHANNEL" in message
 
 

@@ -59,6 +59,28 @@ def test_markdown_summarises_outcome_tables_and_failures() -> None:
     assert isinstance(verdict.shadow.baseline_latency, LatencyStats)  # type: ignore[union-attr]
 
 
+def test_markdown_says_why_with_every_check_its_value_and_threshold() -> None:
+    failing = to_markdown(full_verdict())
+    assert "### Why it fails" in failing
+    assert "**4 failed**: KL divergence mean = 1.3893, needs ≤ 0.0350;" in failing
+    assert "| ❌ fail | shadow: exact match | 0.5000 | ≥ 0.9000 |" in failing
+    assert "| ➖ reported | KL divergence p99 | 6.7300 | reported only |" in failing
+    policy = GatePolicy()
+    base = {i: float(i % 3 != 0) for i in range(60)}
+    passing = build_verdict(
+        {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64},
+        {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64},
+        policy,
+        tasks=[compare_task("kiln_mc", "acc", base, {**base, 0: 1.0, 1: 0.0}, policy)],
+        perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 20.2)],
+    )
+    md = to_markdown(passing)
+    assert "### Why it passes" in md and "All 2 passed." in md
+    assert "**Inconclusive: kiln_mc: acc (mcnemar)**, counted as pass" in md
+    assert "| ❔ inconclusive | kiln_mc: acc (mcnemar) | loss +0.00 pt | loss ≤ +2.00 pt |" in md
+    assert "| ✅ pass | kiln_ppl: word_perplexity ratio | 1.0100 | ≤ 1.0500 |" in md
+
+
 def test_reports_are_written_side_by_side(tmp_path: Path) -> None:
     paths = write_reports(full_verdict(), tmp_path)
     assert sorted(p.name for p in paths.values()) == ["gate.html", "gate.json", "gate.md"]

@@ -244,6 +244,11 @@ def to_markdown(verdict: GateVerdict) -> str:
             f"{s.length_ratio:.3f}, format errors {_pct(s.baseline_format_error_rate)} → "
             f"{_pct(s.candidate_format_error_rate)} of {s.num_json_requests} JSON requests, "
             f"TTFT p50 {_ms(s.baseline_latency.ttft_p50)} → {_ms(s.candidate_latency.ttft_p50)}"
+            + (
+                f"; control ({s.control}) exact match {_pct(s.control_exact_match_rate)}"
+                if s.control_exact_match_rate is not None
+                else ""
+            )
         )
     lines += ["", *why_lines(verdict)]
     for note in verdict.notes:

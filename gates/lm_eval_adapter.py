@@ -12,8 +12,9 @@ exactly as lm-eval's `hf` model does (trailing spaces moved into the continuatio
 BOS/EOS prefix for empty contexts, the same rolling windows): scores of the runtime side
 and of a transformers side are comparable item by item.
 
-- loglikelihood: prompt log-probabilities of the continuation tokens (`prompt_logprobs`),
-  greedy when every continuation token ranks first;
+- loglikelihood: prompt log-probabilities of the continuation tokens (`prompt_logprobs`
+  from the continuation's first token on), greedy when every continuation token ranks
+  first; the choices of one item share their context through the prefix cache;
 - loglikelihood_rolling: the same over lm-eval's disjoint rolling windows;
 - generate_until: greedy (or sampled) generation with the request's stop strings.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.gates.noise_floor import NoiseFloor
-from kiln.gates.rules import Check
+from kiln.gates.rules import NO_THRESHOLD, Check
 from kiln.gates.shadow import PairDiff
 from kiln.gates.verdict import GateVerdict, TaskComparison
 
@@ -184,7 +184,7 @@ def why_lines(verdict: GateVerdict) -> list[str]:
     ]
     for check, state in zip(verdict.checks, states, strict=True):
         value, threshold = _check_cells(check, tasks)
-        detail = "" if state == "reported" else check.detail.replace("|", "\\|")
+        detail = "" if check.detail == NO_THRESHOLD else check.detail.replace("|", "\\|")
         lines.append(
             f"| {_CHECK_MARK[state]} {state} | {check.name} | {value} | {threshold} | {detail} |"
         )

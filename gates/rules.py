@@ -268,6 +268,9 @@ def _decide_mcnemar(
     )
 
 
+NO_THRESHOLD = "reported only (no threshold set)"  # the detail of a check that is not gated
+
+
 @dataclass(slots=True)
 class Check:
     """One thresholded check of the verdict: `value op threshold` and whether it held."""
@@ -284,7 +287,7 @@ class Check:
 def threshold_check(name: str, value: float | None, op: str, threshold: float | None) -> Check:
     """`value op threshold`; a missing value fails, a missing threshold is report-only."""
     if threshold is None:
-        return Check(name, value, None, op, True, "reported only (no threshold set)")
+        return Check(name, value, None, op, True, NO_THRESHOLD)
     if value is None or math.isnan(value):
         return Check(name, value, threshold, op, False, "no value was measured")
     passed = value >= threshold if op == ">=" else value <= threshold

@@ -13,7 +13,7 @@ import pytest
 from kiln.gates.divergence import summarize
 from kiln.gates.report import to_markdown, write_reports
 from kiln.gates.rules import GatePolicy
-from kiln.gates.shadow import LatencyStats, PairDiff, summarize_pairs
+from kiln.gates.shadow import LatencyStats, PairDiff, exact_match_check, summarize_pairs
 from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
 from kiln.runtime.answer import SideAnswer
 
@@ -123,3 +123,20 @@ def test_html_report_renders_in_headless_chromium_without_console_errors(tmp_pat
     assert "<svg" in dom and "<rect" in dom  # the histogram was parsed as SVG
     assert "<script" not in dom  # hostile text stayed text
     assert "Worst shadow differences" in dom and "kiln_mc" in dom
+
+
+def test_a_check_reported_for_a_reason_shows_the_reason() -> None:
+    verdict = full_verdict()
+    assert verdict.shadow is not None
+    verdict.shadow.control = "the baseline computed in float32"
+    verdict.shadow.control_exact_match_rate = 0.25
+    verdict.checks = [
+        exact_match_check(verdict.shadow, 0.9) if c.name == "shadow: exact match" else c
+        for c in verdict.checks
+    ]
+    md = to_markdown(verdict)
+    assert (
+        "| ➖ reported | shadow: exact match | 0.5000 | reported only | control (the baseline "
+        "computed in float32) 25.0% < 90%: greedy answers diverge on rounding alone" in md
+    )
+    assert "control (the baseline computed in float32) exact match 25.0%" in md

@@ -2,7 +2,7 @@
 
     gates:
       baseline: source                       # what `kiln compile` gates against (see below)
-      tasks: [kiln_ppl, kiln_mc, kiln_qa]   # offline tasks in recipes/tasks (or lm-eval names)
+      tasks: [kiln_ppl, kiln_cloze, kiln_next_word]  # offline tasks (recipes/tasks) or lm-eval
       limit: null                            # items per task (null: all)
       decision_rule: mcnemar                 # or recovery, noninferior, recovery_or_noninferior
       inconclusive: pass                     # what a task too small for its margin counts as
@@ -48,7 +48,7 @@ from kiln.gates.replay import ReplaySettings
 from kiln.gates.rules import GatePolicy, default_policy
 from kiln.runtime.errors import UsageError
 
-DEFAULT_TASKS = ["kiln_ppl", "kiln_mc", "kiln_qa"]
+DEFAULT_TASKS = ["kiln_ppl", "kiln_cloze", "kiln_next_word"]
 
 
 class _Strict(BaseModel):

@@ -42,6 +42,7 @@ from kiln.gates.verdict import (
     build_verdict,
     compare_task,
 )
+from kiln.runtime.answer import SideAnswer
 from kiln.runtime.artifact.verified import Mode
 from kiln.runtime.errors import UsageError
 from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
@@ -223,6 +224,43 @@ def _replay_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
     return EngineSide.load(side)
 
 
+class _Remembered:
+    """A replay side that answers each request once and then repeats its answer, so a
+    second comparison against the same side (the control's) does not recompute it."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self.name = side.name
+        self._answers: dict[str, SideAnswer] = {}
+
+    def complete(self, record: TrafficRecord) -> SideAnswer:
+        if record.id not in self._answers:
+            self._answers[record.id] = self.side.complete(record)
+        return self._answers[record.id]
+
+
+def _shadow_control(
+    report: ShadowReport,
+    records: list[TrafficRecord],
+    base: SideSpec,
+    base_side: _Remembered,
+    gates: GatesSection,
+    say: Progress,
+) -> None:
+    """The shadow noise floor: the baseline's own weights computed at another precision
+    (float32 if it serves in 16 bits, else bfloat16) replayed against the baseline."""
+    import torch
+
+    engine = getattr(base_side.side, "engine", None)
+    served = engine.model.dtype if engine is not None else None
+    dtype = "bfloat16" if served == torch.float32 else "float32"
+    say(f"replay: the control, the baseline computed in {dtype} (the noise floor)")
+    control = EngineSide.load(base, dtype=dtype)
+    floor = replay(records, base_side, control, gates.shadow.settings())
+    report.control = f"the baseline computed in {dtype}"
+    report.control_exact_match_rate = floor.exact_match_rate
+
+
 def run_gate(
     candidate: str,
     baseline: str,
@@ -291,13 +329,16 @@ def run_gate(
     if records:
         say(f"replay: {len(records)} recorded requests through both sides")
         timeout = gates.shadow.timeout_s
+        base_side = _Remembered(_replay_side(base, base_engine, timeout))
         shadow = replay(
             records,
-            _replay_side(base, base_engine, timeout),
+            base_side,
             _replay_side(cand, cand_engine, timeout),
             gates.shadow.settings(),
             progress=say,
         )
+        if base.kind != "http" and gates.noise_floor != "off":
+            _shadow_control(shadow, records, base, base_side, gates, say)
     return _decide(
         cand, base, policy, out_dir, registry, notes, began,
         tasks=tasks, perplexity=ppl, divergence=divergence, shadow=shadow,

@@ -12,8 +12,9 @@ exactly as lm-eval's `hf` model does (trailing spaces moved into the continuatio
 BOS/EOS prefix for empty contexts, the same rolling windows): scores of the runtime side
 and of a transformers side are comparable item by item.
 
-- loglikelihood: prompt log-probabilities of the continuation tokens (`prompt_logprobs`),
-  greedy when every continuation token ranks first;
+- loglikelihood: prompt log-probabilities of the continuation tokens (`prompt_logprobs`
+  from the continuation's first token on), greedy when every continuation token ranks
+  first; the choices of one item share their context through the prefix cache;
 - loglikelihood_rolling: the same over lm-eval's disjoint rolling windows;
 - generate_until: greedy (or sampled) generation with the request's stop strings.
 
@@ -110,15 +111,45 @@ class KilnLM(TemplateLM):
 
     # -- scoring ----------------------------------------------------------------------
 
-    def _prompt_logprobs(self, prompts: Sequence[list[int]], top_k: int = 0) -> list[Any]:
-        """Each prompt's per-position logprob dicts (position 0 has none), in batches."""
+    def _prompt_logprobs(
+        self, prompts: Sequence[list[int]], top_k: int = 0, starts: Sequence[int] | None = None
+    ) -> list[Any]:
+        """Each prompt's per-position logprob dicts (None before its start), in batches.
+
+        `starts[i]` is prompt i's first scored token: the positions before it are the
+        context, which the engine's prefix cache computes once for every prompt sharing it.
+        So that the cache holds a context before its other continuations arrive, each batch
+        runs the first prompt of every context first and the rest after it.
+        """
         from kiln.runtime import SamplingParams
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
-        out: list[Any] = []
-        for start in range(0, len(prompts), self.batch_size):
-            batch = [list(p) for p in prompts[start : start + self.batch_size]]
-            out += [o.prompt_logprobs for o in self.engine.generate(batch, params)]
+        starts = list(starts) if starts is not None else [1] * len(prompts)
+        first: dict[tuple[int, ...], int] = {}
+        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            first.setdefault(tuple(prompt[:start]), i)
+        leaders = sorted(first.values())
+        followers: dict[int, list[int]] = {i: [] for i in leaders}
+        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            leader = first[tuple(prompt[:start])]
+            if leader != i:
+                followers[leader].append(i)
+        out: list[Any] = [None] * len(prompts)
+        for begin in range(0, len(leaders), self.batch_size):
+            group = leaders[begin : begin + self.batch_size]
+            rest = [i for leader in group for i in followers[leader]]
+            for wave in (group, rest):
+                params = [
+                    SamplingParams(
+                        max_tokens=1,
+                        temperature=0.0,
+                        prompt_logprobs=top_k,
+                        prompt_logprobs_start=max(1, starts[i]),
+                    )
+                    for i in wave
+                ]
+                batch = [list(prompts[i]) for i in wave]
+                for i, output in zip(wave, self.engine.generate(batch, params), strict=True):
+                    out[i] = output.prompt_logprobs
         return out
 
     def _loglikelihood_tokens(
@@ -128,9 +159,10 @@ class KilnLM(TemplateLM):
         for _key, context, continuation in requests:
             prompts.append((context + continuation)[-(self.max_length + 1) :])
             lengths.append(len(continuation))
+        starts = [len(p) - n for p, n in zip(prompts, lengths, strict=True)]
         results = []
         for prompt, n, logprobs in zip(
-            prompts, lengths, self._prompt_logprobs(prompts), strict=True
+            prompts, lengths, self._prompt_logprobs(prompts, starts=starts), strict=True
         ):
             total, greedy = 0.0, True
             for token, entry in zip(prompt[-n:], logprobs[-n:], strict=True):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.gates.noise_floor import NoiseFloor
+from kiln.gates.rules import NO_THRESHOLD, Check
 from kiln.gates.shadow import PairDiff
 from kiln.gates.verdict import GateVerdict, TaskComparison
 
@@ -115,6 +116,81 @@ def _floor_text(floor: NoiseFloor) -> str:
     return "; ".join(parts)
 
 
+_OPS = {"<=": "≤", ">=": "≥"}
+_CHECK_MARK = {"pass": "✅", "fail": "❌", "inconclusive": "❔", "reported": "➖"}
+
+
+def _check_state(check: Check) -> str:
+    if check.outcome == "inconclusive":
+        return "inconclusive"
+    if check.threshold is None and check.op != "rule":
+        return "reported"
+    return "pass" if check.passed else "fail"
+
+
+def _check_cells(check: Check, tasks: dict[str, TaskComparison]) -> tuple[str, str]:
+    """A check's value and its rule, in the units a reader compares them in."""
+    if check.op == "rule":
+        task = tasks.get(check.name)
+        if task is None or check.value is None or check.threshold is None:
+            return _num(check.value), "decision rule"
+        return f"loss {_points(task, check.value)}", f"loss ≤ {_points(task, check.threshold)}"
+    if check.threshold is None:
+        return _num(check.value), "reported only"
+    return _num(check.value), f"{_OPS.get(check.op, check.op)} {_num(check.threshold)}"
+
+
+def _failure(check: Check, tasks: dict[str, TaskComparison]) -> str:
+    """`name value, needs threshold` for a failed check (its rule's reason for a task)."""
+    value, threshold = _check_cells(check, tasks)
+    if check.op == "rule":
+        return f"{check.name}: {check.detail}"
+    return f"{check.name} = {value}, needs {threshold}"
+
+
+def why_lines(verdict: GateVerdict) -> list[str]:
+    """Why the verdict is what it is: the rule that combines the checks, the checks that
+    decided it with their numbers, then every check with its value and threshold."""
+    states = [_check_state(c) for c in verdict.checks]
+    failed = [c for c, s in zip(verdict.checks, states, strict=True) if not c.passed]
+    undecided = [c for c, s in zip(verdict.checks, states, strict=True) if s == "inconclusive"]
+    gated = sum(s != "reported" for s in states)
+    tasks = {f"{t.task}: {t.metric} ({t.decision.rule})": t for t in verdict.tasks}
+    lines = [f"### Why it {'passes' if verdict.passed else 'fails'}", ""]
+    rule = (
+        "The gate passes only when every gated check passes "
+        f"({gated} gated, {len(states) - gated} reported only)."
+    )
+    if failed:
+        reasons = "; ".join(_failure(c, tasks) for c in failed)
+        lines.append(f"{rule} **{len(failed)} failed**: {reasons}.")
+    else:
+        lines.append(f"{rule} All {gated} passed.")
+    if undecided:
+        counted = verdict.policy.inconclusive
+        names = ", ".join(c.name for c in undecided)
+        lines.append(
+            f"\n**Inconclusive: {names}**, counted as {counted} (`gates.inconclusive`): the "
+            "items could neither show a loss beyond the margin nor rule one out (see Why below "
+            "the task table for the loss each task can detect)"
+            + ("; the distribution checks decide." if counted == "pass" else ".")
+        )
+    lines += [
+        "",
+        f"**{len(verdict.checks) - len(failed)}/{len(verdict.checks)} checks passed**",
+        "",
+        "| | check | value | threshold | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for check, state in zip(verdict.checks, states, strict=True):
+        value, threshold = _check_cells(check, tasks)
+        detail = "" if check.detail == NO_THRESHOLD else check.detail.replace("|", "\\|")
+        lines.append(
+            f"| {_CHECK_MARK[state]} {state} | {check.name} | {value} | {threshold} | {detail} |"
+        )
+    return lines
+
+
 def to_markdown(verdict: GateVerdict) -> str:
     """A Markdown summary: outcome, per-task table and why, divergence, shadow, failures."""
     status = "PASS ✅" if verdict.passed else "FAIL ❌"
@@ -168,22 +244,13 @@ def to_markdown(verdict: GateVerdict) -> str:
             f"{s.length_ratio:.3f}, format errors {_pct(s.baseline_format_error_rate)} → "
             f"{_pct(s.candidate_format_error_rate)} of {s.num_json_requests} JSON requests, "
             f"TTFT p50 {_ms(s.baseline_latency.ttft_p50)} → {_ms(s.candidate_latency.ttft_p50)}"
-        )
-    failed = verdict.failed_checks
-    lines += ["", f"**{len(verdict.checks) - len(failed)}/{len(verdict.checks)} checks passed**"]
-    inconclusive = verdict.inconclusive_checks
-    if inconclusive:
-        names = ", ".join(c.name for c in inconclusive)
-        lines.append(
-            f"\n**inconclusive: {names}** (counted as {verdict.policy.inconclusive}: the items "
-            "cannot tell a loss within the margin from none; see Why)"
-        )
-    if failed:
-        lines += ["", "| failed check | value | threshold | detail |", "|---|---|---|---|"]
-        for c in failed:
-            lines.append(
-                f"| {c.name} | {_num(c.value)} | {c.op} {_num(c.threshold)} | {c.detail} |"
+            + (
+                f"; control ({s.control}) exact match {_pct(s.control_exact_match_rate)}"
+                if s.control_exact_match_rate is not None
+                else ""
             )
+        )
+    lines += ["", *why_lines(verdict)]
     for note in verdict.notes:
         lines.append(f"\n> {note}")
     return "\n".join(lines) + "\n"

@@ -268,6 +268,9 @@ def _decide_mcnemar(
     )
 
 
+NO_THRESHOLD = "reported only (no threshold set)"  # the detail of a check that is not gated
+
+
 @dataclass(slots=True)
 class Check:
     """One thresholded check of the verdict: `value op threshold` and whether it held."""
@@ -284,7 +287,7 @@ class Check:
 def threshold_check(name: str, value: float | None, op: str, threshold: float | None) -> Check:
     """`value op threshold`; a missing value fails, a missing threshold is report-only."""
     if threshold is None:
-        return Check(name, value, None, op, True, "reported only (no threshold set)")
+        return Check(name, value, None, op, True, NO_THRESHOLD)
     if value is None or math.isnan(value):
         return Check(name, value, threshold, op, False, "no value was measured")
     passed = value >= threshold if op == ">=" else value <= threshold
@@ -326,7 +329,10 @@ def default_policy(weight_bits: int) -> GatePolicy:
     Distribution: perplexity ratio <= 1.05 and next-token KL mean <= 0.035 at 8 bits
     (SmolLM2-135M: good 8-bit schemes 1.012-1.037 and 0.015-0.031, planted damage >= 1.078
     and >= 0.042); <= 1.20 and KL reported at 4 bits (W4 measured 1.15-1.18).
-    Shadow: greedy exact match >= 0.90 (0.80 at 4 bits: greedy decodes diverge sooner).
+    Shadow: greedy exact match >= 0.90 (0.80 at 4 bits), judged beside its noise floor:
+    where the control (the baseline's own weights computed at another precision) matches
+    less than that, it is reported, not gated (SmolLM2-135M on the sample traffic: float32
+    vs bfloat16 compute of the same weights agree on 25% of 48 greedy answers).
     Recovery (>= 0.99, 0.97 at 4 bits) is reported and used by the `recovery*` rules.
     """
     if weight_bits <= 4:

@@ -208,7 +208,7 @@ class Engine:
         )
         request.generator = make_generator(params.seed, self.model.device)
         if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
+            request.prompt_logprobs = [None] * min(params.prompt_logprobs_start, len(token_ids))
         if self.detokenizer is not None:
             self.detokenizer.start(request)
         return request

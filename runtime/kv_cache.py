@@ -184,12 +184,16 @@ class KVCacheManager:
         """The longest run of cached blocks that prefixes the request's tokens.
 
         The last token is always left to compute: the engine needs its logits. A request
-        that wants prompt log-probabilities gets no hits: it must compute every position.
+        that wants prompt log-probabilities gets hits only before the first position it
+        scores (`prompt_logprobs_start`): it must compute every position from there.
         """
-        if not self.enable_caching or request.wants_prompt_logprobs:
+        if not self.enable_caching:
             return []
         self.update_block_hashes(request)
         limit = (request.num_tokens - 1) // self.block_size
+        if request.wants_prompt_logprobs:
+            # the row of position p scores token p + 1; the first one wanted must be computed
+            limit = min(limit, (len(request.prompt_logprobs) - 1) // self.block_size)
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:limit]:
             block = self.pool.lookup(block_hash)

@@ -20,7 +20,10 @@ class SamplingParams:
     """How one request chooses its tokens and when it stops.
 
     temperature 0 means greedy. `logprobs=n` returns the sampled token's log-probability and
-    the top n; `prompt_logprobs=n` does the same for every prompt token after the first.
+    the top n; `prompt_logprobs=n` does the same for every prompt token after the first, or
+    from token `prompt_logprobs_start` on (earlier entries are None): the positions before it
+    are not scored, so the prefix cache may serve them (scoring several continuations of one
+    context computes the context once).
     """
 
     max_tokens: int = 16
@@ -34,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 1
     detokenize: bool = True
     skip_special_tokens: bool = True
     # False opts this request out of speculative decoding (plain one-token steps).
@@ -55,6 +59,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 problems.append(f"{name}={value} must be >= 0 (or None)")
+        if self.prompt_logprobs_start < 1:
+            problems.append(
+                f"prompt_logprobs_start={self.prompt_logprobs_start} must be >= 1 (the first "
+                "prompt token has no log-probability)"
+            )
         if any(not s for s in self.stop):
             problems.append("stop strings must be non-empty")
         if self.stop and not self.detokenize:

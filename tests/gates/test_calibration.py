@@ -6,9 +6,11 @@ damages of the W8A8 artifact fail (one o_proj's scales ×1.5, every v_proj's sca
 two layers' down_proj swapped). The baseline and its noise-floor control are evaluated
 once and then read from the evaluation cache for every other candidate.
 
-Measured on a 2-core Xeon (avx512_bf16, AMX) shared with other work: the gates took 41 s
-(control, with baseline and control evaluated), 109 s (W8A8), 126, 239 and 85 s (damage);
-the W8A8 compile dominates. The whole test took 418 s there at a load average of ~4.
+Measured on a 2-core Xeon (avx512_bf16, AMX) shared with three other engineers' test runs
+and the gate table benchmark (load average 6-9), with OMP_WAIT_POLICY=PASSIVE and an empty
+evaluation cache: 1,164 s wall, 8.1 min of CPU time (W8A8 compile, the baseline and its
+control through transformers on 200 items of each default task, five candidates through
+the runtime). A warm cache skips the baseline and control.
 """
 
 from __future__ import annotations
@@ -40,12 +42,10 @@ targets: [h100-sxm]
 deploy: {trtllm_path: engine}
 output: out
 """
-# Distribution checks on 16 held-out texts (2k tokens), a bounded MC task for the rule.
-GATES = {
-    "tasks": ["kiln_ppl", "kiln_mc"],
-    "limit": 40,
-    "divergence": {"num_texts": 16, "max_seq_len": 128, "top_k": 20},
-}
+# The default gate (kiln_ppl, kiln_cloze, kiln_next_word; KL on 16 held-out texts), its
+# tasks bounded to 200 items each to fit the suite's time: the task rule is then
+# inconclusive on good schemes (it detects ~5 points), and the distribution checks decide.
+GATES = {"limit": 200}
 WEIGHTS = "model.safetensors"
 
 

@@ -96,3 +96,19 @@ def test_the_cloze_tasks_have_the_items_to_detect_a_two_point_loss() -> None:
         assert 16 <= len(r["context"].split()) <= 32
     # at the 8% flips 8-bit schemes show on greedy generation: under 2.5 points
     assert min_detectable_loss(len(rows), 0.08) < 0.025
+
+
+def test_default_tasks_have_a_thousand_items_each_one_kind_of_scoring_each() -> None:
+    gates = load_gates({}, "r.yaml")
+    kinds = {}
+    for name in gates.tasks:
+        (path,) = [
+            p for p in BUILTIN_TASKS_DIR.glob("*.yaml") if f"task: {name}\n" in p.read_text()
+        ]
+        text = path.read_text()
+        kinds[name] = text.split("output_type: ", 1)[1].split()[0]
+        data = text.split(f"{PLACEHOLDER}/", 1)[1].split()[0]
+        rows = (BUILTIN_TASKS_DIR / data).read_text().splitlines()
+        if kinds[name] != "loglikelihood_rolling":  # perplexity is scored by token, not item
+            assert len(rows) >= 1000, (name, len(rows))
+    assert sorted(kinds.values()) == ["generate_until", "loglikelihood_rolling", "multiple_choice"]

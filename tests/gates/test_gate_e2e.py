@@ -77,6 +77,9 @@ def test_an_unchanged_model_passes_every_check(
         assert verdict.divergence is not None and verdict.divergence.kl_mean < 1e-6
         assert verdict.divergence.top1_agreement == 1.0
         assert verdict.shadow is not None and verdict.shadow.exact_match_rate == 1.0
+        # the shadow noise floor: the float source replayed at another compute precision
+        assert verdict.shadow.control_exact_match_rate is not None
+        assert (verdict.shadow.control or "").startswith("the baseline computed in")
         assert verdict.candidate["kind"] == "artifact" and verdict.baseline["kind"] == "source"
         assert set(verdict.tools) >= {"lm-eval", "torch", "transformers"}
         # the passing run against the float source lets the artifact into an empty channel

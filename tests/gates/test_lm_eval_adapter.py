@@ -46,6 +46,24 @@ def test_loglikelihood_matches_transformers(sides: tuple[KilnLM, object]) -> Non
         assert a == pytest.approx(b, abs=1e-3) and greedy_a == greedy_b
 
 
+def test_choices_of_one_context_score_it_once_and_match_transformers(
+    sides: tuple[KilnLM, object],
+) -> None:
+    kiln, hf = sides
+    context = f"{TEXT} of this software"
+    args = [(context, c) for c in (" to", " and", " of the", " granted")]
+    hits_before = kiln.engine.stats().prefix_cache_hits
+    ours = kiln.loglikelihood(requests("loglikelihood", args))
+    theirs = hf.loglikelihood(requests("loglikelihood", args))  # type: ignore[attr-defined]
+    for (a, greedy_a), (b, greedy_b) in zip(ours, theirs, strict=True):
+        assert a == pytest.approx(b, abs=1e-3) and greedy_a == greedy_b
+    # the three choices after the first read the context's full blocks from the prefix cache
+    context_len = len(kiln.tok_encode(context))
+    block = kiln.engine.config.block_size
+    cached = kiln.engine.stats().prefix_cache_hits - hits_before
+    assert cached >= 3 * ((context_len - 1) // block) * block > 0
+
+
 def test_rolling_loglikelihood_uses_the_same_windows(sides: tuple[KilnLM, object]) -> None:
     kiln, hf = sides
     long_text = " ".join([TEXT] * 8)  # longer than max_length: several windows

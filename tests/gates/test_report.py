@@ -13,7 +13,7 @@ import pytest
 from kiln.gates.divergence import summarize
 from kiln.gates.report import to_markdown, write_reports
 from kiln.gates.rules import GatePolicy
-from kiln.gates.shadow import LatencyStats, PairDiff, summarize_pairs
+from kiln.gates.shadow import LatencyStats, PairDiff, exact_match_check, summarize_pairs
 from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
 from kiln.runtime.answer import SideAnswer
 
@@ -59,6 +59,28 @@ def test_markdown_summarises_outcome_tables_and_failures() -> None:
     assert isinstance(verdict.shadow.baseline_latency, LatencyStats)  # type: ignore[union-attr]
 
 
+def test_markdown_says_why_with_every_check_its_value_and_threshold() -> None:
+    failing = to_markdown(full_verdict())
+    assert "### Why it fails" in failing
+    assert "**4 failed**: KL divergence mean = 1.3893, needs ≤ 0.0350;" in failing
+    assert "| ❌ fail | shadow: exact match | 0.5000 | ≥ 0.9000 |" in failing
+    assert "| ➖ reported | KL divergence p99 | 6.7300 | reported only |" in failing
+    policy = GatePolicy()
+    base = {i: float(i % 3 != 0) for i in range(60)}
+    passing = build_verdict(
+        {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64},
+        {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64},
+        policy,
+        tasks=[compare_task("kiln_mc", "acc", base, {**base, 0: 1.0, 1: 0.0}, policy)],
+        perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 20.2)],
+    )
+    md = to_markdown(passing)
+    assert "### Why it passes" in md and "All 2 passed." in md
+    assert "**Inconclusive: kiln_mc: acc (mcnemar)**, counted as pass" in md
+    assert "| ❔ inconclusive | kiln_mc: acc (mcnemar) | loss +0.00 pt | loss ≤ +2.00 pt |" in md
+    assert "| ✅ pass | kiln_ppl: word_perplexity ratio | 1.0100 | ≤ 1.0500 |" in md
+
+
 def test_reports_are_written_side_by_side(tmp_path: Path) -> None:
     paths = write_reports(full_verdict(), tmp_path)
     assert sorted(p.name for p in paths.values()) == ["gate.html", "gate.json", "gate.md"]
@@ -101,3 +123,20 @@ def test_html_report_renders_in_headless_chromium_without_console_errors(tmp_pat
     assert "<svg" in dom and "<rect" in dom  # the histogram was parsed as SVG
     assert "<script" not in dom  # hostile text stayed text
     assert "Worst shadow differences" in dom and "kiln_mc" in dom
+
+
+def test_a_check_reported_for_a_reason_shows_the_reason() -> None:
+    verdict = full_verdict()
+    assert verdict.shadow is not None
+    verdict.shadow.control = "the baseline computed in float32"
+    verdict.shadow.control_exact_match_rate = 0.25
+    verdict.checks = [
+        exact_match_check(verdict.shadow, 0.9) if c.name == "shadow: exact match" else c
+        for c in verdict.checks
+    ]
+    md = to_markdown(verdict)
+    assert (
+        "| ➖ reported | shadow: exact match | 0.5000 | reported only | control (the baseline "
+        "computed in float32) 25.0% < 90%: greedy answers diverge on rounding alone" in md
+    )
+    assert "control (the baseline computed in float32) exact match 25.0%" in md

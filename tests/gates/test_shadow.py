@@ -32,3 +32,20 @@ def test_answers_are_compared_request_by_request() -> None:
 def test_json_validity_allows_one_code_fence() -> None:
     assert is_valid_json('{"a": 1}') and is_valid_json('```json\n{"a": 1}\n```')
     assert not is_valid_json("{'a': 1}") and not is_valid_json("sure! {}")
+
+
+def test_exact_match_is_judged_beside_the_control_that_rounding_alone_diverges() -> None:
+    asks = [TrafficRecord(i, 0.0, COMPLETIONS, {"prompt": f"Tell me {i}"}) for i in "abcd"]
+    base = [SideAnswer(f"story {i} goes on", [1, 2, 3]) for i in "abcd"]
+    cand = [*base[:2], SideAnswer("story c went", [1, 2, 4]), SideAnswer("story d", [1, 2])]
+    pairs = [compare_pair(*answers) for answers in zip(asks, base, cand, strict=True)]
+    report = summarize_pairs(pairs, base, cand)
+    policy = GatePolicy()  # exact match >= 0.90
+    report.control, report.control_exact_match_rate = "the baseline computed in float32", 0.25
+    (exact, *_) = shadow_checks(report, policy)
+    assert exact.passed and exact.threshold is None and exact.value == 0.5
+    assert exact.detail.startswith("control (the baseline computed in float32) 25.0% < 90%")
+    report.control_exact_match_rate = 1.0  # the control agrees: exact match is gated
+    (exact, *_) = shadow_checks(report, policy)
+    assert not exact.passed and exact.threshold == 0.9
+    assert exact.detail == "control (the baseline computed in float32) 100.0%"

@@ -140,6 +140,33 @@ def test_prefix_cache_hit_gives_the_same_output(tiny_llama: Path) -> None:
     assert engine.stats().prefix_cache_hits == second.num_cached_tokens
 
 
+def test_prompt_logprobs_from_a_start_reuse_the_cached_context(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama, block_size=4)
+    context = [t for p in prompt_ids(tiny_llama, 2) for t in p]
+    endings = [context[1:3], context[4:7]]
+    whole = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    expected = [
+        Engine.from_pretrained(tiny_llama).generate([context + e], whole)[0] for e in endings
+    ]
+    start = len(context)
+    tail = SamplingParams(
+        max_tokens=1, temperature=0, prompt_logprobs=0, prompt_logprobs_start=start
+    )
+    first = engine.generate([context + endings[0]], tail)[0]
+    second = engine.generate([context + endings[1]], tail)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= start - 4  # the context came from the prefix cache
+    for out, ref, ending in zip((first, second), expected, endings, strict=True):
+        assert out.prompt_logprobs is not None and ref.prompt_logprobs is not None
+        assert out.prompt_logprobs[:start] == [None] * start
+        torch.testing.assert_close(
+            logprobs_of(out.prompt_logprobs[start:], ending),
+            logprobs_of(ref.prompt_logprobs[start:], ending),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
 def test_requests_join_a_running_batch(tiny_llama: Path) -> None:
     engine = Engine.from_pretrained(tiny_llama)
     prompts = prompt_ids(tiny_llama, 2)

@@ -12,14 +12,13 @@ import torch
 
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.conformance import check_checkpoint, check_config
-from kiln.quant import quantize
-from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant.spec import QuantSpec
 from kiln.runtime.checkpoint import open_checkpoint
 from kiln.runtime.linear import dequantize
 from kiln.runtime.nvfp4 import unpack_e2m1
 from tests.compiler.test_compile import kiln
 from tests.compiler.test_trtllm_modelopt import modelopt_exports  # noqa: F401
-from tests.compiler.trtllm_recipes import compile_conforming, scheme_recipe
+from tests.compiler.trtllm_recipes import compile_conforming, quantised_per_arch, scheme_recipe
 
 NVFP4 = QuantSpec(method="nvfp4", weight_bits=4, activations="nvfp4", backend="modelopt")
 
@@ -44,17 +43,8 @@ def test_nvfp4_matches_modelopts_writer(modelopt_exports):  # noqa: F811
 @pytest.fixture(scope="module")
 def nvfp4(tmp_path_factory, tiny_llama, tiny_qwen2):
     """arch → the tiny model of `arch` quantised NVFP4 by kiln's ModelOpt backend."""
-    models, made = {"llama": tiny_llama, "qwen2": tiny_qwen2}, {}
-
-    def get(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = tmp_path_factory.mktemp(f"nvfp4-{arch}")
-            quantize(
-                models[arch], NVFP4, CalibrationSpec(num_samples=4, max_seq_len=32), made[arch]
-            )
-        return made[arch]
-
-    return get
+    models = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+    return quantised_per_arch(tmp_path_factory, models, NVFP4, "nvfp4")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -13,8 +13,7 @@ import yaml
 
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.conformance import check_checkpoint, check_config
-from kiln.quant import quantize
-from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant.spec import QuantSpec
 from kiln.runtime.checkpoint import open_checkpoint
 from kiln.runtime.errors import UsageError
 from kiln.runtime.linear import effective_weight
@@ -25,9 +24,8 @@ from tests.compiler.test_trtllm_modelopt import (  # noqa: F401
     kept_by_both,
     modelopt_exports,
 )
-from tests.compiler.trtllm_recipes import compile_conforming, scheme_recipe
+from tests.compiler.trtllm_recipes import compile_conforming, quantised_per_arch, scheme_recipe
 
-CALIBRATION = CalibrationSpec(num_samples=4, max_seq_len=32)
 W4A8 = QuantSpec(
     method="awq", weight_bits=4, group_size=64, activations="fp8_static", backend="modelopt"
 )
@@ -52,15 +50,8 @@ def test_w4a8_matches_modelopts_writer_where_both_keep_the_tensors(modelopt_expo
 @pytest.fixture(scope="module")
 def w4a8(tmp_path_factory, tiny_llama, tiny_qwen2):
     """arch → the tiny model of `arch` quantised W4A8 AWQ g64 by kiln's ModelOpt backend."""
-    models, made = {"llama": tiny_llama, "qwen2": tiny_qwen2}, {}
-
-    def get(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = tmp_path_factory.mktemp(f"w4a8-{arch}")
-            quantize(models[arch], W4A8, CALIBRATION, made[arch])
-        return made[arch]
-
-    return get
+    models = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+    return quantised_per_arch(tmp_path_factory, models, W4A8, "w4a8")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -5,13 +5,32 @@ rules (compiler/trtllm/conformance.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kiln.compiler.trtllm.conformance import check_checkpoint, check_serve_options
+from kiln.quant import quantize
+from kiln.quant.spec import CalibrationSpec, QuantSpec
 from tests.compiler.test_compile import kiln
+
+
+def quantised_per_arch(
+    tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path], spec: QuantSpec, label: str
+) -> Callable[[str], Path]:
+    """arch -> `models[arch]` quantised as `spec` (4 x 32 calibration tokens), made once."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = tmp_path_factory.mktemp(f"{label}-{arch}")
+            quantize(models[arch], spec, CalibrationSpec(num_samples=4, max_seq_len=32), made[arch])
+        return made[arch]
+
+    return get
 
 
 def scheme_recipe(

@@ -129,7 +129,7 @@ def gate_compiled(
             progress=say,
         )  # fmt: skip
         step = GateStep(outcome.verdict.to_dict(), out_dir, base, False, outcome.run_id)
-        manifest.gate = GateRecord(
+        record = GateRecord(
             key=key,
             passed=step.passed,
             baseline=base.to_dict(),
@@ -138,7 +138,9 @@ def gate_compiled(
             seconds=step.verdict.get("seconds"),
             run_id=step.run_id,
         )
-        artifact.write_manifest(path, manifest)
+        # The gate ran for minutes with the output lock released: record it on the manifest
+        # as it is now, under the artifact's manifest lock, so no other writer's update is lost.
+        artifact.update_manifest(path, lambda now: setattr(now, "gate", record))
     if promote is not None and step.passed:
         state = registry.channel(promote)
         if state is None or state.current_digest != manifest.digest:  # a re-run is a no-op

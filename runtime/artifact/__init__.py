@@ -11,13 +11,22 @@ An artifact is one directory named `<name>-<digest12>` holding:
 The digest is the sha256 over the digests of every file but the manifest, so two artifacts
 with the same content have the same name. An artifact is assembled in a hidden temporary
 directory beside its final place and renamed into place only when complete.
+
+A published artifact's manifest is rewritten (a gate recorded, a manifest refreshed) only
+under its manifest lock, an exclusive flock on the artifact directory itself (no file is
+added to the artifact): `update_manifest` reads, changes and writes it under the lock, so
+two processes never lose each other's update. Each write goes through a temporary of its
+own (`.manifest.json.<pid>.<random>.tmp`) and one rename, so a reader sees the old manifest
+or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -50,6 +59,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "MANIFEST_TEMPORARIES",
     "MODEL_DIR",
     "QUANT_REPORT",
     "READABLE_VERSIONS",
@@ -72,7 +82,9 @@ __all__ = [
     "file_digests",
     "json_dumps",
     "load_manifest",
+    "manifest_lock",
     "sha256_file",
+    "update_manifest",
     "verify",
     "write_manifest",
 ]
@@ -81,6 +93,10 @@ MANIFEST = "manifest.json"
 MODEL_DIR = "model"
 REPORTS_DIR = "reports"
 QUANT_REPORT = f"{REPORTS_DIR}/quantization.json"
+# What a manifest rewrite leaves behind if killed mid-way (also the old fixed name).
+MANIFEST_TEMPORARIES = f".{MANIFEST}*.tmp"
+# A rewrite holds the lock for milliseconds; this long means the holder is stuck.
+MANIFEST_LOCK_WAIT_S = 30.0
 _CHUNK = 1 << 20
 
 
@@ -174,11 +190,64 @@ def json_dumps(data: Any) -> str:
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Write manifest.json atomically (temp file + rename)."""
-    text = json_dumps(manifest.to_dict())
-    tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, root / MANIFEST)
+    """Write manifest.json atomically: a temporary of this writer's own, then one rename.
+    A published artifact's manifest is rewritten under `manifest_lock` (update_manifest)."""
+    tmp = root / f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        with os.fdopen(os.open(tmp, flags, 0o644), "w") as handle:
+            handle.write(json_dumps(manifest.to_dict()))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, root / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def manifest_lock(root: str | Path, wait_s: float = MANIFEST_LOCK_WAIT_S) -> Iterator[None]:
+    """Hold the artifact's manifest lock, waiting up to `wait_s` for another writer; then an
+    ArtifactError naming the artifact, and the manifest is left as it is."""
+    root = Path(root)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ArtifactError(
+            f"{root}: cannot lock the artifact to rewrite its manifest ({exc.strerror}); "
+            "pass the artifact directory that `kiln compile` printed"
+        ) from None
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ArtifactError(
+                        f"{root}: another kiln process has held the artifact's manifest lock "
+                        f"for {wait_s:g} s (a `kiln compile` recording its gate here); the "
+                        "manifest was left as it is: wait for that process to finish, then "
+                        "retry"
+                    ) from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def update_manifest(
+    root: str | Path, change: Callable[[Manifest], None], wait_s: float = MANIFEST_LOCK_WAIT_S
+) -> Manifest:
+    """Apply `change` to the manifest as it is on disk now and write it back, all under the
+    artifact's manifest lock: no concurrent writer's update is lost. Returns what was written."""
+    root = Path(root)
+    with manifest_lock(root, wait_s):
+        manifest = load_manifest(root)
+        change(manifest)
+        write_manifest(root, manifest)
+    return manifest
 
 
 @dataclass
@@ -213,7 +282,8 @@ def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> I
         final = parent / f"{manifest.name}-{manifest.digest[:12]}"
         if final.exists():
             # Same content already published: keep the existing directory, refresh its manifest.
-            write_manifest(final, manifest)
+            with manifest_lock(final):
+                write_manifest(final, manifest)
             shutil.rmtree(staging)
         else:
             os.replace(staging, final)

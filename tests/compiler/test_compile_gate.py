@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from kiln.compiler.compile import CompileResult, compile_recipe
+from kiln.compiler.gating import gate_compiled
+from kiln.compiler.recipe import Recipe, load_recipe
 from kiln.gates.registry import Registry
 from kiln.runtime import artifact
 from tests.compiler.test_compile import kiln, published
@@ -192,3 +196,47 @@ def test_a_rerun_does_not_trust_a_gate_json_edited_to_pass(
         assert all(not run["passed"] for run in registry.gate_runs())
         state = registry.channel("prod")
         assert state is None or state.current_digest is None
+
+
+# --- the gate step against other writers: the manifest, and the channel ---------------------
+
+
+@dataclass
+class Compiled:
+    recipe: Recipe
+    result: CompileResult
+
+
+@pytest.fixture(scope="module")
+def serving_and_candidate(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
+) -> tuple[Compiled, Compiled]:
+    """Two gated recipes of one tiny model, compiled once: a release and a candidate."""
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("gate-races")
+    out = []
+    for method in ("fp8", "fp8_dynamic"):
+        recipe = gated_recipe(tmp / method, tiny_llama, method)
+        out.append(Compiled(load_recipe(recipe), compile_recipe(recipe)))
+    return out[0], out[1]
+
+
+def test_the_gate_step_keeps_a_manifest_update_made_while_it_ran(
+    serving_and_candidate: tuple[Compiled, Compiled], tmp_path: Path
+) -> None:
+    _, candidate = serving_and_candidate
+    path = candidate.result.artifact
+
+    def another_writer(_: str) -> None:  # records something on the manifest mid-gate
+        manifest = artifact.load_manifest(path)
+        manifest.extra["written_meanwhile"] = manifest.extra.get("written_meanwhile", 0) + 1
+        artifact.write_manifest(path, manifest)
+
+    with Registry(tmp_path / "registry.db") as registry:
+        step = gate_compiled(candidate.result, candidate.recipe, registry=registry, force=True,
+                             progress=another_writer)  # fmt: skip
+    assert step is not None and step.run_id is not None
+    manifest = artifact.load_manifest(path)
+    assert manifest.gate is not None and manifest.gate.run_id == step.run_id
+    assert manifest.extra["written_meanwhile"] >= 1
+    assert artifact.verify(path) == []

@@ -6,6 +6,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from kiln.compiler.gating import gate_compiled
 from kiln.compiler.recipe import Recipe, load_recipe
 from kiln.gates.registry import Registry
 from kiln.runtime import artifact
+from kiln.runtime.errors import ArtifactError, UsageError
 from tests.compiler.test_compile import kiln, published
+from tests.gates.conftest import build_artifact
 
 RECIPE = """\
 name: tiny-{method}
@@ -221,6 +224,16 @@ def serving_and_candidate(
     return out[0], out[1]
 
 
+def passing(candidate: Path, baseline: str, kind: str) -> dict[str, Any]:
+    """A passing verdict of `candidate` against `baseline` (what `kiln gate` records)."""
+    return {
+        "passed": True,
+        "candidate": {"kind": "artifact", "digest": artifact.load_manifest(candidate).digest},
+        "baseline": {"kind": kind, "digest": baseline},
+        "checks": [],
+    }
+
+
 def test_the_gate_step_keeps_a_manifest_update_made_while_it_ran(
     serving_and_candidate: tuple[Compiled, Compiled], tmp_path: Path
 ) -> None:
@@ -240,3 +253,58 @@ def test_the_gate_step_keeps_a_manifest_update_made_while_it_ran(
     assert manifest.gate is not None and manifest.gate.run_id == step.run_id
     assert manifest.extra["written_meanwhile"] >= 1
     assert artifact.verify(path) == []
+
+
+def test_a_verdict_against_what_served_does_not_promote_once_the_channel_moved(
+    serving_and_candidate: tuple[Compiled, Compiled], tmp_path: Path
+) -> None:
+    serving, candidate = serving_and_candidate
+    x, c = serving.result.artifact, candidate.result.artifact
+    db = tmp_path / "registry.db"
+    y = build_artifact(tmp_path / "arts", name="hotfix")  # promoted by someone else mid-gate
+    x_digest, y_digest = artifact.load_manifest(x).digest, artifact.load_manifest(y).digest
+    with Registry(db) as registry:
+        registry.record_gate_run(passing(x, "f" * 64, "source"), x)
+        registry.promote(x, "prod")
+        registry.record_gate_run(passing(y, x_digest, "artifact"), y)
+        # An older pass of the candidate against y: it must not stand in for this verdict.
+        registry.record_gate_run(passing(c, y_digest, "artifact"), c)
+        promoted: list[dict[str, Any]] = []
+
+        def someone_promotes(_: str) -> None:
+            if not promoted:
+                with Registry(db) as other:
+                    promoted.append(other.promote(y, "prod"))
+
+        with pytest.raises(UsageError) as caught:
+            gate_compiled(candidate.result, candidate.recipe, registry=registry, promote="prod",
+                          force=True, progress=someone_promotes)  # fmt: skip
+        message = caught.value.message
+        assert "prod" in message and x_digest[:12] in message and y_digest[:12] in message
+        assert "kiln compile --promote prod" in message
+        state = registry.channel("prod")
+        assert state is not None and state.current_digest == y_digest
+        (run,) = [r for r in registry.gate_runs(artifact.load_manifest(c).digest)
+                  if r["baseline"] == x_digest]  # fmt: skip
+        assert run["passed"]  # the gate passed; the promotion was refused all the same
+
+
+def test_the_channel_baseline_is_identified_by_its_digest_not_its_path(
+    serving_and_candidate: tuple[Compiled, Compiled], tmp_path: Path
+) -> None:
+    _, candidate = serving_and_candidate
+    db = tmp_path / "registry.db"
+    x = build_artifact(tmp_path / "arts", b"release", name="release")
+    x_digest = artifact.load_manifest(x).digest
+    with Registry(db) as registry:
+        registry.record_gate_run(passing(x, "f" * 64, "source"), x)
+        registry.promote(x, "prod")
+    # The directory the registry recorded for what serves now holds another artifact.
+    shutil.rmtree(x)
+    shutil.copytree(build_artifact(tmp_path / "other", b"other", name="release"), x)
+    with Registry(db) as registry, pytest.raises(ArtifactError) as caught:
+        gate_compiled(candidate.result, candidate.recipe, registry=registry, promote="prod")
+    message = caught.value.message
+    assert "--promote prod" in message and x_digest[:12] in message and str(x) in message
+    with Registry(db) as registry:
+        assert registry.gate_runs(artifact.load_manifest(candidate.result.artifact).digest) == []

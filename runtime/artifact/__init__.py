@@ -3,7 +3,8 @@
 An artifact is one directory named `<name>-<digest12>` holding:
 
     manifest.json             what this is: digests, resolved recipe, source, scheme, tools,
-                              stage status and timings, targets, gate verdict
+                              stage status and timings, targets, gate verdict, and the
+                              digests of engines built into it after publication
     model/                    the quantised Hugging Face checkpoint (compressed-tensors or
                               ModelOpt HF export) with its tokenizer
     reports/quantization.json per-layer weight error, KL divergence and top-1 agreement
@@ -56,6 +57,7 @@ from kiln.runtime.artifact.manifest import (
 from kiln.runtime.errors import ArtifactError
 
 __all__ = [
+    "ENGINES_DIR",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
@@ -79,10 +81,12 @@ __all__ = [
     "TargetSpeculation",
     "assemble",
     "content_digest",
+    "engine_file",
     "file_digests",
     "json_dumps",
     "load_manifest",
     "manifest_lock",
+    "record_engines",
     "sha256_file",
     "update_manifest",
     "verify",
@@ -91,6 +95,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"
+ENGINES_DIR = "engines"
 REPORTS_DIR = "reports"
 QUANT_REPORT = f"{REPORTS_DIR}/quantization.json"
 # What a manifest rewrite leaves behind if killed mid-way (also the old fixed name).
@@ -118,6 +123,13 @@ def file_digests(root: Path) -> dict[str, FileEntry]:
             continue
         out[rel] = FileEntry(sha256_file(path), path.stat().st_size)
     return out
+
+
+def engine_file(rel: str) -> bool:
+    """A file of a TensorRT-LLM engine directory, `engines/<target>/engine/...`: what a
+    builder's `build.sh` writes into the artifact after it was published."""
+    parts = rel.split("/")
+    return len(parts) > 3 and parts[0] == ENGINES_DIR and parts[2] == "engine"
 
 
 def content_digest(files: dict[str, FileEntry] | dict[str, str]) -> str:
@@ -168,17 +180,19 @@ def verify(path: str | Path, outside: Callable[[str], bool] | None = None) -> li
     root = Path(path)
     manifest = load_manifest(root)
     problems: list[str] = []
+    recorded = {**manifest.files, **manifest.engines}
     actual = file_digests(root)
     if outside is not None:
-        actual = {rel: e for rel, e in actual.items() if rel in manifest.files or not outside(rel)}
-    for rel, want in sorted(manifest.files.items()):
+        actual = {rel: e for rel, e in actual.items() if rel in recorded or not outside(rel)}
+    for rel, want in sorted(recorded.items()):
         got = actual.get(rel)
         if got is None:
             problems.append(f"{rel}: missing")
         elif got.sha256 != want.sha256:
             problems.append(f"{rel}: sha256 {got.sha256[:12]}… != recorded {want.sha256[:12]}…")
-    for rel in sorted(set(actual) - set(manifest.files)):
-        problems.append(f"{rel}: not recorded in the manifest")
+    for rel in sorted(set(actual) - set(recorded)):
+        hint = " (an engine built later: `kiln inspect --record-engines` records it)"
+        problems.append(f"{rel}: not recorded in the manifest{hint if engine_file(rel) else ''}")
     if not problems and content_digest(manifest.files) != manifest.digest:
         problems.append("manifest digest does not match its file list")
     return problems
@@ -248,6 +262,26 @@ def update_manifest(
         change(manifest)
         write_manifest(root, manifest)
     return manifest
+
+
+def record_engines(root: str | Path) -> Manifest:
+    """Record the sha256 of every engine file built into the published artifact after
+    publication in its manifest's `engines` (under the manifest lock), so `verify` checks
+    them from then on; the artifact's digest, and so its name, stays what it was."""
+    root = Path(root)
+    files = load_manifest(root).files
+    # Engines run to gigabytes: hashed before the lock is taken, never while holding it.
+    found = {
+        path.relative_to(root).as_posix(): path
+        for path in sorted((root / ENGINES_DIR).glob("*/engine/**/*"))
+        if path.is_file() and not path.is_symlink()
+    }
+    engines = {
+        rel: FileEntry(sha256_file(path), path.stat().st_size)
+        for rel, path in found.items()
+        if rel not in files
+    }
+    return update_manifest(root, lambda manifest: setattr(manifest, "engines", engines))
 
 
 @dataclass

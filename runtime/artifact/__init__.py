@@ -284,6 +284,13 @@ def record_engines(root: str | Path) -> Manifest:
     return update_manifest(root, lambda manifest: setattr(manifest, "engines", engines))
 
 
+def _recorded_engines(root: Path) -> dict[str, FileEntry]:
+    try:
+        return load_manifest(root).engines
+    except ArtifactError:
+        return {}  # a damaged manifest: the refresh replaces it
+
+
 @dataclass
 class Staging:
     """A directory being assembled (`dir`) and, once published, its final place (`path`)."""
@@ -315,8 +322,10 @@ def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> I
         write_manifest(staging, manifest)
         final = parent / f"{manifest.name}-{manifest.digest[:12]}"
         if final.exists():
-            # Same content already published: keep the existing directory, refresh its manifest.
+            # Same content already published: keep the existing directory, refresh its
+            # manifest, and keep the engines recorded on it since (they are still there).
             with manifest_lock(final):
+                manifest.engines = _recorded_engines(final)
                 write_manifest(final, manifest)
             shutil.rmtree(staging)
         else:

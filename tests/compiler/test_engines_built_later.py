@@ -77,3 +77,16 @@ def test_kiln_inspect_records_engines_and_verify_catches_a_tampered_one(tmp_path
     tamper(root / ENGINE / "config.json")
     code, _, stderr = kiln("inspect", str(root), "--verify")
     assert code != 0 and f"{ENGINE}/config.json: sha256" in stderr
+
+
+def test_republishing_the_same_content_keeps_the_recorded_engines(tmp_path: Path) -> None:
+    root = built_later(build_artifact(tmp_path / "arts"))
+    artifact.record_engines(root)
+
+    assert build_artifact(tmp_path / "arts") == root  # the same content, published again
+
+    assert sorted(artifact.load_manifest(root).engines) == [
+        f"{ENGINE}/config.json",
+        f"{ENGINE}/rank0.engine",
+    ]
+    assert artifact.verify(root) == []

@@ -241,9 +241,9 @@ def manifest_lock(root: str | Path, wait_s: float = MANIFEST_LOCK_WAIT_S) -> Ite
                 if time.monotonic() >= deadline:
                     raise ArtifactError(
                         f"{root}: another kiln process has held the artifact's manifest lock "
-                        f"for {wait_s:g} s (a `kiln compile` recording its gate here); the "
-                        "manifest was left as it is: wait for that process to finish, then "
-                        "retry"
+                        f"for {wait_s:g} s (a `kiln compile` recording its gate, or `kiln "
+                        "inspect --record-engines`); the manifest was left as it is: wait for "
+                        "that process to finish, then retry"
                     ) from None
                 time.sleep(0.02)
         yield

@@ -213,14 +213,23 @@ def compile_cmd(
 @main.command()
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True, help="Re-hash every file against the manifest.")
+@click.option(
+    "--record-engines",
+    is_flag=True,
+    help="Record the digests of engines built into the artifact after publication "
+    "(engines/<target>/engine/), so that --verify and every later check verify them.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @handle_errors
-def inspect(artifact_dir: Path, verify: bool, as_json: bool) -> None:
+def inspect(artifact_dir: Path, verify: bool, record_engines: bool, as_json: bool) -> None:
     """Show an artifact's manifest, sizes and scheme; --verify re-checks every digest."""
     from kiln.compiler.describe import describe
     from kiln.runtime import artifact
     from kiln.runtime.errors import ArtifactError
 
+    if record_engines:
+        recorded = artifact.record_engines(artifact_dir).engines
+        err.print(f"recorded {len(recorded)} engine file(s) of {artifact_dir} in its manifest")
     manifest = artifact.load_manifest(artifact_dir)
     problems = artifact.verify(artifact_dir) if verify else []
     if as_json:

@@ -35,7 +35,7 @@ from kiln.gates.registry import Registry
 from kiln.gates.sides import SideSpec, resolve_side
 from kiln.runtime import artifact
 from kiln.runtime.artifact import GateRecord
-from kiln.runtime.errors import UsageError
+from kiln.runtime.errors import ArtifactError, UsageError
 
 GATE_REPORTS_DIR = "gate-reports"
 
@@ -108,8 +108,15 @@ def gate_compiled(
     say = progress or (lambda _msg: None)
     path = result.artifact
     manifest = artifact.load_manifest(path)
-    baseline = _baseline(recipe, gates, result, registry, promote, manifest.digest)
+    baseline, required = _baseline(recipe, gates, result, registry, promote, manifest.digest)
     base = resolve_side(baseline, "baseline")
+    if required is not None and base.digest != required:  # identity is the digest, not the path
+        raise ArtifactError(
+            f"--promote {promote}: the channel requires a gate against {required[:12]}, "
+            f"registered at {baseline}, but that directory now holds {base.name} "
+            f"({base.digest[:12]}); put artifact {required[:12]} back there (or `kiln registry` "
+            "the channel to another baseline), then compile again"
+        )
     base_dir = recipe.base_dir("gates")
     traffic = _traffic(gates, base_dir)
     key = input_key("gate", manifest.digest, base.digest, gates.model_dump(), traffic)
@@ -129,7 +136,7 @@ def gate_compiled(
             progress=say,
         )  # fmt: skip
         step = GateStep(outcome.verdict.to_dict(), out_dir, base, False, outcome.run_id)
-        manifest.gate = GateRecord(
+        record = GateRecord(
             key=key,
             passed=step.passed,
             baseline=base.to_dict(),
@@ -138,11 +145,15 @@ def gate_compiled(
             seconds=step.verdict.get("seconds"),
             run_id=step.run_id,
         )
-        artifact.write_manifest(path, manifest)
+        # The gate ran for minutes with the output lock released: record it on the manifest
+        # as it is now, under the artifact's manifest lock, so no other writer's update is lost.
+        artifact.update_manifest(path, lambda now: setattr(now, "gate", record))
     if promote is not None and step.passed:
         state = registry.channel(promote)
         if state is None or state.current_digest != manifest.digest:  # a re-run is a no-op
-            step.promotion = registry.promote(path, promote, reason=f"kiln compile {recipe.path}")
+            # Bound to this verdict: the registry refuses if the channel moved while it ran.
+            step.promotion = registry.promote(path, promote, reason=f"kiln compile {recipe.path}",
+                                              gate_run=step.run_id)  # fmt: skip
     return step
 
 
@@ -153,8 +164,9 @@ def _baseline(
     registry: Registry,
     promote: str | None,
     candidate: str,
-) -> str:
-    """The baseline spec: the channel's requirement, else `gates.baseline`."""
+) -> tuple[str, str | None]:
+    """The baseline spec and the digest it must have: the channel's requirement, else
+    `gates.baseline` (whatever digest it has)."""
     if promote is not None:
         state = registry.channel(promote)
         if state is not None:
@@ -171,18 +183,18 @@ def _baseline(
                         f"({where or 'never registered with a path'}); restore it, or "
                         f"`kiln registry` the channel to another baseline"
                     )
-                return where
+                return where, required
     if gates.baseline != "source":
         spec = gates.baseline
         if "://" not in spec and not Path(spec).expanduser().is_absolute():
             spec = str(recipe.base_dir("gates.baseline") / spec)
-        return spec
+        return spec, None
     if result.source_model is None or not result.source_model.is_dir():
         raise UsageError(
             f"{recipe.path}: gates.baseline is `source` but the source model is not "
             "materialised; re-run `kiln compile` (or set gates.baseline to a model directory)"
         )
-    return str(result.source_model)
+    return str(result.source_model), None
 
 
 def _traffic(gates: GatesSection, base_dir: Path) -> str | None:

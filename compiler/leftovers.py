@@ -6,7 +6,9 @@ or `.tmp` (a file or directory about to be renamed into place). SIGKILL skips ev
 
 - under an output directory, while its lock is held (nobody else writes there): a stage's
   work directory `.kiln-cache/<stage>/.<key>-*.partial`, an artifact being assembled
-  `.<name>-*.partial`, and a manifest being rewritten `<artifact>/.manifest.json.tmp`;
+  `.<name>-*.partial`, and a manifest being rewritten `<artifact>/.manifest.json.*.tmp`,
+  this last only where no process holds the artifact's manifest lock (a gate step records
+  its verdict after the output lock is released);
 - in the per-user cache, shared by concurrent runs, only while no run holds the folder
   (`holding`: a shared flock on the folder itself, so the sweep's exclusive try fails
   while anyone is writing there): converted sources `sources/.<entry>.*.tmp` and the
@@ -29,13 +31,12 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from kiln.compiler.stages import CACHE_DIR
-from kiln.runtime.artifact import MANIFEST
+from kiln.runtime.artifact import MANIFEST_TEMPORARIES
 
 # Paths under an output directory, one pattern per component, matched without following links.
 OUTPUT_TEMPORARIES = (
     (CACHE_DIR, "*", ".*.partial"),  # a stage's work directory (compiler/stages.py)
     (".*.partial",),  # an artifact being assembled (runtime/artifact.assemble)
-    ("*", f".{MANIFEST}.tmp"),  # a manifest being rewritten (runtime/artifact.write_manifest)
 )
 # Per-user cache folders and the temporaries in each (compiler/sources).
 USER_TEMPORARIES = (
@@ -51,6 +52,8 @@ def sweep_output(root: Path) -> list[Path]:
         for path in _matches(root, pattern):
             _remove(path)
             removed.append(path)
+    for folder in _matches(root, ("*",)):  # a manifest being rewritten (artifact.write_manifest)
+        removed += sweep_unheld(folder, MANIFEST_TEMPORARIES)
     return removed
 
 

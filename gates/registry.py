@@ -272,9 +272,11 @@ class Registry:
         reason: str = "",
         actor: str | None = None,
         verify: Mode = "fast",
+        gate_run: int | None = None,
     ) -> dict[str, Any]:
         """Point `channel` at the artifact, if it verifies and a passing gate run allows it;
-        returns the event."""
+        returns the event. `gate_run`: only that run may allow it (a caller promoting on the
+        verdict it just got), judged against what the channel requires when it is promoted."""
         path = Path(artifact_path)
         # Hashing is slow: outside the write lock.
         manifest = verify_artifact(path, mode=verify, action=f"promote it to {channel}").manifest
@@ -290,7 +292,8 @@ class Registry:
             fixed = state["baseline_rule"] == "fixed"
             required = state["baseline_digest"] if fixed else current
             why = "its fixed baseline" if fixed else "what it serves now"
-            self._require_passing_run(db, path, manifest.name, digest, channel, required, why)
+            self._require_passing_run(db, path, manifest.name, digest, channel, required, why,
+                                      gate_run)  # fmt: skip
             self._upsert_artifact(db, path)
             db.execute(
                 "UPDATE channels SET current_digest = ?, updated_at = ? WHERE name = ?",
@@ -307,7 +310,11 @@ class Registry:
         channel: str,
         required: str | None,
         why: str,
+        run_id: int | None = None,
     ) -> None:
+        refusal = f"{path}: refusing to promote {name} ({digest[:12]}) to {channel}"
+        if run_id is not None:
+            _require_run(db, run_id, refusal, digest, channel, required, why)
         gated = db.execute(
             "SELECT baseline, baseline_kind, passed FROM gate_runs WHERE candidate_digest = ? "
             "AND baseline != candidate_digest",
@@ -317,7 +324,6 @@ class Registry:
         runs = [r for r in gated if required is not None or r["baseline_kind"] == "source"]
         if any(r["passed"] and (required is None or r["baseline"] == required) for r in runs):
             return
-        refusal = f"{path}: refusing to promote {name} ({digest[:12]}) to {channel}"
         if required is None:
             against, hint = "against its float source", "<the float source checkpoint>"
         else:
@@ -422,6 +428,45 @@ class Registry:
             event,
         )
         return event
+
+
+def _require_run(
+    db: sqlite3.Connection,
+    run_id: int,
+    refusal: str,
+    digest: str,
+    channel: str,
+    required: str | None,
+    why: str,
+) -> None:
+    """Refuse (`refusal` names the artifact and channel) unless gate run `run_id` judged this
+    candidate against what `channel` requires now (`required`, because `why`): read inside
+    the write transaction, so a promotion since the gate started shows here."""
+    run = db.execute(
+        "SELECT candidate_digest, baseline, baseline_kind, passed FROM gate_runs WHERE id = ?",
+        (run_id,),
+    ).fetchone()
+    if run is None or run["candidate_digest"] != digest:
+        raise UsageError(
+            f"{refusal}: gate run {run_id} is not a gate run of this artifact; gate it and "
+            "promote then"
+        )
+    judged = f"{run['baseline_kind']} {run['baseline'][:12]}"
+    if not run["passed"]:
+        raise VerdictFailure(f"{refusal}: gate run {run_id} against {judged} failed")
+    if required is None and run["baseline_kind"] != "source":
+        raise UsageError(
+            f"{refusal}: gate run {run_id} judged it against {judged}, but {channel} serves "
+            "nothing now, so it opens only with a pass against the float source; gate it "
+            "against its source and promote then"
+        )
+    if required is not None and run["baseline"] != required:
+        raise UsageError(
+            f"{refusal}: gate run {run_id} judged it against {judged}, but {channel} now "
+            f"requires a pass against {required[:12]} ({why}): the channel changed since "
+            f"the gate started; gate it against {required[:12]} (`kiln compile --promote "
+            f"{channel}` again does) and promote then"
+        )
 
 
 def _channel_state(row: sqlite3.Row) -> ChannelState:

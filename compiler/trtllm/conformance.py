@@ -459,10 +459,13 @@ def pytorch_problem(fmt: str, algo: str) -> str | None:
     if algo in PYTORCH_LOADS.get(fmt, frozenset()):
         return None
     loads = ", ".join(sorted(PYTORCH_LOADS.get(fmt, frozenset()))) or "nothing"
+    if fmt == "modelopt":  # the recipe already quantises with ModelOpt: another scheme, or engines
+        fix = f"quantise to a scheme it reads ({loads}), or set deploy.trtllm_path: engine"
+    else:
+        fix = "quantise with backend: modelopt for its HF export (hf_quant_config.json)"
     return (
         f"TensorRT-LLM's PyTorch backend does not load {algo} from a {fmt} checkpoint "
-        f"(_torch/model_config.py reads {loads} from it); quantise with backend: modelopt "
-        "for its HF export (hf_quant_config.json)"
+        f"(_torch/model_config.py reads {loads} from it); {fix}"
     )
 
 

@@ -3,7 +3,8 @@
 An artifact is one directory named `<name>-<digest12>` holding:
 
     manifest.json             what this is: digests, resolved recipe, source, scheme, tools,
-                              stage status and timings, targets, gate verdict
+                              stage status and timings, targets, gate verdict, and the
+                              digests of engines built into it after publication
     model/                    the quantised Hugging Face checkpoint (compressed-tensors or
                               ModelOpt HF export) with its tokenizer
     reports/quantization.json per-layer weight error, KL divergence and top-1 agreement
@@ -11,13 +12,22 @@ An artifact is one directory named `<name>-<digest12>` holding:
 The digest is the sha256 over the digests of every file but the manifest, so two artifacts
 with the same content have the same name. An artifact is assembled in a hidden temporary
 directory beside its final place and renamed into place only when complete.
+
+A published artifact's manifest is rewritten (a gate recorded, a manifest refreshed) only
+under its manifest lock, an exclusive flock on the artifact directory itself (no file is
+added to the artifact): `update_manifest` reads, changes and writes it under the lock, so
+two processes never lose each other's update. Each write goes through a temporary of its
+own (`.manifest.json.<pid>.<random>.tmp`) and one rename, so a reader sees the old manifest
+or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -47,9 +57,11 @@ from kiln.runtime.artifact.manifest import (
 from kiln.runtime.errors import ArtifactError
 
 __all__ = [
+    "ENGINES_DIR",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "MANIFEST_TEMPORARIES",
     "MODEL_DIR",
     "QUANT_REPORT",
     "READABLE_VERSIONS",
@@ -69,18 +81,27 @@ __all__ = [
     "TargetSpeculation",
     "assemble",
     "content_digest",
+    "engine_file",
     "file_digests",
     "json_dumps",
     "load_manifest",
+    "manifest_lock",
+    "record_engines",
     "sha256_file",
+    "update_manifest",
     "verify",
     "write_manifest",
 ]
 
 MANIFEST = "manifest.json"
 MODEL_DIR = "model"
+ENGINES_DIR = "engines"
 REPORTS_DIR = "reports"
 QUANT_REPORT = f"{REPORTS_DIR}/quantization.json"
+# What a manifest rewrite leaves behind if killed mid-way (also the old fixed name).
+MANIFEST_TEMPORARIES = f".{MANIFEST}*.tmp"
+# A rewrite holds the lock for milliseconds; this long means the holder is stuck.
+MANIFEST_LOCK_WAIT_S = 30.0
 _CHUNK = 1 << 20
 
 
@@ -102,6 +123,13 @@ def file_digests(root: Path) -> dict[str, FileEntry]:
             continue
         out[rel] = FileEntry(sha256_file(path), path.stat().st_size)
     return out
+
+
+def engine_file(rel: str) -> bool:
+    """A file of a TensorRT-LLM engine directory, `engines/<target>/engine/...`: what a
+    builder's `build.sh` writes into the artifact after it was published."""
+    parts = rel.split("/")
+    return len(parts) > 3 and parts[0] == ENGINES_DIR and parts[2] == "engine"
 
 
 def content_digest(files: dict[str, FileEntry] | dict[str, str]) -> str:
@@ -152,17 +180,19 @@ def verify(path: str | Path, outside: Callable[[str], bool] | None = None) -> li
     root = Path(path)
     manifest = load_manifest(root)
     problems: list[str] = []
+    recorded = {**manifest.files, **manifest.engines}
     actual = file_digests(root)
     if outside is not None:
-        actual = {rel: e for rel, e in actual.items() if rel in manifest.files or not outside(rel)}
-    for rel, want in sorted(manifest.files.items()):
+        actual = {rel: e for rel, e in actual.items() if rel in recorded or not outside(rel)}
+    for rel, want in sorted(recorded.items()):
         got = actual.get(rel)
         if got is None:
             problems.append(f"{rel}: missing")
         elif got.sha256 != want.sha256:
             problems.append(f"{rel}: sha256 {got.sha256[:12]}… != recorded {want.sha256[:12]}…")
-    for rel in sorted(set(actual) - set(manifest.files)):
-        problems.append(f"{rel}: not recorded in the manifest")
+    for rel in sorted(set(actual) - set(recorded)):
+        hint = " (an engine built later: `kiln inspect --record-engines` records it)"
+        problems.append(f"{rel}: not recorded in the manifest{hint if engine_file(rel) else ''}")
     if not problems and content_digest(manifest.files) != manifest.digest:
         problems.append("manifest digest does not match its file list")
     return problems
@@ -174,11 +204,91 @@ def json_dumps(data: Any) -> str:
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Write manifest.json atomically (temp file + rename)."""
-    text = json_dumps(manifest.to_dict())
-    tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, root / MANIFEST)
+    """Write manifest.json atomically: a temporary of this writer's own, then one rename.
+    A published artifact's manifest is rewritten under `manifest_lock` (update_manifest)."""
+    tmp = root / f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        with os.fdopen(os.open(tmp, flags, 0o644), "w") as handle:
+            handle.write(json_dumps(manifest.to_dict()))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, root / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def manifest_lock(root: str | Path, wait_s: float = MANIFEST_LOCK_WAIT_S) -> Iterator[None]:
+    """Hold the artifact's manifest lock, waiting up to `wait_s` for another writer; then an
+    ArtifactError naming the artifact, and the manifest is left as it is."""
+    root = Path(root)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ArtifactError(
+            f"{root}: cannot lock the artifact to rewrite its manifest ({exc.strerror}); "
+            "pass the artifact directory that `kiln compile` printed"
+        ) from None
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ArtifactError(
+                        f"{root}: another kiln process has held the artifact's manifest lock "
+                        f"for {wait_s:g} s (a `kiln compile` recording its gate, or `kiln "
+                        "inspect --record-engines`); the manifest was left as it is: wait for "
+                        "that process to finish, then retry"
+                    ) from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def update_manifest(
+    root: str | Path, change: Callable[[Manifest], None], wait_s: float = MANIFEST_LOCK_WAIT_S
+) -> Manifest:
+    """Apply `change` to the manifest as it is on disk now and write it back, all under the
+    artifact's manifest lock: no concurrent writer's update is lost. Returns what was written."""
+    root = Path(root)
+    with manifest_lock(root, wait_s):
+        manifest = load_manifest(root)
+        change(manifest)
+        write_manifest(root, manifest)
+    return manifest
+
+
+def record_engines(root: str | Path) -> Manifest:
+    """Record the sha256 of every engine file built into the published artifact after
+    publication in its manifest's `engines` (under the manifest lock), so `verify` checks
+    them from then on; the artifact's digest, and so its name, stays what it was."""
+    root = Path(root)
+    files = load_manifest(root).files
+    # Engines run to gigabytes: hashed before the lock is taken, never while holding it.
+    found = {
+        path.relative_to(root).as_posix(): path
+        for path in sorted((root / ENGINES_DIR).glob("*/engine/**/*"))
+        if path.is_file() and not path.is_symlink()
+    }
+    engines = {
+        rel: FileEntry(sha256_file(path), path.stat().st_size)
+        for rel, path in found.items()
+        if rel not in files
+    }
+    return update_manifest(root, lambda manifest: setattr(manifest, "engines", engines))
+
+
+def _recorded_engines(root: Path) -> dict[str, FileEntry]:
+    try:
+        return load_manifest(root).engines
+    except ArtifactError:
+        return {}  # a damaged manifest: the refresh replaces it
 
 
 @dataclass
@@ -212,8 +322,11 @@ def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> I
         write_manifest(staging, manifest)
         final = parent / f"{manifest.name}-{manifest.digest[:12]}"
         if final.exists():
-            # Same content already published: keep the existing directory, refresh its manifest.
-            write_manifest(final, manifest)
+            # Same content already published: keep the existing directory, refresh its
+            # manifest, and keep the engines recorded on it since (they are still there).
+            with manifest_lock(final):
+                manifest.engines = _recorded_engines(final)
+                write_manifest(final, manifest)
             shutil.rmtree(staging)
         else:
             os.replace(staging, final)

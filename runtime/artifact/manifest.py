@@ -221,6 +221,9 @@ class Manifest:
     targets: dict[str, TargetRecord] = field(default_factory=dict)
     speculative: SpeculativeRecord | None = None
     gate: GateRecord | None = None
+    # Engine files built into the published artifact later (engines/<target>/engine/...):
+    # outside the digest like the gate, and checked by `verify` once recorded.
+    engines: dict[str, FileEntry] = field(default_factory=dict)
     created_at: str = ""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -229,6 +232,8 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(data.pop("extra"))
+        if not self.engines:
+            data.pop("engines")  # nor one without later engines (a nested manifest is hashed)
         if self.speculative is None:
             data.pop("speculative")  # an artifact without a draft says nothing about one
         else:

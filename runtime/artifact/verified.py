@@ -23,13 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kiln.runtime.artifact import MANIFEST, Manifest, content_digest, load_manifest, verify
+from kiln.runtime.artifact import (
+    MANIFEST,
+    Manifest,
+    content_digest,
+    engine_file,
+    load_manifest,
+    verify,
+)
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.user_cache import cache_home
 
 Mode = Literal["fast", "full"]
 MODES: tuple[Mode, ...] = ("fast", "full")
-ENGINES = "engines"
 RACY_S = 2.0  # wider than any filesystem's timestamp granularity kiln runs on
 
 Facts = dict[str, list[int]]
@@ -71,7 +77,9 @@ def verify_artifact(
     files = _files(root)
     later = tuple(sorted({f.rsplit("/", 1)[0] for f in files if built_later(f, manifest)}))
     facts = _facts(root, [f for f in files if not built_later(f, manifest)])
-    unchanged = _read_stamp(stamp) == {"digest": manifest.digest, "files": facts}
+    # The stamp names what was checked: the digest, and the engines recorded since.
+    key = manifest.digest + (f"+{content_digest(manifest.engines)}" if manifest.engines else "")
+    unchanged = _read_stamp(stamp) == {"digest": key, "files": facts}
     if mode == "fast" and unchanged and content_digest(manifest.files) == manifest.digest:
         return Verified(manifest, hashed=False, built_later=later)
     problems = verify(root, lambda rel: built_later(rel, manifest))
@@ -83,17 +91,16 @@ def verify_artifact(
             + "\nthe artifact changed after it was built; restore those files (or rebuild it "
             f"with `kiln compile`), then retry; `kiln inspect {root} --verify` re-checks it"
         )
-    _write_stamp(stamp, manifest.digest, facts)
+    _write_stamp(stamp, key, facts)
     return Verified(manifest, hashed=True, built_later=later)
 
 
 def built_later(rel: str, manifest: Manifest) -> bool:
     """A file of an engine that `build.sh` wrote on a builder after the artifact was
-    published (`engines/<target>/engine/...`, not in the manifest): outside the digest, so
-    not verified; the engine's own stamp says what it was built for."""
-    parts = rel.split("/")
-    in_engine = len(parts) > 3 and parts[0] == ENGINES and parts[2] == "engine"
-    return in_engine and rel not in manifest.files
+    published (`engines/<target>/engine/...`) and that nobody recorded since (`kiln inspect
+    --record-engines`): outside the digest and unrecorded, so not verified; the engine's own
+    stamp says what it was built for. A recorded one is verified like every other file."""
+    return engine_file(rel) and rel not in manifest.files and rel not in manifest.engines
 
 
 def _files(root: Path) -> list[str]:

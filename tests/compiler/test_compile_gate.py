@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from kiln.compiler.compile import CompileResult, compile_recipe
+from kiln.compiler.gating import gate_compiled
+from kiln.compiler.recipe import Recipe, load_recipe
 from kiln.gates.registry import Registry
 from kiln.runtime import artifact
+from kiln.runtime.errors import ArtifactError, UsageError
 from tests.compiler.test_compile import kiln, published
+from tests.gates.conftest import build_artifact
 
 RECIPE = """\
 name: tiny-{method}
@@ -192,3 +199,112 @@ def test_a_rerun_does_not_trust_a_gate_json_edited_to_pass(
         assert all(not run["passed"] for run in registry.gate_runs())
         state = registry.channel("prod")
         assert state is None or state.current_digest is None
+
+
+# --- the gate step against other writers: the manifest, and the channel ---------------------
+
+
+@dataclass
+class Compiled:
+    recipe: Recipe
+    result: CompileResult
+
+
+@pytest.fixture(scope="module")
+def serving_and_candidate(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
+) -> tuple[Compiled, Compiled]:
+    """Two gated recipes of one tiny model, compiled once: a release and a candidate."""
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("gate-races")
+    out = []
+    for method in ("fp8", "fp8_dynamic"):
+        recipe = gated_recipe(tmp / method, tiny_llama, method)
+        out.append(Compiled(load_recipe(recipe), compile_recipe(recipe)))
+    return out[0], out[1]
+
+
+def passing(candidate: Path, baseline: str, kind: str) -> dict[str, Any]:
+    """A passing verdict of `candidate` against `baseline` (what `kiln gate` records)."""
+    return {
+        "passed": True,
+        "candidate": {"kind": "artifact", "digest": artifact.load_manifest(candidate).digest},
+        "baseline": {"kind": kind, "digest": baseline},
+        "checks": [],
+    }
+
+
+def test_the_gate_step_keeps_a_manifest_update_made_while_it_ran(
+    serving_and_candidate: tuple[Compiled, Compiled], tmp_path: Path
+) -> None:
+    _, candidate = serving_and_candidate
+    path = candidate.result.artifact
+
+    def another_writer(_: str) -> None:  # records something on the manifest mid-gate
+        manifest = artifact.load_manifest(path)
+        manifest.extra["written_meanwhile"] = manifest.extra.get("written_meanwhile", 0) + 1
+        artifact.write_manifest(path, manifest)
+
+    with Registry(tmp_path / "registry.db") as registry:
+        step = gate_compiled(candidate.result, candidate.recipe, registry=registry, force=True,
+                             progress=another_writer)  # fmt: skip
+    assert step is not None and step.run_id is not None
+    manifest = artifact.load_manifest(path)
+    assert manifest.gate is not None and manifest.gate.run_id == step.run_id
+    assert manifest.extra["written_meanwhile"] >= 1
+    assert artifact.verify(path) == []
+
+
+def test_a_verdict_against_what_served_does_not_promote_once_the_channel_moved(
+    serving_and_candidate: tuple[Compiled, Compiled], tmp_path: Path
+) -> None:
+    serving, candidate = serving_and_candidate
+    x, c = serving.result.artifact, candidate.result.artifact
+    db = tmp_path / "registry.db"
+    y = build_artifact(tmp_path / "arts", name="hotfix")  # promoted by someone else mid-gate
+    x_digest, y_digest = artifact.load_manifest(x).digest, artifact.load_manifest(y).digest
+    with Registry(db) as registry:
+        registry.record_gate_run(passing(x, "f" * 64, "source"), x)
+        registry.promote(x, "prod")
+        registry.record_gate_run(passing(y, x_digest, "artifact"), y)
+        # An older pass of the candidate against y: it must not stand in for this verdict.
+        registry.record_gate_run(passing(c, y_digest, "artifact"), c)
+        promoted: list[dict[str, Any]] = []
+
+        def someone_promotes(_: str) -> None:
+            if not promoted:
+                with Registry(db) as other:
+                    promoted.append(other.promote(y, "prod"))
+
+        with pytest.raises(UsageError) as caught:
+            gate_compiled(candidate.result, candidate.recipe, registry=registry, promote="prod",
+                          force=True, progress=someone_promotes)  # fmt: skip
+        message = caught.value.message
+        assert "prod" in message and x_digest[:12] in message and y_digest[:12] in message
+        assert "kiln compile --promote prod" in message
+        state = registry.channel("prod")
+        assert state is not None and state.current_digest == y_digest
+        (run,) = [r for r in registry.gate_runs(artifact.load_manifest(c).digest)
+                  if r["baseline"] == x_digest]  # fmt: skip
+        assert run["passed"]  # the gate passed; the promotion was refused all the same
+
+
+def test_the_channel_baseline_is_identified_by_its_digest_not_its_path(
+    serving_and_candidate: tuple[Compiled, Compiled], tmp_path: Path
+) -> None:
+    _, candidate = serving_and_candidate
+    db = tmp_path / "registry.db"
+    x = build_artifact(tmp_path / "arts", b"release", name="release")
+    x_digest = artifact.load_manifest(x).digest
+    with Registry(db) as registry:
+        registry.record_gate_run(passing(x, "f" * 64, "source"), x)
+        registry.promote(x, "prod")
+    # The directory the registry recorded for what serves now holds another artifact.
+    shutil.rmtree(x)
+    shutil.copytree(build_artifact(tmp_path / "other", b"other", name="release"), x)
+    with Registry(db) as registry, pytest.raises(ArtifactError) as caught:
+        gate_compiled(candidate.result, candidate.recipe, registry=registry, promote="prod")
+    message = caught.value.message
+    assert "--promote prod" in message and x_digest[:12] in message and str(x) in message
+    with Registry(db) as registry:
+        assert registry.gate_runs(artifact.load_manifest(candidate.result.artifact).digest) == []

@@ -164,3 +164,22 @@ def test_the_user_cache_is_swept_unless_a_live_run_holds_it(tmp_path: Path) -> N
 
     sweep_user_cache(home)
     assert tree(home) == {"sources", "sources/hf_dir-0123456789abcdef", "file-digests.json"}
+
+
+def test_a_manifest_being_rewritten_is_left_alone_and_swept_once_its_writer_is_gone(
+    tmp_path: Path,
+) -> None:
+    from kiln.runtime import artifact
+    from tests.gates.conftest import build_artifact
+
+    root = tmp_path / "out"
+    published = build_artifact(root)
+    live = published / ".manifest.json.4242.0123456789ab.tmp"
+    live.write_text("{")
+    # A gate step records its verdict after the output lock is released: a compile that
+    # starts meanwhile sweeps the output directory while that rewrite is under way.
+    with artifact.manifest_lock(published):
+        assert sweep_output(root) == []
+        assert live.is_file()
+    assert sweep_output(root) == [live]
+    assert artifact.verify(published) == []

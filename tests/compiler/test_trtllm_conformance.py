@@ -120,6 +120,27 @@ def test_the_pytorch_backend_loads_modelopt_exports_not_weight_only_compressed_t
         assert why is not None and "hf_quant_config.json" in why
 
 
+@pytest.mark.parametrize(
+    ("spec", "suggests_modelopt"),
+    [
+        (QuantSpec("smoothquant", 8, activations="int8_static", backend="modelopt"), False),
+        (QuantSpec(method="gptq", weight_bits=4, backend="llmcompressor"), True),
+    ],
+    ids=["modelopt", "llmcompressor"],
+)
+def test_the_pytorch_fix_suggests_modelopt_only_to_a_recipe_not_using_it(
+    spec: QuantSpec, suggests_modelopt: bool
+) -> None:
+    from kiln.compiler.targets import quant_algo
+    from kiln.quant.backends import BACKENDS
+
+    why = pytorch_problem(BACKENDS[spec.backend].format, quant_algo(spec)[0])
+    assert why is not None
+    assert ("backend: modelopt" in why) is suggests_modelopt
+    if not suggests_modelopt:  # another scheme, or the engine path
+        assert "W4A16_AWQ" in why and "deploy.trtllm_path: engine" in why
+
+
 def test_a_failed_build_or_no_usable_path_fails_the_target():
     def record(engine: str, pytorch: str) -> TargetRecord:
         return TargetRecord(engine=engine, pytorch=pytorch, plan="p", tp_size=1)

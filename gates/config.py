@@ -8,7 +8,7 @@
       inconclusive: pass                     # what a task too small for its margin counts as
       thresholds: {margin: 0.02, confidence: 0.95, kl_mean: 0.035, shadow_exact_match: 0.9}
       divergence: {num_texts: 16, max_seq_len: 128, top_k: 20}
-      noise_floor: bfloat16                  # the control: baseline rounded to it (or off)
+      noise_floor: auto                      # the control's compute dtype (or off), below
       baseline_cache: true                   # reuse the baseline's evaluation (eval_cache.py)
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
 
@@ -26,6 +26,11 @@ reads an unquoted `off` (and `no`, `false`) as a boolean: for a threshold it mea
 `gates.mcnemar`); `inconclusive: pass` (the default) lets an inconclusive task through, with
 the loss its items could detect in the report, so the distribution checks decide;
 `inconclusive: fail` makes every task prove that no loss beyond the margin happened.
+
+`noise_floor` is the control (gates/noise_floor.py): a float source baseline's own weights
+served by kiln's runtime and evaluated exactly as the candidate is. `auto` (the default)
+computes it in the candidate's compute dtype, so the floor measures "lossless as shipped";
+`bfloat16`, `float16` or `float32` names the dtype; `off` skips it.
 """
 
 from __future__ import annotations
@@ -165,9 +170,9 @@ class GatesSection(_Strict):
     inconclusive: Literal["pass", "fail"] = "pass"
     thresholds: ThresholdsSection = ThresholdsSection()
     divergence: DivergenceSection = DivergenceSection()
-    # The control of the noise floor (gates/noise_floor.py): a float baseline's weights
-    # rounded to this dtype, evaluated like the candidate; "off" skips it.
-    noise_floor: Literal["bfloat16", "float16", "off"] = "bfloat16"
+    # The control of the noise floor (gates/noise_floor.py): the float baseline served by
+    # the runtime in this compute dtype ("auto": the candidate's); "off" skips it.
+    noise_floor: Literal["auto", "bfloat16", "float16", "float32", "off"] = "auto"
     baseline_cache: bool = True
     shadow: ShadowSection = ShadowSection()
 

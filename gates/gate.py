@@ -3,7 +3,9 @@
 Order of work, chosen to keep at most one model side loaded at a time where possible:
 1. lm-eval tasks on the candidate (through the runtime: the gate evaluates what ships),
    plus its top-k next-token log-probabilities on held-out text;
-2. the same on the baseline (runtime for an artifact, transformers for a float source);
+2. the same on the baseline (runtime for an artifact, transformers for a float source)
+   and on its control, the float source served by the runtime in the candidate's compute
+   dtype (the noise floor);
 3. replay of recorded traffic through both sides (runtime engines or endpoints) and the
    shadow comparison of their answers;
 4. the verdict, its reports (gate.json, gate.md, gate.html) and the registry record.
@@ -27,7 +29,7 @@ from typing import Any
 from kiln.gates.config import GatesSection
 from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
 from kiln.gates.eval_cache import EvaluationCache, decode, encode, evaluation_key, files_digest
-from kiln.gates.noise_floor import NoiseFloor, round_weights
+from kiln.gates.noise_floor import NoiseFloor, control_dtype, describe_control
 from kiln.gates.registry import Registry
 from kiln.gates.replay import Side, replay
 from kiln.gates.report import write_reports
@@ -96,12 +98,17 @@ def _task_dirs(gates: GatesSection, base_dir: Path) -> list[Path]:
     return [BUILTIN_TASKS_DIR] if extra is None else [BUILTIN_TASKS_DIR, extra]
 
 
-def _load_lm(side: SideSpec, max_length: int | None) -> tuple[Any, Callable[..., Any], Any]:
-    """An lm-eval model of one side, its top-k logprob function, and its runtime engine."""
+def _load_lm(
+    side: SideSpec, max_length: int | None, runtime_dtype: str | None = None
+) -> tuple[Any, Callable[..., Any], Any]:
+    """An lm-eval model of one side, its top-k logprob function, and its runtime engine.
+    An artifact, or any side given a `runtime_dtype`, is served by kiln's runtime; a float
+    source without one by transformers."""
     from kiln.gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs
 
-    if side.kind == "artifact":
-        lm: Any = KilnLM(artifact=str(side.path), max_length=max_length)
+    if side.kind == "artifact" or runtime_dtype is not None:
+        config = {"dtype": runtime_dtype} if runtime_dtype else {}
+        lm: Any = KilnLM(artifact=str(side.path), max_length=max_length, **config)
         return lm, lm.topk_logprobs, lm.engine
     lm = hf_source_lm(str(side.path), max_length=max_length or 2048)
 
@@ -169,11 +176,14 @@ def _evaluate_baseline(
     max_length: int,
     base_dir: Path,
     say: Progress,
+    control: str | None,
 ) -> tuple[_SideEval, _SideEval | None]:
-    """The baseline's evaluation and, for a float baseline, its control's (the noise floor),
-    each from the evaluation cache when it holds them."""
-    control = gates.noise_floor if side.kind == "source" else "off"
-    roles = ["baseline"] + ([f"control-{control}"] if control != "off" else [])
+    """The baseline's evaluation and, when `control` names a compute dtype, its control's
+    (the baseline served by the runtime in that dtype: the noise floor), each from the
+    evaluation cache when it holds them."""
+    # The role names how the control was computed, so a control cached by another method
+    # (or in another dtype) is never taken for this one.
+    roles = {"baseline": None} | ({f"control-runtime-{control}": control} if control else {})
     cache = EvaluationCache() if gates.baseline_cache else None
     keys = {r: _evaluation_key(side, r, gates, texts, max_length, base_dir) for r in roles}
     found: dict[str, _SideEval] = {}
@@ -182,20 +192,23 @@ def _evaluate_baseline(
         if data is not None:
             found[role] = _SideEval(*decode(data))
             say(f"{role}: cached evaluation {keys[role][:12]}")
-    missing = [role for role in roles if role not in found]
-    if missing:
-        lm, topk_fn, engine = _load_lm(side, max_length)
-        for role in missing:  # the baseline first: the control rounds the same weights
-            if role == "baseline":
-                say(f"baseline: {', '.join(gates.tasks) or 'no tasks'} ({side.kind})")
-            else:
-                say(f"control: the baseline's weights rounded to {control} (the noise floor)")
-                round_weights(lm.model, control)
-            found[role] = done = _run_lm(lm, topk_fn, gates, texts, base_dir)
-            if cache is not None:
-                cache.put(keys[role], encode(done.results, done.topk, done.token_ids))
-        found["baseline"].engine = engine
-    return found["baseline"], found.get(roles[-1]) if control != "off" else None
+    for role, dtype in roles.items():
+        if role in found:
+            continue
+        if dtype is None:
+            say(f"baseline: {', '.join(gates.tasks) or 'no tasks'} ({side.kind})")
+        else:
+            say(f"control: {describe_control(dtype)} (the noise floor)")
+        lm, topk_fn, engine = _load_lm(side, max_length, dtype)
+        found[role] = done = _run_lm(lm, topk_fn, gates, texts, base_dir)
+        if dtype is None:
+            done.engine = engine
+        if cache is not None:
+            cache.put(keys[role], encode(done.results, done.topk, done.token_ids))
+        del lm, topk_fn, engine
+        gc.collect()  # one model side loaded at a time
+    control_eval = found[list(roles)[-1]] if control else None
+    return found["baseline"], control_eval
 
 
 def compare_results(
@@ -313,16 +326,21 @@ def run_gate(
         say(f"candidate: {', '.join(gates.tasks) or 'no tasks'} through the runtime")
         c_eval, max_length = _evaluate_side(cand, gates, texts, None, base_dir)
         cand_engine = c_eval.engine
-        b_eval, ctrl_eval = _evaluate_baseline(base, gates, texts, max_length, base_dir, say)
+        control = None
+        if base.kind == "source" and gates.noise_floor != "off":
+            control = control_dtype(gates.noise_floor, cand_engine)
+        b_eval, ctrl_eval = _evaluate_baseline(
+            base, gates, texts, max_length, base_dir, say, control
+        )
         base_engine = b_eval.engine
         tasks, ppl = compare_results(b_eval.results, c_eval.results, policy)
         divergence = _divergence(b_eval, c_eval, gates, notes)
-        if ctrl_eval is not None:
-            noise_floor = _noise_floor(b_eval, ctrl_eval, gates, policy)
+        if ctrl_eval is not None and control is not None:
+            noise_floor = _noise_floor(b_eval, ctrl_eval, control, gates, policy)
         elif gates.noise_floor != "off":
             notes.append(
                 f"no noise floor: the baseline is {base.kind}, not a float model source whose "
-                "weights a control could round"
+                "weights a control could serve"
             )
         gc.collect()
     shadow: ShadowReport | None = None
@@ -363,13 +381,13 @@ def _divergence(
 
 
 def _noise_floor(
-    base: _SideEval, control: _SideEval, gates: GatesSection, policy: GatePolicy
+    base: _SideEval, control: _SideEval, dtype: str, gates: GatesSection, policy: GatePolicy
 ) -> NoiseFloor:
     """The control's comparison with the baseline, as the verdict reports it."""
     tasks, ppl = compare_results(base.results, control.results, policy)
     return NoiseFloor(
-        control=f"the baseline's weights rounded to {gates.noise_floor}",
-        dtype=gates.noise_floor,
+        control=describe_control(dtype),
+        dtype=dtype,
         divergence=_divergence(base, control, gates, []),
         perplexity_ratio={p.task: p.ratio for p in ppl},
         flip_rate={t.task: t.flip_rate for t in tasks if t.flip_rate is not None},

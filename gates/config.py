@@ -7,7 +7,7 @@
       decision_rule: mcnemar                 # or recovery, noninferior, recovery_or_noninferior
       inconclusive: pass                     # what a task too small for its margin counts as
       thresholds: {margin: 0.02, confidence: 0.95, kl_mean: 0.035, shadow_exact_match: 0.9}
-      divergence: {num_texts: 16, max_seq_len: 128, top_k: 20}
+      divergence: {tokens: 10240, max_seq_len: 128, top_k: 20}  # scored tokens for KL
       noise_floor: auto                      # the control's compute dtype (or off), below
       baseline_cache: true                   # reuse the baseline's evaluation (eval_cache.py)
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
@@ -131,11 +131,16 @@ _POLICY_FIELDS = {
 
 
 class DivergenceSection(_Strict):
-    """Next-token KL on held-out text (top-k logprobs from both sides)."""
+    """Next-token KL on held-out text (top-k logprobs from both sides): texts are taken in
+    order, each cut to `max_seq_len` tokens, until `tokens` positions are scored (or
+    `num_texts` texts, when set, or the texts run out)."""
 
     enabled: bool = True
-    texts: str | None = None  # .jsonl with a "text" field, or plain text; default kiln_ppl
-    num_texts: int = Field(16, ge=1, le=1024)
+    # .jsonl ("text", or "context" + "target" fields) or plain text; default: the built-in
+    # held-out text (kiln_ppl's documents, then kiln_cloze's passages)
+    texts: str | None = None
+    tokens: int = Field(10240, ge=1)
+    num_texts: int | None = Field(None, ge=1)
     max_seq_len: int = Field(128, ge=8, le=8192)
     top_k: int = Field(20, ge=1, le=1000)
 

@@ -73,16 +73,51 @@ def _resolve(path: str | None, base_dir: Path) -> Path | None:
     return p if p.is_absolute() else base_dir / p
 
 
+# The built-in held-out text for KL, in order: neither is calibration data.
+BUILTIN_DIVERGENCE_TEXTS = ("kiln_ppl.jsonl", "kiln_cloze.jsonl")
+
+
+def _read_texts(path: Path) -> list[str]:
+    """A .jsonl file's texts ("text", else "context" and "target" joined), or a plain text
+    file's paragraphs."""
+    if path.suffix != ".jsonl":
+        return [p for p in path.read_text().split("\n\n") if p.strip()]
+    texts = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            texts.append(str(row["text"] if "text" in row else f"{row['context']} {row['target']}"))
+    return texts
+
+
 def divergence_texts(gates: GatesSection, base_dir: Path) -> list[str]:
-    """Held-out texts for next-token KL: a .jsonl "text" field, or a plain text file."""
-    path = _resolve(gates.divergence.texts, base_dir) or BUILTIN_TASKS_DIR / "kiln_ppl.jsonl"
-    if not path.is_file():
-        raise UsageError(f"gates.divergence.texts: {path} not found")
-    if path.suffix == ".jsonl":
-        texts = [str(json.loads(line)["text"]) for line in path.read_text().splitlines() if line]
-    else:
-        texts = [p for p in path.read_text().split("\n\n") if p.strip()]
+    """Held-out texts for next-token KL, in order (at most `num_texts` when set)."""
+    given = _resolve(gates.divergence.texts, base_dir)
+    paths = [given] if given else [BUILTIN_TASKS_DIR / name for name in BUILTIN_DIVERGENCE_TEXTS]
+    texts = []
+    for path in paths:
+        if not path.is_file():
+            raise UsageError(f"gates.divergence.texts: {path} not found")
+        texts += _read_texts(path)
     return texts[: gates.divergence.num_texts]
+
+
+def divergence_ids(
+    texts: list[str], encode: Callable[[str], list[int]], gates: GatesSection
+) -> list[list[int]]:
+    """Token ids of the texts KL is measured on: each cut to max_seq_len, taken in order
+    until `tokens` next-token positions are scored (a text of n tokens scores n - 1)."""
+    section = gates.divergence
+    chosen: list[list[int]] = []
+    scored = 0
+    for text in texts:
+        if scored >= section.tokens:
+            break
+        ids = encode(text)[: section.max_seq_len]
+        if len(ids) > 1:
+            chosen.append(ids)
+            scored += len(ids) - 1
+    return chosen
 
 
 @dataclass(slots=True)
@@ -124,13 +159,14 @@ def _run_lm(
     """lm-eval tasks and top-k logprobs on the divergence texts, through one loaded model."""
     from kiln.gates.tasks import run_tasks
 
-    results = run_tasks(
-        lm, gates.tasks, _task_dirs(gates, base_dir), gates.limit, gates.num_fewshot or None
-    )
+    results = {}
+    if gates.tasks:  # a gate of distribution checks only runs no lm-eval task
+        results = run_tasks(
+            lm, gates.tasks, _task_dirs(gates, base_dir), gates.limit, gates.num_fewshot or None
+        )
     topk = ids = None
     if gates.divergence.enabled and texts:
-        ids = [lm.tok_encode(t)[: gates.divergence.max_seq_len] for t in texts]
-        ids = [i for i in ids if len(i) > 1]
+        ids = divergence_ids(texts, lm.tok_encode, gates)
         topk = topk_fn(ids, gates.divergence.top_k)
     return _SideEval(results, topk, ids)
 
@@ -377,7 +413,14 @@ def _divergence(
 
     pairs = zip(base.topk, other.topk, strict=True)
     kl, agree = zip(*(kl_topk(b, c) for b, c in pairs), strict=True)
-    return summarize(np.concatenate(kl), np.concatenate(agree), f"topk-{gates.divergence.top_k}")
+    summary = summarize(np.concatenate(kl), np.concatenate(agree), f"topk-{gates.divergence.top_k}")
+    wanted = gates.divergence.tokens
+    if summary.num_tokens < wanted and gates.divergence.num_texts is None:
+        notes.append(
+            f"KL measured over {summary.num_tokens:,} tokens, fewer than the {wanted:,} asked "
+            "(gates.divergence.tokens): the divergence texts hold no more; give longer texts"
+        )
+    return summary
 
 
 def _noise_floor(

@@ -7,7 +7,8 @@ Order of work, chosen to keep at most one model side loaded at a time where poss
    and on its control, the float source served by the runtime in the candidate's compute
    dtype (the noise floor);
 3. replay of recorded traffic through both sides (runtime engines or endpoints) and the
-   shadow comparison of their answers;
+   shadow comparison of their answers; a model baseline's answers and its shadow control's
+   come from the evaluation cache where it holds them (gates/replay_cache.py);
 4. the verdict, its reports (gate.json, gate.md, gate.html) and the registry record.
 
 An http(s) endpoint side has no log-probabilities to score tasks with, so a gate with an
@@ -31,7 +32,8 @@ from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
 from kiln.gates.eval_cache import EvaluationCache, decode, encode, evaluation_key, files_digest
 from kiln.gates.noise_floor import NoiseFloor, control_dtype, describe_control
 from kiln.gates.registry import Registry
-from kiln.gates.replay import Side, replay
+from kiln.gates.replay import ReplaySettings, Side, replay
+from kiln.gates.replay_cache import CachedSide, replay_key
 from kiln.gates.report import write_reports
 from kiln.gates.rules import GatePolicy
 from kiln.gates.shadow import ShadowReport, compare_pair, summarize_pairs
@@ -44,7 +46,6 @@ from kiln.gates.verdict import (
     build_verdict,
     compare_task,
 )
-from kiln.runtime.answer import SideAnswer
 from kiln.runtime.artifact.verified import Mode
 from kiln.runtime.errors import UsageError
 from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
@@ -273,41 +274,97 @@ def _replay_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
     return EngineSide.load(side)
 
 
-class _Remembered:
-    """A replay side that answers each request once and then repeats its answer, so a
-    second comparison against the same side (the control's) does not recompute it."""
-
-    def __init__(self, side: Side) -> None:
-        self.side = side
-        self.name = side.name
-        self._answers: dict[str, SideAnswer] = {}
-
-    def complete(self, record: TrafficRecord) -> SideAnswer:
-        if record.id not in self._answers:
-            self._answers[record.id] = self.side.complete(record)
-        return self._answers[record.id]
-
-
-def _shadow_control(
-    report: ShadowReport,
-    records: list[TrafficRecord],
-    base: SideSpec,
-    base_side: _Remembered,
-    gates: GatesSection,
-    say: Progress,
-) -> None:
-    """The shadow noise floor: the baseline's own weights computed at another precision
-    (float32 if it serves in 16 bits, else bfloat16) replayed against the baseline."""
+def _served_dtype(side: SideSpec, engine: Any) -> str:
+    """The compute dtype a model side is (or would be) served in by the runtime's "auto"."""
+    if engine is not None:
+        return str(engine.model.dtype).removeprefix("torch.")
     import torch
 
-    engine = getattr(base_side.side, "engine", None)
-    served = engine.model.dtype if engine is not None else None
-    dtype = "bfloat16" if served == torch.float32 else "float32"
-    say(f"replay: the control, the baseline computed in {dtype} (the noise floor)")
-    control = EngineSide.load(base, dtype=dtype)
-    floor = replay(records, base_side, control, gates.shadow.settings())
-    report.control = f"the baseline computed in {dtype}"
-    report.control_exact_match_rate = floor.exact_match_rate
+    from kiln.runtime.artifact import MODEL_DIR
+    from kiln.runtime.checkpoint.files import read_config
+    from kiln.runtime.dtype import choose_dtype
+
+    assert side.path is not None
+    model_dir = side.path / MODEL_DIR if side.kind == "artifact" else side.path
+    return choose_dtype("auto", read_config(model_dir), torch.device("cpu")).name
+
+
+def _model_side(
+    side: SideSpec, role: str, dtype: str, load: Callable[[], Side], shadow: ShadowSetup
+) -> CachedSide:
+    """A model side's replay answers, cached under its digest, the traffic and the dtype."""
+    key = replay_key(side.digest, role, shadow.traffic, shadow.settings, dtype)
+    return CachedSide(side.name, load, shadow.cache, key, fresh=role in shadow.fresh)
+
+
+@dataclass(slots=True)
+class ShadowSetup:
+    """What the shadow step replays and how its model sides' answers are cached."""
+
+    records: list[TrafficRecord]
+    traffic: Path
+    settings: ReplaySettings
+    cache: EvaluationCache | None
+    fresh: set[str]  # roles whose cached answers are not used (replayed again)
+
+
+def _shadow(
+    cand: SideSpec,
+    base: SideSpec,
+    engines: tuple[Any, Any],
+    gates: GatesSection,
+    setup: ShadowSetup,
+    notes: list[str],
+    say: Progress,
+) -> ShadowReport:
+    """Replay the traffic through the candidate and the baseline, and (for a model baseline)
+    the baseline against its control: the baseline's own weights computed at another
+    precision (float32 if it serves in 16 bits, else bfloat16), the shadow noise floor.
+    The baseline's and the control's answers come from the cache where it holds them."""
+    cand_engine, base_engine = engines
+    timeout = gates.shadow.timeout_s
+    base_side: Side
+    served = ""
+    if base.kind == "http":
+        base_side = _replay_side(base, None, timeout)
+    else:
+        served = _served_dtype(base, base_engine)
+        base_side = _model_side(
+            base, "shadow-baseline", served,
+            lambda: _replay_side(base, base_engine, timeout), setup,
+        )  # fmt: skip
+    say(f"replay: {len(setup.records)} recorded requests through both sides")
+    shadow = replay(
+        setup.records,
+        base_side,
+        _replay_side(cand, cand_engine, timeout),
+        setup.settings,
+        progress=say,
+    )
+    if not isinstance(base_side, CachedSide):
+        return shadow
+    if gates.noise_floor != "off":
+        dtype = "bfloat16" if served == "float32" else "float32"
+        control = _model_side(
+            base, "shadow-control", dtype, lambda: EngineSide.load(base, dtype=dtype), setup
+        )
+        say(f"replay: the control, the baseline computed in {dtype} (the noise floor)")
+        floor = replay(setup.records, base_side, control, setup.settings)
+        shadow.control = f"the baseline computed in {dtype}"
+        shadow.control_exact_match_rate = floor.exact_match_rate
+        control.save()
+        if control.cached:
+            say(f"replay: the control's {control.cached} answers from the cache")
+    base_side.save()
+    if base_side.cached:
+        say(f"replay: the baseline's {base_side.cached} answers from the cache")
+        notes.append(
+            f"shadow: the baseline's answers to the {base_side.cached} requests came from the "
+            "evaluation cache; its TTFT/TPOT were measured when they were computed, under that "
+            "run's machine load, so the timing ratios are reported only (a gated timing "
+            "ratio replays the baseline again)"
+        )
+    return shadow
 
 
 def run_gate(
@@ -380,19 +437,18 @@ def run_gate(
             )
         gc.collect()
     shadow: ShadowReport | None = None
-    if records:
-        say(f"replay: {len(records)} recorded requests through both sides")
-        timeout = gates.shadow.timeout_s
-        base_side = _Remembered(_replay_side(base, base_engine, timeout))
-        shadow = replay(
+    if records and traffic_path is not None:
+        # Cached baseline timings were measured under another moment's load: a gated timing
+        # ratio replays the baseline again.
+        timed = policy.shadow_ttft_p50_ratio_max or policy.shadow_tpot_p50_ratio_max
+        setup = ShadowSetup(
             records,
-            base_side,
-            _replay_side(cand, cand_engine, timeout),
+            traffic_path,
             gates.shadow.settings(),
-            progress=say,
+            EvaluationCache() if gates.baseline_cache else None,
+            {"shadow-baseline"} if timed is not None else set(),
         )
-        if base.kind != "http" and gates.noise_floor != "off":
-            _shadow_control(shadow, records, base, base_side, gates, say)
+        shadow = _shadow(cand, base, (cand_engine, base_engine), gates, setup, notes, say)
     return _decide(
         cand, base, policy, out_dir, registry, notes, began,
         tasks=tasks, perplexity=ppl, divergence=divergence, shadow=shadow,

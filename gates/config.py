@@ -7,8 +7,8 @@
       decision_rule: mcnemar                 # or recovery, noninferior, recovery_or_noninferior
       inconclusive: pass                     # what a task too small for its margin counts as
       thresholds: {margin: 0.02, confidence: 0.95, kl_mean: 0.035, shadow_exact_match: 0.9}
-      divergence: {num_texts: 16, max_seq_len: 128, top_k: 20}
-      noise_floor: bfloat16                  # the control: baseline rounded to it (or off)
+      divergence: {tokens: 10240, max_seq_len: 128, top_k: 20}  # scored tokens for KL
+      noise_floor: auto                      # the control's compute dtype (or off), below
       baseline_cache: true                   # reuse the baseline's evaluation (eval_cache.py)
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
 
@@ -26,6 +26,11 @@ reads an unquoted `off` (and `no`, `false`) as a boolean: for a threshold it mea
 `gates.mcnemar`); `inconclusive: pass` (the default) lets an inconclusive task through, with
 the loss its items could detect in the report, so the distribution checks decide;
 `inconclusive: fail` makes every task prove that no loss beyond the margin happened.
+
+`noise_floor` is the control (gates/noise_floor.py): a float source baseline's own weights
+served by kiln's runtime and evaluated exactly as the candidate is. `auto` (the default)
+computes it in the candidate's compute dtype, so the floor measures "lossless as shipped";
+`bfloat16`, `float16` or `float32` names the dtype; `off` skips it.
 """
 
 from __future__ import annotations
@@ -126,11 +131,16 @@ _POLICY_FIELDS = {
 
 
 class DivergenceSection(_Strict):
-    """Next-token KL on held-out text (top-k logprobs from both sides)."""
+    """Next-token KL on held-out text (top-k logprobs from both sides): texts are taken in
+    order, each cut to `max_seq_len` tokens, until `tokens` positions are scored (or
+    `num_texts` texts, when set, or the texts run out)."""
 
     enabled: bool = True
-    texts: str | None = None  # .jsonl with a "text" field, or plain text; default kiln_ppl
-    num_texts: int = Field(16, ge=1, le=1024)
+    # .jsonl ("text", or "context" + "target" fields) or plain text; default: the built-in
+    # held-out text (kiln_ppl's documents, then kiln_cloze's passages)
+    texts: str | None = None
+    tokens: int = Field(10240, ge=1)
+    num_texts: int | None = Field(None, ge=1)
     max_seq_len: int = Field(128, ge=8, le=8192)
     top_k: int = Field(20, ge=1, le=1000)
 
@@ -165,9 +175,9 @@ class GatesSection(_Strict):
     inconclusive: Literal["pass", "fail"] = "pass"
     thresholds: ThresholdsSection = ThresholdsSection()
     divergence: DivergenceSection = DivergenceSection()
-    # The control of the noise floor (gates/noise_floor.py): a float baseline's weights
-    # rounded to this dtype, evaluated like the candidate; "off" skips it.
-    noise_floor: Literal["bfloat16", "float16", "off"] = "bfloat16"
+    # The control of the noise floor (gates/noise_floor.py): the float baseline served by
+    # the runtime in this compute dtype ("auto": the candidate's); "off" skips it.
+    noise_floor: Literal["auto", "bfloat16", "float16", "float32", "off"] = "auto"
     baseline_cache: bool = True
     shadow: ShadowSection = ShadowSection()
 

@@ -4,8 +4,10 @@ The baseline of a gate rarely changes between runs while candidates do, and eval
 is a quarter to a half of a gate. An evaluation is stored as one JSON file named by the
 sha256 of everything that shapes it: the baseline's content digest, the task files' digest,
 the item limit and few-shot count, the divergence texts and settings, the scored window,
-the tool versions, and which side it is (the baseline, or a control rounded to a dtype).
-Change any of them and the key changes; a file that cannot be read is recomputed.
+the tool versions, and which side it is (the baseline, or its control: the baseline served
+by the runtime in a named compute dtype).
+Change any of them and the key changes; a file that cannot be read is recomputed. The
+baseline's replayed shadow answers are stored here too (gates/replay_cache.py).
 
 The files live in $KILN_GATE_CACHE, else $XDG_CACHE_HOME/kiln/gate/ (~/.cache/kiln/gate/):
 one per user, shared by every gate. Deleting it only costs re-evaluating. Hand-written: a

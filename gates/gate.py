@@ -3,9 +3,12 @@
 Order of work, chosen to keep at most one model side loaded at a time where possible:
 1. lm-eval tasks on the candidate (through the runtime: the gate evaluates what ships),
    plus its top-k next-token log-probabilities on held-out text;
-2. the same on the baseline (runtime for an artifact, transformers for a float source);
+2. the same on the baseline (runtime for an artifact, transformers for a float source)
+   and on its control, the float source served by the runtime in the candidate's compute
+   dtype (the noise floor);
 3. replay of recorded traffic through both sides (runtime engines or endpoints) and the
-   shadow comparison of their answers;
+   shadow comparison of their answers; a model baseline's answers and its shadow control's
+   come from the evaluation cache where it holds them (gates/replay_cache.py);
 4. the verdict, its reports (gate.json, gate.md, gate.html) and the registry record.
 
 An http(s) endpoint side has no log-probabilities to score tasks with, so a gate with an
@@ -27,9 +30,10 @@ from typing import Any
 from kiln.gates.config import GatesSection
 from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
 from kiln.gates.eval_cache import EvaluationCache, decode, encode, evaluation_key, files_digest
-from kiln.gates.noise_floor import NoiseFloor, round_weights
+from kiln.gates.noise_floor import NoiseFloor, control_dtype, describe_control
 from kiln.gates.registry import Registry
-from kiln.gates.replay import Side, replay
+from kiln.gates.replay import ReplaySettings, Side, replay
+from kiln.gates.replay_cache import CachedSide, replay_key
 from kiln.gates.report import write_reports
 from kiln.gates.rules import GatePolicy
 from kiln.gates.shadow import ShadowReport, compare_pair, summarize_pairs
@@ -42,7 +46,6 @@ from kiln.gates.verdict import (
     build_verdict,
     compare_task,
 )
-from kiln.runtime.answer import SideAnswer
 from kiln.runtime.artifact.verified import Mode
 from kiln.runtime.errors import UsageError
 from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
@@ -71,16 +74,51 @@ def _resolve(path: str | None, base_dir: Path) -> Path | None:
     return p if p.is_absolute() else base_dir / p
 
 
+# The built-in held-out text for KL, in order: neither is calibration data.
+BUILTIN_DIVERGENCE_TEXTS = ("kiln_ppl.jsonl", "kiln_cloze.jsonl")
+
+
+def _read_texts(path: Path) -> list[str]:
+    """A .jsonl file's texts ("text", else "context" and "target" joined), or a plain text
+    file's paragraphs."""
+    if path.suffix != ".jsonl":
+        return [p for p in path.read_text().split("\n\n") if p.strip()]
+    texts = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            texts.append(str(row["text"] if "text" in row else f"{row['context']} {row['target']}"))
+    return texts
+
+
 def divergence_texts(gates: GatesSection, base_dir: Path) -> list[str]:
-    """Held-out texts for next-token KL: a .jsonl "text" field, or a plain text file."""
-    path = _resolve(gates.divergence.texts, base_dir) or BUILTIN_TASKS_DIR / "kiln_ppl.jsonl"
-    if not path.is_file():
-        raise UsageError(f"gates.divergence.texts: {path} not found")
-    if path.suffix == ".jsonl":
-        texts = [str(json.loads(line)["text"]) for line in path.read_text().splitlines() if line]
-    else:
-        texts = [p for p in path.read_text().split("\n\n") if p.strip()]
+    """Held-out texts for next-token KL, in order (at most `num_texts` when set)."""
+    given = _resolve(gates.divergence.texts, base_dir)
+    paths = [given] if given else [BUILTIN_TASKS_DIR / name for name in BUILTIN_DIVERGENCE_TEXTS]
+    texts = []
+    for path in paths:
+        if not path.is_file():
+            raise UsageError(f"gates.divergence.texts: {path} not found")
+        texts += _read_texts(path)
     return texts[: gates.divergence.num_texts]
+
+
+def divergence_ids(
+    texts: list[str], encode: Callable[[str], list[int]], gates: GatesSection
+) -> list[list[int]]:
+    """Token ids of the texts KL is measured on: each cut to max_seq_len, taken in order
+    until `tokens` next-token positions are scored (a text of n tokens scores n - 1)."""
+    section = gates.divergence
+    chosen: list[list[int]] = []
+    scored = 0
+    for text in texts:
+        if scored >= section.tokens:
+            break
+        ids = encode(text)[: section.max_seq_len]
+        if len(ids) > 1:
+            chosen.append(ids)
+            scored += len(ids) - 1
+    return chosen
 
 
 @dataclass(slots=True)
@@ -96,12 +134,17 @@ def _task_dirs(gates: GatesSection, base_dir: Path) -> list[Path]:
     return [BUILTIN_TASKS_DIR] if extra is None else [BUILTIN_TASKS_DIR, extra]
 
 
-def _load_lm(side: SideSpec, max_length: int | None) -> tuple[Any, Callable[..., Any], Any]:
-    """An lm-eval model of one side, its top-k logprob function, and its runtime engine."""
+def _load_lm(
+    side: SideSpec, max_length: int | None, runtime_dtype: str | None = None
+) -> tuple[Any, Callable[..., Any], Any]:
+    """An lm-eval model of one side, its top-k logprob function, and its runtime engine.
+    An artifact, or any side given a `runtime_dtype`, is served by kiln's runtime; a float
+    source without one by transformers."""
     from kiln.gates.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs
 
-    if side.kind == "artifact":
-        lm: Any = KilnLM(artifact=str(side.path), max_length=max_length)
+    if side.kind == "artifact" or runtime_dtype is not None:
+        config = {"dtype": runtime_dtype} if runtime_dtype else {}
+        lm: Any = KilnLM(artifact=str(side.path), max_length=max_length, **config)
         return lm, lm.topk_logprobs, lm.engine
     lm = hf_source_lm(str(side.path), max_length=max_length or 2048)
 
@@ -117,13 +160,14 @@ def _run_lm(
     """lm-eval tasks and top-k logprobs on the divergence texts, through one loaded model."""
     from kiln.gates.tasks import run_tasks
 
-    results = run_tasks(
-        lm, gates.tasks, _task_dirs(gates, base_dir), gates.limit, gates.num_fewshot or None
-    )
+    results = {}
+    if gates.tasks:  # a gate of distribution checks only runs no lm-eval task
+        results = run_tasks(
+            lm, gates.tasks, _task_dirs(gates, base_dir), gates.limit, gates.num_fewshot or None
+        )
     topk = ids = None
     if gates.divergence.enabled and texts:
-        ids = [lm.tok_encode(t)[: gates.divergence.max_seq_len] for t in texts]
-        ids = [i for i in ids if len(i) > 1]
+        ids = divergence_ids(texts, lm.tok_encode, gates)
         topk = topk_fn(ids, gates.divergence.top_k)
     return _SideEval(results, topk, ids)
 
@@ -169,11 +213,14 @@ def _evaluate_baseline(
     max_length: int,
     base_dir: Path,
     say: Progress,
+    control: str | None,
 ) -> tuple[_SideEval, _SideEval | None]:
-    """The baseline's evaluation and, for a float baseline, its control's (the noise floor),
-    each from the evaluation cache when it holds them."""
-    control = gates.noise_floor if side.kind == "source" else "off"
-    roles = ["baseline"] + ([f"control-{control}"] if control != "off" else [])
+    """The baseline's evaluation and, when `control` names a compute dtype, its control's
+    (the baseline served by the runtime in that dtype: the noise floor), each from the
+    evaluation cache when it holds them."""
+    # The role names how the control was computed, so a control cached by another method
+    # (or in another dtype) is never taken for this one.
+    roles = {"baseline": None} | ({f"control-runtime-{control}": control} if control else {})
     cache = EvaluationCache() if gates.baseline_cache else None
     keys = {r: _evaluation_key(side, r, gates, texts, max_length, base_dir) for r in roles}
     found: dict[str, _SideEval] = {}
@@ -182,20 +229,23 @@ def _evaluate_baseline(
         if data is not None:
             found[role] = _SideEval(*decode(data))
             say(f"{role}: cached evaluation {keys[role][:12]}")
-    missing = [role for role in roles if role not in found]
-    if missing:
-        lm, topk_fn, engine = _load_lm(side, max_length)
-        for role in missing:  # the baseline first: the control rounds the same weights
-            if role == "baseline":
-                say(f"baseline: {', '.join(gates.tasks) or 'no tasks'} ({side.kind})")
-            else:
-                say(f"control: the baseline's weights rounded to {control} (the noise floor)")
-                round_weights(lm.model, control)
-            found[role] = done = _run_lm(lm, topk_fn, gates, texts, base_dir)
-            if cache is not None:
-                cache.put(keys[role], encode(done.results, done.topk, done.token_ids))
-        found["baseline"].engine = engine
-    return found["baseline"], found.get(roles[-1]) if control != "off" else None
+    for role, dtype in roles.items():
+        if role in found:
+            continue
+        if dtype is None:
+            say(f"baseline: {', '.join(gates.tasks) or 'no tasks'} ({side.kind})")
+        else:
+            say(f"control: {describe_control(dtype)} (the noise floor)")
+        lm, topk_fn, engine = _load_lm(side, max_length, dtype)
+        found[role] = done = _run_lm(lm, topk_fn, gates, texts, base_dir)
+        if dtype is None:
+            done.engine = engine
+        if cache is not None:
+            cache.put(keys[role], encode(done.results, done.topk, done.token_ids))
+        del lm, topk_fn, engine
+        gc.collect()  # one model side loaded at a time
+    control_eval = found[list(roles)[-1]] if control else None
+    return found["baseline"], control_eval
 
 
 def compare_results(
@@ -224,41 +274,97 @@ def _replay_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
     return EngineSide.load(side)
 
 
-class _Remembered:
-    """A replay side that answers each request once and then repeats its answer, so a
-    second comparison against the same side (the control's) does not recompute it."""
-
-    def __init__(self, side: Side) -> None:
-        self.side = side
-        self.name = side.name
-        self._answers: dict[str, SideAnswer] = {}
-
-    def complete(self, record: TrafficRecord) -> SideAnswer:
-        if record.id not in self._answers:
-            self._answers[record.id] = self.side.complete(record)
-        return self._answers[record.id]
-
-
-def _shadow_control(
-    report: ShadowReport,
-    records: list[TrafficRecord],
-    base: SideSpec,
-    base_side: _Remembered,
-    gates: GatesSection,
-    say: Progress,
-) -> None:
-    """The shadow noise floor: the baseline's own weights computed at another precision
-    (float32 if it serves in 16 bits, else bfloat16) replayed against the baseline."""
+def _served_dtype(side: SideSpec, engine: Any) -> str:
+    """The compute dtype a model side is (or would be) served in by the runtime's "auto"."""
+    if engine is not None:
+        return str(engine.model.dtype).removeprefix("torch.")
     import torch
 
-    engine = getattr(base_side.side, "engine", None)
-    served = engine.model.dtype if engine is not None else None
-    dtype = "bfloat16" if served == torch.float32 else "float32"
-    say(f"replay: the control, the baseline computed in {dtype} (the noise floor)")
-    control = EngineSide.load(base, dtype=dtype)
-    floor = replay(records, base_side, control, gates.shadow.settings())
-    report.control = f"the baseline computed in {dtype}"
-    report.control_exact_match_rate = floor.exact_match_rate
+    from kiln.runtime.artifact import MODEL_DIR
+    from kiln.runtime.checkpoint.files import read_config
+    from kiln.runtime.dtype import choose_dtype
+
+    assert side.path is not None
+    model_dir = side.path / MODEL_DIR if side.kind == "artifact" else side.path
+    return choose_dtype("auto", read_config(model_dir), torch.device("cpu")).name
+
+
+def _model_side(
+    side: SideSpec, role: str, dtype: str, load: Callable[[], Side], shadow: ShadowSetup
+) -> CachedSide:
+    """A model side's replay answers, cached under its digest, the traffic and the dtype."""
+    key = replay_key(side.digest, role, shadow.traffic, shadow.settings, dtype)
+    return CachedSide(side.name, load, shadow.cache, key, fresh=role in shadow.fresh)
+
+
+@dataclass(slots=True)
+class ShadowSetup:
+    """What the shadow step replays and how its model sides' answers are cached."""
+
+    records: list[TrafficRecord]
+    traffic: Path
+    settings: ReplaySettings
+    cache: EvaluationCache | None
+    fresh: set[str]  # roles whose cached answers are not used (replayed again)
+
+
+def _shadow(
+    cand: SideSpec,
+    base: SideSpec,
+    engines: tuple[Any, Any],
+    gates: GatesSection,
+    setup: ShadowSetup,
+    notes: list[str],
+    say: Progress,
+) -> ShadowReport:
+    """Replay the traffic through the candidate and the baseline, and (for a model baseline)
+    the baseline against its control: the baseline's own weights computed at another
+    precision (float32 if it serves in 16 bits, else bfloat16), the shadow noise floor.
+    The baseline's and the control's answers come from the cache where it holds them."""
+    cand_engine, base_engine = engines
+    timeout = gates.shadow.timeout_s
+    base_side: Side
+    served = ""
+    if base.kind == "http":
+        base_side = _replay_side(base, None, timeout)
+    else:
+        served = _served_dtype(base, base_engine)
+        base_side = _model_side(
+            base, "shadow-baseline", served,
+            lambda: _replay_side(base, base_engine, timeout), setup,
+        )  # fmt: skip
+    say(f"replay: {len(setup.records)} recorded requests through both sides")
+    shadow = replay(
+        setup.records,
+        base_side,
+        _replay_side(cand, cand_engine, timeout),
+        setup.settings,
+        progress=say,
+    )
+    if not isinstance(base_side, CachedSide):
+        return shadow
+    if gates.noise_floor != "off":
+        dtype = "bfloat16" if served == "float32" else "float32"
+        control = _model_side(
+            base, "shadow-control", dtype, lambda: EngineSide.load(base, dtype=dtype), setup
+        )
+        say(f"replay: the control, the baseline computed in {dtype} (the noise floor)")
+        floor = replay(setup.records, base_side, control, setup.settings)
+        shadow.control = f"the baseline computed in {dtype}"
+        shadow.control_exact_match_rate = floor.exact_match_rate
+        control.save()
+        if control.cached:
+            say(f"replay: the control's {control.cached} answers from the cache")
+    base_side.save()
+    if base_side.cached:
+        say(f"replay: the baseline's {base_side.cached} answers from the cache")
+        notes.append(
+            f"shadow: the baseline's answers to the {base_side.cached} requests came from the "
+            "evaluation cache; its TTFT/TPOT were measured when they were computed, under that "
+            "run's machine load, so the timing ratios are reported only (a gated timing "
+            "ratio replays the baseline again)"
+        )
+    return shadow
 
 
 def run_gate(
@@ -313,32 +419,36 @@ def run_gate(
         say(f"candidate: {', '.join(gates.tasks) or 'no tasks'} through the runtime")
         c_eval, max_length = _evaluate_side(cand, gates, texts, None, base_dir)
         cand_engine = c_eval.engine
-        b_eval, ctrl_eval = _evaluate_baseline(base, gates, texts, max_length, base_dir, say)
+        control = None
+        if base.kind == "source" and gates.noise_floor != "off":
+            control = control_dtype(gates.noise_floor, cand_engine)
+        b_eval, ctrl_eval = _evaluate_baseline(
+            base, gates, texts, max_length, base_dir, say, control
+        )
         base_engine = b_eval.engine
         tasks, ppl = compare_results(b_eval.results, c_eval.results, policy)
         divergence = _divergence(b_eval, c_eval, gates, notes)
-        if ctrl_eval is not None:
-            noise_floor = _noise_floor(b_eval, ctrl_eval, gates, policy)
+        if ctrl_eval is not None and control is not None:
+            noise_floor = _noise_floor(b_eval, ctrl_eval, control, gates, policy)
         elif gates.noise_floor != "off":
             notes.append(
                 f"no noise floor: the baseline is {base.kind}, not a float model source whose "
-                "weights a control could round"
+                "weights a control could serve"
             )
         gc.collect()
     shadow: ShadowReport | None = None
-    if records:
-        say(f"replay: {len(records)} recorded requests through both sides")
-        timeout = gates.shadow.timeout_s
-        base_side = _Remembered(_replay_side(base, base_engine, timeout))
-        shadow = replay(
+    if records and traffic_path is not None:
+        # Cached baseline timings were measured under another moment's load: a gated timing
+        # ratio replays the baseline again.
+        timed = policy.shadow_ttft_p50_ratio_max or policy.shadow_tpot_p50_ratio_max
+        setup = ShadowSetup(
             records,
-            base_side,
-            _replay_side(cand, cand_engine, timeout),
+            traffic_path,
             gates.shadow.settings(),
-            progress=say,
+            EvaluationCache() if gates.baseline_cache else None,
+            {"shadow-baseline"} if timed is not None else set(),
         )
-        if base.kind != "http" and gates.noise_floor != "off":
-            _shadow_control(shadow, records, base, base_side, gates, say)
+        shadow = _shadow(cand, base, (cand_engine, base_engine), gates, setup, notes, say)
     return _decide(
         cand, base, policy, out_dir, registry, notes, began,
         tasks=tasks, perplexity=ppl, divergence=divergence, shadow=shadow,
@@ -359,17 +469,24 @@ def _divergence(
 
     pairs = zip(base.topk, other.topk, strict=True)
     kl, agree = zip(*(kl_topk(b, c) for b, c in pairs), strict=True)
-    return summarize(np.concatenate(kl), np.concatenate(agree), f"topk-{gates.divergence.top_k}")
+    summary = summarize(np.concatenate(kl), np.concatenate(agree), f"topk-{gates.divergence.top_k}")
+    wanted = gates.divergence.tokens
+    if summary.num_tokens < wanted and gates.divergence.num_texts is None:
+        notes.append(
+            f"KL measured over {summary.num_tokens:,} tokens, fewer than the {wanted:,} asked "
+            "(gates.divergence.tokens): the divergence texts hold no more; give longer texts"
+        )
+    return summary
 
 
 def _noise_floor(
-    base: _SideEval, control: _SideEval, gates: GatesSection, policy: GatePolicy
+    base: _SideEval, control: _SideEval, dtype: str, gates: GatesSection, policy: GatePolicy
 ) -> NoiseFloor:
     """The control's comparison with the baseline, as the verdict reports it."""
     tasks, ppl = compare_results(base.results, control.results, policy)
     return NoiseFloor(
-        control=f"the baseline's weights rounded to {gates.noise_floor}",
-        dtype=gates.noise_floor,
+        control=describe_control(dtype),
+        dtype=dtype,
         divergence=_divergence(base, control, gates, []),
         perplexity_ratio={p.task: p.ratio for p in ppl},
         flip_rate={t.task: t.flip_rate for t in tasks if t.flip_rate is not None},

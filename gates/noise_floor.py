@@ -1,11 +1,14 @@
 """The noise floor: how far a control that should be lossless lands from the baseline.
 
-The control is the baseline's own weights rounded to a compute dtype (bfloat16 by default)
-and evaluated like the candidate. Its KL, top-1 agreement, perplexity ratio and flips are
-what "no loss" measures as on this model, these texts and these tasks; the report puts
-every candidate number beside it, and the flip check compares the candidate's flip rate
-with the control's instead of with an absolute 5% (greedy generation flips items on
-rounding noise alone).
+The control is the float baseline's own weights served by kiln's runtime in a compute dtype
+(by default the one the candidate ran in) and evaluated exactly as the candidate is: the
+same engine, the same lm-eval adapter, the same top-k logprobs on the same texts. So it
+carries everything "lossless as shipped" carries (the compute dtype's rounding, the
+runtime's kernels) and nothing a quantisation scheme adds. Its KL, top-1 agreement,
+perplexity ratio and flips are what "no loss" measures as on this model, these texts and
+these tasks; the report puts every candidate number beside it, and the flip check compares
+the candidate's flip rate with the control's instead of with an absolute 5% (greedy
+generation flips items on rounding noise alone).
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.gates.divergence import DivergenceSummary
-
-CONTROL_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass(slots=True)
@@ -52,14 +53,17 @@ class NoiseFloor:
         )
 
 
-def round_weights(model: Any, dtype: str) -> None:
-    """Round every parameter of a torch model to `dtype` and back, in place."""
-    import torch
+def control_dtype(setting: str, candidate_engine: Any) -> str:
+    """The control's compute dtype: `setting` (gates.noise_floor), where "auto" is the dtype
+    the candidate's runtime engine computes in."""
+    if setting != "auto":
+        return setting
+    return str(candidate_engine.model.dtype).removeprefix("torch.")
 
-    target = getattr(torch, dtype)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(param.to(target).to(param.dtype))
+
+def describe_control(dtype: str) -> str:
+    """What the control is, in the report's words."""
+    return f"the baseline served by kiln's runtime in {dtype}"
 
 
 def times_floor(value: float | None, floor: float | None) -> str:

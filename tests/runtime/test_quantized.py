@@ -135,6 +135,46 @@ def test_int4_layer_handles_act_order_groups_in_both_paths() -> None:
         assert (layer(x) - expected).abs().max() <= 1e-2 * expected.abs().max()
 
 
+def int4_weights(rows: int, columns: int, group: int, seed: int = 0) -> LinearWeights:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-8, 8, (rows, columns), dtype=torch.int8, generator=generator)
+    scale = torch.rand(rows, columns // group, generator=generator) * 0.1 + 0.01
+    zero = torch.randint(-8, 8, (rows, columns // group), dtype=torch.int8, generator=generator)
+    scheme = WeightScheme("int", 4, "group", group, symmetric=False)
+    return LinearWeights(scheme, codes, scale, zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_layer_dequantises_its_nibbles_to_the_stored_weight(dtype: torch.dtype) -> None:
+    """(code - zero) * scale with the layer's bf16-held scales and zeros, as float32 or
+    rounded to bf16 (the last float32 bit may differ where the multiply and add fuse)."""
+    w = int4_weights(48, 192, 64)
+    layer = make_linear([w], torch.bfloat16, torch.device("cpu"))
+    assert isinstance(layer, Int4Linear)
+    grouped = w.weight.float().view(48, -1, 64)
+    expected = grouped.mul(layer.scale_rows).add(layer.zero_rows).view(48, 192)
+    got = layer.dequantized(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.to(dtype).float(), rtol=2**-7, atol=1e-6)
+
+
+def test_int4_bf16_layer_prefill_and_decode_paths_agree() -> None:
+    """A bf16 model's prefill rows run a bf16 GEMM on the dequantised weight, its decode rows
+    the int4 kernel: both within bf16 rounding of the float32 product."""
+    w = int4_weights(64, 256, 64, seed=1)
+    layer = make_linear([w], torch.bfloat16, torch.device("cpu"))
+    assert isinstance(layer, Int4Linear)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(Int4Linear.DEQUANT_ROWS + 3, 256, generator=generator).to(torch.bfloat16)
+    expected = x.float() @ dequantize(w, torch.float32).t()
+    prefill = layer(x)
+    decode = torch.cat([layer(x[i : i + 4]) for i in range(0, x.shape[0], 4)])
+    assert prefill.dtype == decode.dtype == torch.bfloat16
+    bound = 2e-2 * float(expected.abs().max())
+    assert (prefill.float() - expected).abs().max() <= bound
+    assert (decode.float() - expected).abs().max() <= bound
+
+
 def test_unknown_quantisation_method_is_named(tiny_llama: Path, tmp_path: Path) -> None:
     import json
     import shutil

@@ -1,0 +1,122 @@
+"""The runtime's bf16 dense layers on SmolLM2-135M's shapes: oneDNN-packed vs plain F.linear.
+
+    PYTHONPATH=. python tests/benchmarks/runtime_linear.py --rows 1,32,128
+
+One thread, CPU time (time.process_time: on a shared host it moves far less than wall
+time). For each projection shape (q/k/v stacked, o, gate/up stacked, down, the tied LM
+head) and row count: `DenseLinear` as the runtime builds it (the weight reordered once
+into oneDNN's blocked layout, held once), the same weight reordered for a 1-row batch
+instead of 32 rows, and F.linear on the plain weight (oneDNN re-blocks it on every call).
+Layers cycle through enough copies of their weight (64 MB) that one call never finds the
+previous call's weight in the core's caches, as in a decode step that streams every
+layer. Also printed: the single-thread read bandwidth (a float32 sum of 256 MB) and the
+fixed cost of one packed call (a 16 x 32 weight), which bound what a single-token step can
+reach. Ratios compare columns of one run; the figures only compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme
+from tests.benchmarks.cpu_comparison import machine
+
+SHAPES = {  # name: (out_features, in_features, calls per decode step)
+    "qkv": (960, 576, 30),
+    "o_proj": (576, 576, 30),
+    "gate_up": (3072, 576, 30),
+    "down": (576, 1536, 30),
+    "lm_head": (49152, 576, 1),
+}
+STREAM_BYTES = 64 * 2**20
+
+
+def cpu_ms(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
+    """Best-of-`repeats` CPU milliseconds per call."""
+    for _ in range(5):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.process_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.process_time() - began) / calls)
+    return best * 1000
+
+
+def cycling(
+    layers: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor
+) -> Callable[[], object]:
+    index = [0]
+
+    def call() -> object:
+        index[0] = (index[0] + 1) % len(layers)
+        return layers[index[0]](x)
+
+    return call
+
+
+def packed_call(packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def plain_call(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: F.linear(x, weight)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,32,128", help="row counts (tokens per call)")
+    parser.add_argument("--calls", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"machine: {machine()}; 1 thread; CPU ms per call (best of 5 x {args.calls})")
+    big = torch.ones(STREAM_BYTES, dtype=torch.float32)  # 256 MB
+    read = big.nbytes / cpu_ms(big.sum, 3) / 1e6
+    del big
+    tiny = DenseLinear(
+        LinearWeights(WeightScheme(), torch.randn(16, 32)), torch.bfloat16, torch.device("cpu")
+    )
+    one = torch.randn(1, 32, dtype=torch.bfloat16)
+    fixed_us = cpu_ms(lambda: tiny(one), 2000) * 1000
+    print(f"read bandwidth {read:.1f} GB/s; fixed cost of a packed call {fixed_us:.1f} us")
+    rows = [int(r) for r in args.rows.split(",")]
+    step: dict[tuple[str, int], float] = {}
+    for name, (n, k, per_step) in SHAPES.items():
+        weight = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
+        copies = [weight.clone() for _ in range(max(1, STREAM_BYTES // weight.nbytes))]
+        dense = [
+            DenseLinear(LinearWeights(WeightScheme(), w), torch.bfloat16, torch.device("cpu"))
+            for w in copies
+        ]
+        hinted = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in copies]
+        variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+            "packed": list(dense),
+            "packed for 1 row": [packed_call(p) for p in hinted],
+            "plain F.linear": [plain_call(w) for w in copies],
+        }
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            times = {v: cpu_ms(cycling(layers, x), args.calls) for v, layers in variants.items()}
+            for v, ms in times.items():
+                step[(v, m)] = step.get((v, m), 0.0) + ms * per_step
+            cells = "  ".join(
+                f"{v} {ms:.3f} ms ({weight.nbytes / ms / 1e6:.1f} GB/s)" for v, ms in times.items()
+            )
+            print(f"{name:8s} {n}x{k} rows={m:4d}: {cells}", flush=True)
+    print("\nall projections of one step (30 layers + LM head):")
+    for m in rows:
+        base = step[("packed", m)]
+        cells = ", ".join(
+            f"{v} {ms:.1f} ms ({ms / base:.2f}x)" for (v, r), ms in step.items() if r == m
+        )
+        print(f"  rows={m}: {cells}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ Order of work, chosen to keep at most one model side loaded at a time where poss
    dtype (the noise floor);
 3. replay of recorded traffic through both sides (runtime engines or endpoints) and the
    shadow comparison of their answers; a model baseline's answers and its shadow control's
-   come from the evaluation cache where it holds them (gates/replay_cache.py);
+   come from the evaluation cache where it holds them (gates/shadow_step.py);
 4. the verdict, its reports (gate.json, gate.md, gate.html) and the registry record.
 
 An http(s) endpoint side has no log-probabilities to score tasks with, so a gate with an
@@ -20,7 +20,6 @@ replay, no tasks) and finishes through the same step 4.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,15 +28,15 @@ from typing import Any
 
 from kiln.gates.config import GatesSection
 from kiln.gates.divergence import DivergenceSummary, kl_topk, summarize
+from kiln.gates.divergence_texts import divergence_ids, divergence_texts, resolve_path
 from kiln.gates.eval_cache import EvaluationCache, decode, encode, evaluation_key, files_digest
 from kiln.gates.noise_floor import NoiseFloor, control_dtype, describe_control
 from kiln.gates.registry import Registry
-from kiln.gates.replay import ReplaySettings, Side, replay
-from kiln.gates.replay_cache import CachedSide, replay_key
 from kiln.gates.report import write_reports
 from kiln.gates.rules import GatePolicy
 from kiln.gates.shadow import ShadowReport, compare_pair, summarize_pairs
-from kiln.gates.sides import EngineSide, HttpSide, SideSpec, check_distinct, resolve_side
+from kiln.gates.shadow_step import Progress, ShadowSetup, shadow_step
+from kiln.gates.sides import SideSpec, check_distinct, resolve_side
 from kiln.gates.tasks import BUILTIN_TASKS_DIR, TaskResult
 from kiln.gates.verdict import (
     GateVerdict,
@@ -52,8 +51,6 @@ from kiln.runtime.server.mirror_log import MirrorEntry, read_mirror_log
 from kiln.runtime.traffic import COMPLETIONS, TrafficRecord, read_traffic
 from kiln.runtime.versions import GATE_TOOLS, versions
 
-Progress = Callable[[str], None]
-
 
 @dataclass(slots=True)
 class GateOutcome:
@@ -67,60 +64,6 @@ class GateOutcome:
     notes: list[str] = field(default_factory=list)
 
 
-def _resolve(path: str | None, base_dir: Path) -> Path | None:
-    if path is None:
-        return None
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else base_dir / p
-
-
-# The built-in held-out text for KL, in order: neither is calibration data.
-BUILTIN_DIVERGENCE_TEXTS = ("kiln_ppl.jsonl", "kiln_cloze.jsonl")
-
-
-def _read_texts(path: Path) -> list[str]:
-    """A .jsonl file's texts ("text", else "context" and "target" joined), or a plain text
-    file's paragraphs."""
-    if path.suffix != ".jsonl":
-        return [p for p in path.read_text().split("\n\n") if p.strip()]
-    texts = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            texts.append(str(row["text"] if "text" in row else f"{row['context']} {row['target']}"))
-    return texts
-
-
-def divergence_texts(gates: GatesSection, base_dir: Path) -> list[str]:
-    """Held-out texts for next-token KL, in order (at most `num_texts` when set)."""
-    given = _resolve(gates.divergence.texts, base_dir)
-    paths = [given] if given else [BUILTIN_TASKS_DIR / name for name in BUILTIN_DIVERGENCE_TEXTS]
-    texts = []
-    for path in paths:
-        if not path.is_file():
-            raise UsageError(f"gates.divergence.texts: {path} not found")
-        texts += _read_texts(path)
-    return texts[: gates.divergence.num_texts]
-
-
-def divergence_ids(
-    texts: list[str], encode: Callable[[str], list[int]], gates: GatesSection
-) -> list[list[int]]:
-    """Token ids of the texts KL is measured on: each cut to max_seq_len, taken in order
-    until `tokens` next-token positions are scored (a text of n tokens scores n - 1)."""
-    section = gates.divergence
-    chosen: list[list[int]] = []
-    scored = 0
-    for text in texts:
-        if scored >= section.tokens:
-            break
-        ids = encode(text)[: section.max_seq_len]
-        if len(ids) > 1:
-            chosen.append(ids)
-            scored += len(ids) - 1
-    return chosen
-
-
 @dataclass(slots=True)
 class _SideEval:
     results: dict[str, TaskResult]
@@ -130,7 +73,7 @@ class _SideEval:
 
 
 def _task_dirs(gates: GatesSection, base_dir: Path) -> list[Path]:
-    extra = _resolve(gates.tasks_dir, base_dir)
+    extra = resolve_path(gates.tasks_dir, base_dir)
     return [BUILTIN_TASKS_DIR] if extra is None else [BUILTIN_TASKS_DIR, extra]
 
 
@@ -265,108 +208,6 @@ def compare_results(
     return tasks, ppl
 
 
-def _replay_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
-    if side.kind == "http":
-        assert side.url is not None
-        return HttpSide(side.url, timeout_s=timeout_s)
-    if engine is not None:
-        return EngineSide(engine, side.name)
-    return EngineSide.load(side)
-
-
-def _served_dtype(side: SideSpec, engine: Any) -> str:
-    """The compute dtype a model side is (or would be) served in by the runtime's "auto"."""
-    if engine is not None:
-        return str(engine.model.dtype).removeprefix("torch.")
-    import torch
-
-    from kiln.runtime.artifact import MODEL_DIR
-    from kiln.runtime.checkpoint.files import read_config
-    from kiln.runtime.dtype import choose_dtype
-
-    assert side.path is not None
-    model_dir = side.path / MODEL_DIR if side.kind == "artifact" else side.path
-    return choose_dtype("auto", read_config(model_dir), torch.device("cpu")).name
-
-
-def _model_side(
-    side: SideSpec, role: str, dtype: str, load: Callable[[], Side], shadow: ShadowSetup
-) -> CachedSide:
-    """A model side's replay answers, cached under its digest, the traffic and the dtype."""
-    key = replay_key(side.digest, role, shadow.traffic, shadow.settings, dtype)
-    return CachedSide(side.name, load, shadow.cache, key, fresh=role in shadow.fresh)
-
-
-@dataclass(slots=True)
-class ShadowSetup:
-    """What the shadow step replays and how its model sides' answers are cached."""
-
-    records: list[TrafficRecord]
-    traffic: Path
-    settings: ReplaySettings
-    cache: EvaluationCache | None
-    fresh: set[str]  # roles whose cached answers are not used (replayed again)
-
-
-def _shadow(
-    cand: SideSpec,
-    base: SideSpec,
-    engines: tuple[Any, Any],
-    gates: GatesSection,
-    setup: ShadowSetup,
-    notes: list[str],
-    say: Progress,
-) -> ShadowReport:
-    """Replay the traffic through the candidate and the baseline, and (for a model baseline)
-    the baseline against its control: the baseline's own weights computed at another
-    precision (float32 if it serves in 16 bits, else bfloat16), the shadow noise floor.
-    The baseline's and the control's answers come from the cache where it holds them."""
-    cand_engine, base_engine = engines
-    timeout = gates.shadow.timeout_s
-    base_side: Side
-    served = ""
-    if base.kind == "http":
-        base_side = _replay_side(base, None, timeout)
-    else:
-        served = _served_dtype(base, base_engine)
-        base_side = _model_side(
-            base, "shadow-baseline", served,
-            lambda: _replay_side(base, base_engine, timeout), setup,
-        )  # fmt: skip
-    say(f"replay: {len(setup.records)} recorded requests through both sides")
-    shadow = replay(
-        setup.records,
-        base_side,
-        _replay_side(cand, cand_engine, timeout),
-        setup.settings,
-        progress=say,
-    )
-    if not isinstance(base_side, CachedSide):
-        return shadow
-    if gates.noise_floor != "off":
-        dtype = "bfloat16" if served == "float32" else "float32"
-        control = _model_side(
-            base, "shadow-control", dtype, lambda: EngineSide.load(base, dtype=dtype), setup
-        )
-        say(f"replay: the control, the baseline computed in {dtype} (the noise floor)")
-        floor = replay(setup.records, base_side, control, setup.settings)
-        shadow.control = f"the baseline computed in {dtype}"
-        shadow.control_exact_match_rate = floor.exact_match_rate
-        control.save()
-        if control.cached:
-            say(f"replay: the control's {control.cached} answers from the cache")
-    base_side.save()
-    if base_side.cached:
-        say(f"replay: the baseline's {base_side.cached} answers from the cache")
-        notes.append(
-            f"shadow: the baseline's answers to the {base_side.cached} requests came from the "
-            "evaluation cache; its TTFT/TPOT were measured when they were computed, under that "
-            "run's machine load, so the timing ratios are reported only (a gated timing "
-            "ratio replays the baseline again)"
-        )
-    return shadow
-
-
 def run_gate(
     candidate: str,
     baseline: str,
@@ -393,7 +234,7 @@ def run_gate(
             "the artifact `kiln compile` produced (or the URL of the endpoint serving it)"
         )
     policy = gates.policy(cand.weight_bits)
-    traffic_path = Path(traffic) if traffic else _resolve(gates.shadow.traffic, base_dir)
+    traffic_path = Path(traffic) if traffic else resolve_path(gates.shadow.traffic, base_dir)
     records = read_traffic(traffic_path) if traffic_path else []
     notes: list[str] = []
     model_sides = cand.kind != "http" and base.kind != "http"
@@ -448,7 +289,7 @@ def run_gate(
             EvaluationCache() if gates.baseline_cache else None,
             {"shadow-baseline"} if timed is not None else set(),
         )
-        shadow = _shadow(cand, base, (cand_engine, base_engine), gates, setup, notes, say)
+        shadow = shadow_step(cand, base, (cand_engine, base_engine), gates, setup, notes, say)
     return _decide(
         cand, base, policy, out_dir, registry, notes, began,
         tasks=tasks, perplexity=ppl, divergence=divergence, shadow=shadow,

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from kiln.gates.config import load_gates
-from kiln.gates.gate import divergence_ids, divergence_texts, run_gate
+from kiln.gates.divergence_texts import divergence_ids, divergence_texts
+from kiln.gates.gate import run_gate
 from tests.gates.conftest import build_artifact
 from tests.gates.test_gate_e2e import perturbed_copy
 

@@ -56,9 +56,12 @@ class NoiseFloor:
 def control_dtype(setting: str, candidate_engine: Any) -> str:
     """The control's compute dtype: `setting` (gates.noise_floor), where "auto" is the dtype
     the candidate's runtime engine computes in."""
-    if setting != "auto":
-        return setting
-    return str(candidate_engine.model.dtype).removeprefix("torch.")
+    return setting if setting != "auto" else engine_dtype(candidate_engine)
+
+
+def engine_dtype(engine: Any) -> str:
+    """The dtype a runtime engine computes in, by name ("bfloat16")."""
+    return str(engine.model.dtype).removeprefix("torch.")
 
 
 def describe_control(dtype: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.gates.config import GatesSection
 from kiln.gates.eval_cache import EvaluationCache
+from kiln.gates.noise_floor import engine_dtype
 from kiln.gates.replay import ReplaySettings, Side, replay
 from kiln.gates.replay_cache import CachedSide, replay_key
 from kiln.gates.shadow import ShadowReport
@@ -36,7 +37,7 @@ def replay_side(side: SideSpec, engine: Any, timeout_s: float) -> Side:
 def _served_dtype(side: SideSpec, engine: Any) -> str:
     """The compute dtype a model side is (or would be) served in by the runtime's "auto"."""
     if engine is not None:
-        return str(engine.model.dtype).removeprefix("torch.")
+        return engine_dtype(engine)
     import torch
 
     from kiln.runtime.artifact import MODEL_DIR

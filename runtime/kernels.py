@@ -46,6 +46,8 @@ from kiln.runtime.linear import (
     bias_of,
     concat,
     dequantize,
+    float_linear,
+    onednn_runs_bf16,
     weights_to,
 )
 
@@ -68,7 +70,9 @@ class Int4Linear(Linear):
     then runs the GEMM in bf16 on a bf16-rounded weight: 3072x576 at 128 rows, one thread,
     a Xeon with AMX, 6.1 ms (torch dequantise 2.3 ms + float32 GEMM) vs ~1.5 ms. Both paths
     use the same bf16-rounded activations, scales and zeros; they differ in summation order
-    and, for bf16 models' prefill, the weight's bf16 rounding.
+    and, for bf16 models' prefill where oneDNN runs bf16, the weight's bf16 rounding (on
+    other CPUs a bf16 model's prefill takes the float32 GEMM: torch's bf16 matmul there is a
+    generic loop).
     """
 
     DEQUANT_ROWS = 128
@@ -126,7 +130,7 @@ class Int4Linear(Linear):
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         activations = x.to(torch.bfloat16)
-        if x.shape[0] >= self.DEQUANT_ROWS and self.dtype == torch.bfloat16:
+        if x.shape[0] >= self.DEQUANT_ROWS and self.dtype == torch.bfloat16 and onednn_runs_bf16():
             y = F.linear(activations, self.dequantized(torch.bfloat16))
         elif x.shape[0] >= self.DEQUANT_ROWS:
             y = F.linear(activations.float(), self.dequantized()).to(self.dtype)
@@ -241,7 +245,7 @@ class Int8GroupLinear(Linear):
                 ],
                 dim=1,
             ).to(self.dtype)
-            return F.linear(x, weight, self.bias)
+            return float_linear(x, weight, self.bias)
         activations = x.to(torch.bfloat16)
         parts = [
             torch._weight_int8pack_mm(activations[:, a:b].contiguous(), codes, scale)
@@ -377,7 +381,7 @@ class Fp8Linear(Linear):
                 return y if self.bias is None else y + self.bias
             x = (x_fp8.to(torch.float32) * scale).to(self.dtype)
         weight = (self.weight.to(torch.float32) * self.weight_scale).to(self.dtype)
-        return F.linear(x, weight, self.bias)
+        return float_linear(x, weight, self.bias)
 
 
 class Nvfp4Linear(Linear):

@@ -11,10 +11,13 @@ fits, see kernels.py), and the wrappers that split or pre-scale a layer's input.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from kiln.runtime import native
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +211,11 @@ class DenseLinear(Linear):
       plain one is dropped, so the layer holds its weight once. Measured on SmolLM2-135M's
       shapes, one thread, a Xeon with AMX: its LM head at 1 row 8-11 vs 25 ms, at 32 rows
       17 vs 23 ms; gate/up at 1 row 0.29-0.36 vs 0.34 ms, at 32 rows 0.31 vs 0.80 ms.
+    - bfloat16 where oneDNN does not (no AVX512-BF16 or AMX) but AVX2 and FMA are there:
+      kiln's own kernel (runtime/csrc/bf16_linear.cpp) keeps the weight bf16 in panels,
+      widens it in registers and accumulates in float32, holding the weight once. torch's
+      bf16 matmul there is a generic loop (3-5x slower than float32 from 32 rows); kiln's
+      kernel reads half float32's bytes, which is what a decode step at a few rows waits on.
     - float32: inputs of `PACKED_MIN_ROWS` rows or more run on the packed copy (30 layers
       at 4 rows 55 vs 88 ms, at 32 rows 152 vs 182 ms; the LM head at 32 rows 32 vs 42 ms);
       at one row MKL's gemv on the plain weight is ~15% faster, so single-token decode keeps
@@ -225,27 +233,69 @@ class DenseLinear(Linear):
         self.bias = bias_of(w, dtype, device)
         self.out_features = w.out_features
         self.packed = _onednn_pack(weight)
+        self.panels = _bf16_panels(weight) if self.packed is None else None
         self.packed_min_rows = self.PACKED_MIN_ROWS
         self.weight: torch.Tensor | None = weight
-        if self.packed is not None and dtype == torch.bfloat16:
+        if self.panels is not None or (self.packed is not None and dtype == torch.bfloat16):
             self.packed_min_rows, self.weight = 0, None
         elif self.packed is not None:
             self.weight = weight.t().contiguous().t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return torch.ops.kiln.bf16_linear(x, self.panels, self.out_features, self.bias)
         if self.weight is None or (self.packed is not None and x.shape[0] >= self.packed_min_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def weight_bytes(self) -> int:
-        held = self.packed if self.weight is None else self.weight
+        held = self.weight if self.weight is not None else self.packed
+        if held is None:
+            held = self.panels
         assert held is not None
         return held.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+
+# kiln's bf16-weight kernel where it serves the CPU (False: torch's bf16 matmul, for comparison).
+BF16_PANELS = True
+
+
+def _bf16_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 CPU weight in kiln's panel layout, where its kernel serves this CPU, else None."""
+    if not BF16_PANELS or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    if weight.dim() != 2:
+        return None
+    if not native.bf16_linear_available():
+        return None
+    return torch.ops.kiln.bf16_pack(weight)
 
 
 # The row count oneDNN tunes its packed layout for; any row count runs on it.
 PACK_ROWS_HINT = 32
 PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN computes bf16 GEMMs on this CPU (AVX512-BF16, AMX): elsewhere torch's
+    bf16 matmul is a generic loop, and a float32 GEMM is the faster way to multiply."""
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, run in float32 when bf16 operands meet a CPU whose oneDNN cannot multiply
+    bf16 (the same float32 accumulation and one rounding of the result back to bf16; torch's
+    bf16 matmul there is a generic loop, 3-5x slower than float32 from 32 rows)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or onednn_runs_bf16():
+        return F.linear(x, weight, bias)
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -258,7 +308,7 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     ):
         return None
     try:
-        if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if weight.dtype == torch.bfloat16 and not onednn_runs_bf16():
             return None
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
     except (RuntimeError, AttributeError):  # a torch build without the op: plain F.linear
@@ -275,7 +325,7 @@ class DequantLinear(Linear):
         self.out_features = w.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize(self.w, self.dtype), self.bias)
+        return float_linear(x, dequantize(self.w, self.dtype), self.bias)
 
     def weight_bytes(self) -> int:
         w = self.w

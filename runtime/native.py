@@ -2,8 +2,9 @@
 
 Hand-written where no installable library does the job on a CPU box (see each source's
 header): single-token attention read straight from the paged KV cache, the decoder's
-fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), and the
-W4A16 layer's one-pass int4 dequantisation for prefill. The build uses torch's extension
+fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), the
+W4A16 layer's one-pass int4 dequantisation for prefill, and the bf16-weight linear layer
+for CPUs without native bf16. The build uses torch's extension
 builder (a C++ compiler and ninja; ninja is a dependency), once per machine and source
 version; the shared object is cached in torch's extensions directory
 (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no ninja) the
@@ -26,14 +27,24 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "int4_dequant.cpp"]
+SOURCES = [
+    CSRC / "paged_attention.cpp",
+    CSRC / "elementwise.cpp",
+    CSRC / "int4_dequant.cpp",
+    CSRC / "bf16_linear.cpp",
+]
 HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
 OPS = (
     "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
+    "bf16_pack", "bf16_linear",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+# What bf16_linear.cpp needs to compile to its vector kernel under -march=native (without
+# them it builds a scalar loop, slower than float32).
+BF16_LINEAR_FLAGS = ("avx2", "fma")
 
 MAX_ERROR_LINES = 30  # of the compiler's output quoted in NativeBuildError
 
@@ -53,6 +64,15 @@ def available() -> bool:
         if _loaded is None:
             _loaded = _load()
         return _loaded
+
+
+def bf16_linear_available(flags: str | None = None) -> bool:
+    """Whether kiln's bf16-weight linear kernel serves this CPU (`flags`: its /proc/cpuinfo
+    flags, read when None): AVX2 and FMA, and the native kernels load."""
+    from kiln.runtime.dtype import cpu_flags
+
+    present = set((cpu_flags() if flags is None else flags).split())
+    return all(f in present for f in BF16_LINEAR_FLAGS) and available()
 
 
 def missing_toolchain() -> str | None:

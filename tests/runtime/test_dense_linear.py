@@ -1,4 +1,5 @@
-"""The unquantised layer on CPU: oneDNN's packed weight, held once in bf16."""
+"""The unquantised layer on CPU: oneDNN's packed weight, held once in bf16, or kiln's bf16
+panels where oneDNN cannot run bf16."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme
+from kiln.runtime import native
+from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme, float_linear
 
 CPU = torch.device("cpu")
 bf16_packing = pytest.mark.skipif(
@@ -46,3 +48,73 @@ def test_float32_layer_keeps_the_one_row_gemv_weight() -> None:
     for rows in (1, 4, 32):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, w.weight, w.bias))
+
+
+bf16_kernel = pytest.mark.skipif(
+    not native.bf16_linear_available(), reason="kiln's bf16 kernel needs AVX2, FMA and a compiler"
+)
+
+
+@bf16_kernel
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_kernel_is_a_float32_sum_over_bf16_weights(x_dtype: torch.dtype, bias: bool) -> None:
+    # 70 outputs: a full panel of 64 columns and a partial one; rows cover every tile height
+    # and more than one block of 48 rows.
+    w = weights(70, 96, bias)
+    weight = w.weight.bfloat16()
+    b = None if w.bias is None else w.bias.bfloat16()
+    panels = torch.ops.kiln.bf16_pack(weight)
+    assert panels.dtype == torch.bfloat16 and panels.shape == (2, 96, 64)
+    for rows in (0, 1, 2, 3, 4, 5, 6, 7, 13, 50, 101):
+        x = torch.randn(rows, 96).to(x_dtype)
+        got = torch.ops.kiln.bf16_linear(x, panels, 70, b)
+        assert got.dtype == x_dtype and got.shape == (rows, 70)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        # float32 accumulation, then one rounding to the output dtype (half a bf16 ulp is
+        # 2**-8 of the value at most)
+        rtol, atol = (2**-8 + 1e-5, 1e-3) if x_dtype == torch.bfloat16 else (1e-5, 1e-4)
+        torch.testing.assert_close(got.double(), exact, atol=atol, rtol=rtol)
+
+
+@bf16_kernel
+def test_bf16_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
+    panels = torch.ops.kiln.bf16_pack(weights(64, 128, bias=False).weight.bfloat16())
+    batch = torch.randn(37, 128).bfloat16()
+    together = torch.ops.kiln.bf16_linear(batch, panels, 64, None)
+    for row in (0, 5, 36):
+        alone = torch.ops.kiln.bf16_linear(batch[row : row + 1], panels, 64, None)
+        assert torch.equal(alone[0], together[row])
+
+
+@bf16_kernel
+def test_bf16_layer_without_onednn_bf16_holds_kilns_panels_once() -> None:
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN runs bf16 on this CPU: the layer uses its packed weight instead")
+    w = weights(96, 64, bias=True)
+    layer = DenseLinear(w, torch.bfloat16, CPU)
+    assert layer.weight is None and layer.packed is None and layer.panels is not None
+    assert layer.panels.numel() == 128 * 64  # 96 outputs padded to two panels of 64
+    assert layer.weight_bytes() == layer.panels.nbytes + 96 * 2
+    x = torch.randn(3, 64).bfloat16()
+    expected = F.linear(x.float(), w.weight.bfloat16().float(), w.bias.bfloat16().float())
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.1, rtol=0.02)
+
+
+def test_bf16_kernel_refuses_a_weight_that_does_not_match_the_input() -> None:
+    if not native.available():
+        pytest.skip("the native kernels do not load here")
+    panels = torch.ops.kiln.bf16_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16_pack"):
+        torch.ops.kiln.bf16_linear(torch.zeros(2, 48), panels, 32, None)
+
+
+def test_fallback_layers_multiply_bf16_as_a_float32_sum_rounded_once() -> None:
+    # The dequantising layers' bf16 GEMM: in float32 where oneDNN cannot run bf16 (torch's
+    # bf16 matmul is a generic loop there), natively elsewhere; the same sum either way.
+    x = torch.randn(40, 64).bfloat16()
+    weight, bias = torch.randn(24, 64).bfloat16(), torch.randn(24).bfloat16()
+    got = float_linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(got.double(), expected, atol=1e-3, rtol=2**-8 + 1e-5)

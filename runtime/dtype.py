@@ -2,8 +2,12 @@
 
 On a GPU "auto" is the checkpoint's dtype (float32 checkpoints stay float32). On a CPU it is
 bfloat16 where the CPU computes bf16 natively (x86 `avx512_bf16` dot products or AMX
-`amx_bf16` tiles: oneDNN's bf16 GEMMs then stream half the bytes of float32 at full rate)
-and float32 elsewhere, where bf16 matmuls are emulated and slower than float32.
+`amx_bf16` tiles: oneDNN's bf16 GEMMs then stream half the bytes of float32 at full rate).
+On a CPU without them but with AVX2 and FMA it is bfloat16 too where kiln's native kernels
+load: its bf16-weight linear kernel (runtime/csrc/bf16_linear.cpp) widens the weights in
+registers and accumulates in float32, so a decode step reads half float32's bytes
+(SmolLM2-135M on a 2-core AVX2 EPYC: see README's runtime benchmarks). Elsewhere float32:
+torch's own bf16 matmul there is a generic loop, slower than float32.
 
 `KILN_DTYPE=float32|bfloat16|float16` in the environment says what "auto" means for every
 engine of the process and the processes it starts (kiln serve, the gate, lm-eval's `kiln`
@@ -75,9 +79,11 @@ def choose_dtype(
     device: torch.device,
     flags: str | None = None,
     override: str | None = None,
+    bf16_kernel: bool | None = None,
 ) -> DtypeChoice:
     """The compute dtype for `--dtype NAME` on `device` (`flags`: the CPU's, read when None;
-    `override`: what "auto" means, $KILN_DTYPE when None)."""
+    `override`: what "auto" means, $KILN_DTYPE when None; `bf16_kernel`: whether kiln's
+    bf16-weight kernel serves this CPU, asked of the native kernels when None)."""
     if name != "auto":
         return DtypeChoice(getattr(torch, name), f"--dtype {name}")
     override = os.environ.get(OVERRIDE, "") if override is None else override
@@ -91,8 +97,21 @@ def choose_dtype(
     if device.type != "cpu":
         saved = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
         return DtypeChoice(getattr(torch, saved), f"auto: the checkpoint's dtype on {device}")
-    flag = native_bf16(cpu_flags() if flags is None else flags)
+    flags = cpu_flags() if flags is None else flags
+    flag = native_bf16(flags)
     if flag is not None:
         return DtypeChoice(torch.bfloat16, f"auto: the CPU computes bf16 natively ({flag})")
     listed = " or ".join(NATIVE_BF16_FLAGS)
-    return DtypeChoice(torch.float32, f"auto: the CPU has no native bf16 ({listed})")
+    if bf16_kernel is None:
+        from kiln.runtime import native
+
+        bf16_kernel = native.bf16_linear_available(flags)
+    if bf16_kernel:
+        return DtypeChoice(
+            torch.bfloat16,
+            f"auto: no native bf16 ({listed}), kiln's AVX2 kernel reads bf16 weights and "
+            "accumulates in float32",
+        )
+    return DtypeChoice(
+        torch.float32, f"auto: the CPU has no native bf16 ({listed}) nor AVX2 with FMA"
+    )

@@ -49,7 +49,7 @@ from tests.benchmarks.comparators import (
 from tests.benchmarks.runtime_serving import smollm2_dir
 from tests.benchmarks.serving_bench import ROOT, free_port, run_bench, wait_ready
 
-CPU_FLAGS = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 # name -> how to start it: (model_dir, port, threads, concurrency) -> command
 Starter = Callable[[Path, int, int, int], ServerCommand]
 

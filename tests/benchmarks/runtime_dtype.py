@@ -1,14 +1,16 @@
-"""Decode speed by compute dtype, in one process: float32, bf16 as the runtime ran it before
-packed bf16 weights and the bf16 native decode kernel (plain F.linear, gathered attention),
-and bf16 now.
+"""Decode and prefill speed by compute dtype, in one process: float32, bf16 as the runtime
+ran it before its bf16 kernels (plain F.linear on bf16 weights, gathered attention), and bf16
+now (oneDNN-packed weights where the CPU computes bf16 natively, kiln's bf16-weight kernel
+where it has AVX2 without native bf16). `--dtype auto` is whichever of float32 and bf16 now
+this table favours on the CPU it ran on; the CPU heads the output.
 
     PYTHONPATH=. python tests/benchmarks/runtime_dtype.py --threads 1 --rounds 2
 
 SmolLM2-135M-Instruct (runtime_serving.smollm2_dir), a 128-token prompt. Single stream:
-ms per decoded token; batch: the median decode step with 32 sequences. Times are the
-process's CPU time (time.process_time), which on a shared host moves far less than wall
-time with one thread; with more threads it adds the threads up. The three engines run
-interleaved, round by round, so the ratios compare like with like.
+ms per decoded token; batch: the median decode step with 32 sequences; prefill: one
+128-token prompt. Times are the process's CPU time (time.process_time), which on a shared
+host moves far less than wall time with one thread; with more threads it adds the threads
+up. The engines run interleaved, round by round, so the ratios compare like with like.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ import torch
 import kiln.runtime.attention as attention
 import kiln.runtime.linear as linear
 from kiln.runtime import Engine, SamplingParams
+from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_serving import smollm2_dir
 
 
 def build(dtype: str, before: bool) -> Engine:
-    """An engine; `before`: bf16 without packed weights or the native decode kernel."""
+    """An engine; `before`: bf16 without packed weights, kiln's bf16 kernel or the native
+    decode kernel."""
     attention.NATIVE_DECODE = not before
     linear.PACKED_DTYPES = (torch.float32,) if before else (torch.float32, torch.bfloat16)
+    linear.BF16_PANELS = not before
     try:
         return Engine.from_pretrained(
             smollm2_dir(), max_num_seqs=32, max_model_len=300, dtype=dtype
@@ -36,6 +41,7 @@ def build(dtype: str, before: bool) -> Engine:
     finally:
         attention.NATIVE_DECODE = True
         linear.PACKED_DTYPES = (torch.float32, torch.bfloat16)
+        linear.BF16_PANELS = True
 
 
 def single(engine: Engine, tokens: int) -> float:
@@ -64,6 +70,16 @@ def batch(engine: Engine, concurrency: int = 32, tokens: int = 6) -> float:
     return statistics.median(steps) * 1000
 
 
+def prefill(engine: Engine, tokens: int = 128) -> float:
+    """CPU ms of one `tokens`-token prompt's prefill (and its first token)."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request(list(range(3000, 3000 + tokens)), params)
+    began = time.process_time()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (time.process_time() - began) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -78,22 +94,26 @@ def main() -> None:
     }
     for engine in engines.values():
         single(engine, 4)  # warm-up
-    results: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in engines}
+    print(f"machine: {machine()}; {args.threads} thread(s)", flush=True)
+    results: dict[str, tuple[list[float], ...]] = {k: ([], [], []) for k in engines}
     for r in range(args.rounds):
         for name, engine in engines.items():
             results[name][0].append(single(engine, args.tokens))
             results[name][1].append(batch(engine))
+            results[name][2].append(prefill(engine))
         row = "  ".join(
-            f"{n}: {results[n][0][-1]:.1f} ms/token, c=32 step {results[n][1][-1]:.0f} ms"
+            f"{n}: {results[n][0][-1]:.1f} ms/token, c=32 step {results[n][1][-1]:.0f} ms, "
+            f"prefill {results[n][2][-1]:.0f} ms"
             for n in engines
         )
         print(f"round {r}: {row}", flush=True)
-    base_single, base_batch = min(results["fp32"][0]), min(results["fp32"][1])
-    for name, (singles, batches) in results.items():
+    base = [min(m) for m in results["fp32"]]
+    for name, measured in results.items():
+        singles, batches, prefills = (min(m) for m in measured)
         print(
-            f"{name}: {1000 / min(singles):.1f} tok/s single stream "
-            f"({base_single / min(singles):.2f}x fp32), c=32 decode step {min(batches):.0f} ms "
-            f"({base_batch / min(batches):.2f}x fp32)"
+            f"{name}: {1000 / singles:.1f} tok/s single stream ({base[0] / singles:.2f}x fp32), "
+            f"c=32 decode step {batches:.0f} ms ({base[1] / batches:.2f}x fp32), "
+            f"128-token prefill {prefills:.0f} ms ({base[2] / prefills:.2f}x fp32)"
         )
 
 

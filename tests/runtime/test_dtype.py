@@ -1,5 +1,6 @@
-"""`--dtype auto`: bf16 on CPUs that compute it natively, float32 on others, the
-checkpoint's dtype on GPUs; an explicit dtype is taken as given."""
+"""`--dtype auto`: bf16 on CPUs that compute it natively or where kiln's AVX2 bf16-weight
+kernel serves, float32 on others, the checkpoint's dtype on GPUs; an explicit dtype is taken
+as given."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ SAPPHIRE_RAPIDS = "fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_ti
 ZEN4 = "fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 avx512_vp2intersect"
 ICE_LAKE = "fpu sse2 avx2 avx512f avx512bw avx512_vnni avx512_vbmi2"
 AMX_ONLY = "fpu sse2 avx2 amx_tile amx_bf16"
+ZEN3 = "fpu sse2 fma f16c avx2 bmi2 vaes vpclmulqdq"
+SANDY_BRIDGE = "fpu sse2 sse4_2 avx"
 
 
 def test_native_bf16_names_the_flag_that_grants_it() -> None:
@@ -29,14 +32,27 @@ def test_native_bf16_names_the_flag_that_grants_it() -> None:
     assert native_bf16("xavx512_bf16 avx512_bf16x") is None  # whole flags only
 
 
-def test_auto_is_bf16_only_where_the_cpu_computes_it_natively() -> None:
+def test_auto_is_bf16_where_the_cpu_computes_it_natively() -> None:
     for flags in (SAPPHIRE_RAPIDS, ZEN4, AMX_ONLY):
         choice = choose_dtype("auto", {"dtype": "float32"}, CPU, flags, UNSET)
         assert choice.dtype == torch.bfloat16
         assert "natively" in choice.reason and native_bf16(flags) in choice.reason
-    slow = choose_dtype("auto", {"dtype": "bfloat16"}, CPU, ICE_LAKE, UNSET)
+    slow = choose_dtype("auto", {"dtype": "bfloat16"}, CPU, ICE_LAKE, UNSET, bf16_kernel=False)
     assert slow.dtype == torch.float32 and slow.name == "float32"
     assert "no native bf16" in slow.reason
+
+
+def test_auto_is_bf16_where_kilns_bf16_weight_kernel_serves_the_cpu() -> None:
+    choice = choose_dtype("auto", {"dtype": "float32"}, CPU, ZEN3, UNSET, bf16_kernel=True)
+    assert choice.dtype == torch.bfloat16
+    assert "AVX2 kernel" in choice.reason and "float32" in choice.reason
+
+
+def test_auto_asks_whether_the_kernel_serves_a_cpu_without_avx2() -> None:
+    # No AVX2/FMA: the kernel would be a scalar loop, so auto stays float32 (decided from the
+    # flags alone, without building anything).
+    old = choose_dtype("auto", {}, CPU, SANDY_BRIDGE, UNSET)
+    assert old.dtype == torch.float32 and "nor AVX2 with FMA" in old.reason
 
 
 def test_an_explicit_dtype_wins_on_any_cpu() -> None:

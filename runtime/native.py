@@ -40,7 +40,9 @@ OPS = (
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# -fno-trapping-math: the kernels never read floating-point exception flags, and without it
+# GCC keeps loops with clamps or selects (exp_poly, bf16 rounding) scalar.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
 # What bf16_linear.cpp needs to compile to its vector kernel under -march=native (without
 # them it builds a scalar loop, slower than float32).

@@ -125,11 +125,15 @@ inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t I) {
   }
 }
 #else
+// Without AVX-512: the same arithmetic in a loop the compiler vectorises (AVX2 on such
+// CPUs); libm's scalar exp here made silu * up the decoder's slowest elementwise step (a
+// 1024-token bf16 prefill: 19 ms per layer on an AVX2 EPYC).
 template <typename T>
 inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t I) {
+#pragma omp simd
   for (int64_t i = 0; i < I; ++i) {
     const float g = widen(gate[i]);
-    const float s = widen(narrow<T>(g / (1.f + std::exp(-g))));
+    const float s = widen(narrow<T>(g / (1.f + exp_poly(-g))));
     o[i] = narrow<T>(s * widen(up[i]));
   }
 }

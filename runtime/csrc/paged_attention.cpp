@@ -29,26 +29,6 @@ namespace {
 
 using namespace kiln_simd;
 
-// exp(x) for x <= 0 (scores minus their maximum), vectorisable: 2^k * p(r) with
-// r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative error < 2e-7,
-// about one float ulp). Underflows to 0 below -87.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float k = std::nearbyint(x * 1.4426950408889634f);
-  const float r = x - k * 0.693145751953125f - k * 1.4286068203094172e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 template <typename T>
 struct Problem {
   const float* q;
@@ -104,7 +84,7 @@ void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int6
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
-      row[t] = exp_nonpositive(row[t] - top);
+      row[t] = exp_poly(row[t] - top);
       sum += row[t];
     }
     total[g] = sum;

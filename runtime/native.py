@@ -72,12 +72,12 @@ def available() -> bool:
 def bf16_linear_available(flags: str | None = None) -> bool:
     """Whether kiln's bf16-weight linear kernel serves this CPU (`flags`: its /proc/cpuinfo
     flags, read when None): AVX2 and FMA, and the native kernels load."""
-    present = set((_this_cpus_flags() if flags is None else flags).split())
+    present = set((this_cpus_flags() if flags is None else flags).split())
     return all(f in present for f in BF16_LINEAR_FLAGS) and available()
 
 
 @functools.cache
-def _this_cpus_flags() -> str:
+def this_cpus_flags() -> str:
     """/proc/cpuinfo's flags, read once: every dense layer of a model asks at load."""
     from kiln.runtime.dtype import cpu_flags
 

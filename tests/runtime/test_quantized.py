@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.runtime import Engine
+from kiln.runtime import Engine, kernels, native
 from kiln.runtime.checkpoint.compressed_tensors import unpack
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.kernels import (
@@ -35,7 +35,7 @@ from kiln.runtime.kernels import (
     Int8WeightLinear,
     make_linear,
 )
-from kiln.runtime.linear import LinearWeights, WeightScheme, dequantize
+from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme, dequantize
 from tests.runtime.conftest import assert_close_to_reference, hf_greedy, hf_model
 
 LAYERS = {
@@ -101,7 +101,10 @@ def test_weights_stay_quantised_in_memory(quantized: Callable[[str], Path]) -> N
     fp8 = Engine.from_pretrained(quantized("fp8_dynamic")).model.layers[0].gate_up
     assert isinstance(int4, Int4Linear) and int4.packed.dtype == torch.uint8
     assert int4.packed.numel() == 512 * 128 // 2  # two 4-bit codes per byte
-    assert isinstance(int8, Int8Linear) and int8.codes_t.dtype == torch.int8
+    assert isinstance(int8, Int8Linear)
+    # int8 codes for `_int_mm`, or (CPUs without VNNI) the same codes exact in bf16 panels.
+    held = int8.codes_t if int8.codes_t is not None else int8.panels
+    assert held is not None and held.dtype in (torch.int8, torch.bfloat16)
     assert isinstance(fp8, Fp8Linear) and fp8.weight.dtype == torch.float8_e4m3fn
 
 
@@ -241,3 +244,39 @@ def test_column_slices_keep_their_groups_and_refuse_to_cut_one() -> None:
         w.columns(0, 32)
     with pytest.raises(ValueError, match="group of 64"):  # one group, still not to be cut
         right.columns(0, 32)
+
+
+def test_int8_gemm_is_native_only_with_vnni() -> None:
+    assert kernels.int8_gemm_native("fpu sse2 avx2 avx512f avx512_vnni")
+    assert kernels.int8_gemm_native("fpu avx2 avx_vnni")
+    assert not kernels.int8_gemm_native("fpu sse2 avx fma avx2")  # Zen 3: `_int_mm` is a loop
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_w8a8_without_vnni_multiplies_the_same_integers(
+    dynamic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bf16-panel path (CPUs without VNNI) and `_int_mm` give bit-identical results: the
+    codes are exact in bf16 and every float32 partial sum here is an exact integer."""
+    if not native.bf16_linear_available():
+        pytest.skip("kiln's bf16-weight kernel does not serve this CPU")
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (200, 576), dtype=torch.int8, generator=generator)
+    act = ActivationScheme(dynamic=dynamic, strategy="token" if dynamic else "tensor")
+    w = LinearWeights(
+        WeightScheme("int", 8, "channel", activations=act),
+        codes,
+        torch.rand(200, 1, generator=generator) * 0.01 + 0.001,
+        input_scale=None if dynamic else torch.tensor(0.02),
+    )
+    layers = {}
+    for vnni in (True, False):
+        monkeypatch.setattr(kernels, "int8_gemm_native", lambda vnni=vnni: vnni)
+        layers[vnni] = make_linear([w], torch.float32, torch.device("cpu"))
+        assert isinstance(layers[vnni], Int8Linear)
+    assert layers[True].codes_t is not None and layers[False].panels is not None
+    for rows in (1, 2, 7, 64):
+        x = torch.randn(rows, 576, generator=generator)
+        assert torch.equal(layers[False](x), layers[True](x))
+        # Batch-invariant: a row's result does not depend on the rows beside it.
+        assert torch.equal(layers[False](x[:1]), layers[False](x)[:1])

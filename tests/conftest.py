@@ -48,6 +48,17 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_float(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded SmolLM2-135M-Instruct as a float checkpoint, materialised once per session
+    (its Q4_1 GGUF dequantised through transformers: ~50 s on a 2-core EPYC)."""
+    from kiln.compiler import sources
+
+    root = tmp_path_factory.mktemp("smollm2-float")
+    ref = sources.parse_source("builtin:smollm2-135m-instruct", base_dir=root)
+    return sources.materialize(ref, root / "sources")
+
+
+@pytest.fixture(scope="session")
 def smollm2_gptq_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo recipe (SmolLM2-135M-Instruct, GPTQ W4A16 g64) compiled once per session."""
     from kiln.compiler.compile import compile_recipe

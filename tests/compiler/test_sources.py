@@ -540,15 +540,16 @@ def test_gguf_materialises_to_the_float_weights_it_was_written_from(
 
 
 @pytest.mark.slow
-def test_smollm2_materialises_to_a_float_checkpoint_that_answers(tmp_path: Path) -> None:
+def test_smollm2_materialises_to_a_float_checkpoint_that_answers(
+    smollm2_float: Path, tmp_path: Path
+) -> None:
+    """`builtin:` materialised (by the session fixture) into its content-addressed entry."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    entry = smollm2_float
     ref = sources.parse_source(f"builtin:{SMOLLM2}", base_dir=tmp_path)
-    started = time.perf_counter()
-    entry = sources.materialize(ref, tmp_path / "cache")
-    took = time.perf_counter() - started
-    size = sum(p.stat().st_size for p in entry.iterdir())
-    print(f"\nSmolLM2 materialise {took:.1f} s, {size / 2**20:.0f} MiB on disk")
+    assert entry.name == f"builtin-{sources.source_digest(ref)[:16]}"
+    assert sources.materialize(ref, entry.parent) == entry  # a second call: the entry at once
 
     info = sources.inspect_source(sources.parse_source(str(entry), base_dir=tmp_path))
     assert (info.architecture, info.num_layers, info.hidden_size) == ("LlamaForCausalLM", 30, 576)

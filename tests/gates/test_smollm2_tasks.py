@@ -8,17 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.compiler import sources
 from kiln.gates.lm_eval_adapter import KilnLM
 from kiln.gates.tasks import run_tasks
 
 
 @pytest.mark.slow
-def test_smollm2_scores_clearly_above_chance(tmp_path: Path) -> None:
+def test_smollm2_scores_clearly_above_chance(smollm2_float: Path) -> None:
     torch.set_num_threads(2)
-    ref = sources.parse_source("builtin:smollm2-135m-instruct", base_dir=tmp_path)
-    model_dir = sources.materialize(ref, tmp_path / "sources")
-    results = run_tasks(KilnLM(pretrained=str(model_dir)), ["kiln_mc", "kiln_qa", "kiln_ppl"])
+    results = run_tasks(KilnLM(pretrained=str(smollm2_float)), ["kiln_mc", "kiln_qa", "kiln_ppl"])
     mc, qa, ppl = results["kiln_mc"], results["kiln_qa"], results["kiln_ppl"]
     assert len(mc.per_item) == 144 and len(qa.per_item) == 139
     # chance is 0.25 with 4 choices and ~0 for free-form answers; measured: 0.67 and 0.55

@@ -275,6 +275,12 @@ def int8_gemm_native(flags: str | None = None) -> bool:
     return any(f in present for f in INT8_GEMM_FLAGS)
 
 
+def int8_on_panels(device: torch.device) -> bool:
+    """Whether W8A8 codes are multiplied on kiln's bf16 kernel here rather than `_int_mm`:
+    an x86 CPU without VNNI where that kernel loads."""
+    return device.type == "cpu" and not int8_gemm_native() and native.bf16_linear_available()
+
+
 class Int8Linear(Linear):
     """W8A8 int8: symmetric per-channel weights, per-token dynamic or static activations.
 
@@ -296,7 +302,7 @@ class Int8Linear(Linear):
         assert w.scale is not None and w.scheme.activations is not None
         self.panels: torch.Tensor | None = None
         self.codes_t: torch.Tensor | None = None
-        if device.type == "cpu" and not int8_gemm_native() and native.bf16_linear_available():
+        if int8_on_panels(device):
             self.panels = torch.ops.kiln.bf16_pack(w.weight.to(torch.bfloat16))
         else:
             self.codes_t = w.weight.to(device).t()

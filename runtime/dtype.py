@@ -105,7 +105,7 @@ def choose_dtype(
     if bf16_kernel is None:
         from kiln.runtime import native
 
-        bf16_kernel = native.bf16_linear_available(flags)
+        bf16_kernel = native.avx2_kernels_available(flags)
     if bf16_kernel:
         return DtypeChoice(
             torch.bfloat16,

@@ -7,7 +7,11 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
 - W4A16 (`Int4Linear`): `aten._weight_int4pack_mm_for_cpu`. Its fp32 and fp16 paths are
   50-100x slower than its bf16 path, so activations enter as bf16 (still 16-bit activations)
   and scales/zeros are held in bf16. 2x faster than fp32 dense at one token, 1.7x slower at
-  32; prefill-sized inputs dequantise instead (see the class).
+  32; prefill-sized inputs dequantise instead (see the class). Without AVX-512 its kernel is
+  compute-bound, and decode-sized inputs run kiln's int4 kernel instead
+  (runtime/csrc/int4_linear.cpp, `int4_on_kiln`): on a 2-core Zen 3 EPYC, one thread,
+  1.1-2.1x faster per layer at 1-32 rows, a W4A16 SmolLM2-135M decoding 35.9 -> 25.9 ms
+  per token (`tests/benchmarks/int4_cpu.py`).
 - W8A16 per-channel (`Int8WeightLinear`): `aten._weight_int8pack_mm`, bf16 activations for
   the same reason; prefill-sized inputs dequantise instead (see the class).
 - W8A8 int8 (`Int8Linear`): `torch._int_mm` (VNNI) after per-token dynamic (or static
@@ -58,6 +62,21 @@ FP8_MAX = 448.0
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
+# x86 flags under which torch's int4 weight kernel (`_weight_int4pack_mm_for_cpu`) runs its
+# AVX-512 code; with AVX2 alone it is compute-bound at decode sizes.
+INT4_TORCH_FLAGS = ("avx512f",)
+
+
+def int4_on_kiln(device: torch.device, flags: str | None = None) -> bool:
+    """Whether W4A16 decode runs on kiln's int4 kernel here rather than torch's: a CPU
+    without AVX-512 (`flags`: its /proc/cpuinfo flags, read when None) where kiln's AVX2
+    kernels load."""
+    present = set((native.this_cpus_flags() if flags is None else flags).split())
+    if device.type != "cpu" or any(f in present for f in INT4_TORCH_FLAGS):
+        return False
+    return native.avx2_kernels_available(flags)
+
+
 class Int4Linear(Linear):
     """W4A16, group-wise or per-channel, with or without zero points, on the int4pack kernel.
 
@@ -76,6 +95,10 @@ class Int4Linear(Linear):
     and, for bf16 models' prefill where oneDNN runs bf16, the weight's bf16 rounding (on
     other CPUs a bf16 model's prefill takes the float32 GEMM: torch's bf16 matmul there is a
     generic loop).
+
+    On CPUs without AVX-512 (`int4_on_kiln`) decode-sized inputs run kiln's int4 kernel in
+    place of int4pack, on the same bf16 activations, scales and zeros, in float32 with one
+    rounding to the model's dtype (int4pack rounds its output to bf16 first).
     """
 
     DEQUANT_ROWS = 128
@@ -89,7 +112,6 @@ class Int4Linear(Linear):
             self.perm = torch.argsort(w.g_idx.long(), stable=True).to(device)
             codes = codes[:, self.perm.cpu()]
         unsigned = (codes.to(torch.int32) + 8).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2).to(device)
         zeros = -zero_point.float() * scale if zero_point is not None else torch.zeros_like(scale)
         self.scales_and_zeros = (
             torch.stack([scale.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous().to(device)
@@ -99,6 +121,15 @@ class Int4Linear(Linear):
         # [rows, groups, 1] for broadcasting over each group's columns in the dequant path.
         self.scale_rows = self.scales_and_zeros[..., 0].t().float().reshape(rows, -1, 1)
         self.zero_rows = self.scales_and_zeros[..., 1].t().float().reshape(rows, -1, 1)
+        # Decode-sized inputs: kiln's kernel (codes in its panels, bf16 scales and zeros
+        # beside them) where it serves this CPU, else torch's int4pack kernel.
+        self.kiln_sz: torch.Tensor | None = None
+        if int4_on_kiln(device):
+            self.packed, self.kiln_sz = torch.ops.kiln.int4_pack(
+                unsigned.to(torch.uint8), self.scale_rows[..., 0], self.zero_rows[..., 0]
+            )
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2).to(device)
         self.bias = bias_of(w, dtype, device)
         self.dtype = dtype
         self.out_features = w.out_features
@@ -137,6 +168,10 @@ class Int4Linear(Linear):
             y = F.linear(activations, self.dequantized(torch.bfloat16))
         elif x.shape[0] >= self.DEQUANT_ROWS:
             y = F.linear(activations.float(), self.dequantized()).to(self.dtype)
+        elif self.kiln_sz is not None:
+            y = torch.ops.kiln.int4_linear(
+                activations, self.packed, self.kiln_sz, self.out_features, self.dtype
+            )
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 activations, self.packed, self.group_size, self.scales_and_zeros
@@ -144,7 +179,8 @@ class Int4Linear(Linear):
         return y if self.bias is None else y + self.bias
 
     def weight_bytes(self) -> int:
-        held = (self.packed, self.scales_and_zeros, self.bias)  # not the prefill nibbles
+        # the decode kernel's weight, not the prefill nibbles
+        held = (self.packed, self.scales_and_zeros, self.kiln_sz, self.bias)
         return sum(t.nbytes for t in held if t is not None)
 
 
@@ -278,7 +314,7 @@ def int8_gemm_native(flags: str | None = None) -> bool:
 def int8_on_panels(device: torch.device) -> bool:
     """Whether W8A8 codes are multiplied on kiln's bf16 kernel here rather than `_int_mm`:
     an x86 CPU without VNNI where that kernel loads."""
-    return device.type == "cpu" and not int8_gemm_native() and native.bf16_linear_available()
+    return device.type == "cpu" and not int8_gemm_native() and native.avx2_kernels_available()
 
 
 class Int8Linear(Linear):

@@ -266,7 +266,7 @@ def _bf16_panels(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if weight.dim() != 2:
         return None
-    if not native.bf16_linear_available():
+    if not native.avx2_kernels_available():
         return None
     return torch.ops.kiln.bf16_pack(weight)
 

@@ -3,10 +3,10 @@
 Hand-written where no installable library does the job on a CPU box (see each source's
 header): single-token attention read straight from the paged KV cache, the decoder's
 fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), the
-W4A16 layer's one-pass int4 dequantisation for prefill, and the bf16-weight linear layer
-for CPUs without native bf16. The build uses torch's extension
-builder (a C++ compiler and ninja; ninja is a dependency), once per machine and source
-version; the shared object is cached in torch's extensions directory
+W4A16 layer's one-pass int4 dequantisation for prefill and its decode kernel for CPUs
+without AVX-512, and the bf16-weight linear layer for CPUs without native bf16. The build
+uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency), once per
+machine and source version; the shared object is cached in torch's extensions directory
 (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no ninja) the
 runtime logs why once and keeps its pure-torch path; KILN_NATIVE=0 turns the kernels off.
 A build that fails with a compiler present is a bug in the source, never a
@@ -33,11 +33,12 @@ SOURCES = [
     CSRC / "elementwise.cpp",
     CSRC / "int4_dequant.cpp",
     CSRC / "bf16_linear.cpp",
+    CSRC / "int4_linear.cpp",
 ]
 HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
 OPS = (
     "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
-    "bf16_pack", "bf16_linear",
+    "bf16_pack", "bf16_linear", "int4_pack", "int4_linear",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
@@ -45,9 +46,9 @@ OPS = (
 # GCC keeps loops with clamps or selects (exp_poly, bf16 rounding) scalar.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
-# What bf16_linear.cpp needs to compile to its vector kernel under -march=native (without
-# them it builds a scalar loop, slower than float32).
-BF16_LINEAR_FLAGS = ("avx2", "fma")
+# What bf16_linear.cpp and int4_linear.cpp need to compile to their vector kernels under
+# -march=native (without them they build scalar loops, slower than torch's).
+AVX2_KERNEL_FLAGS = ("avx2", "fma")
 
 MAX_ERROR_LINES = 30  # of the compiler's output quoted in NativeBuildError
 
@@ -69,11 +70,12 @@ def available() -> bool:
         return _loaded
 
 
-def bf16_linear_available(flags: str | None = None) -> bool:
-    """Whether kiln's bf16-weight linear kernel serves this CPU (`flags`: its /proc/cpuinfo
-    flags, read when None): AVX2 and FMA, and the native kernels load."""
+def avx2_kernels_available(flags: str | None = None) -> bool:
+    """Whether kiln's AVX2 linear kernels (bf16 weights, int4 weights) serve this CPU
+    (`flags`: its /proc/cpuinfo flags, read when None): AVX2 and FMA, and the native kernels
+    load."""
     present = set((this_cpus_flags() if flags is None else flags).split())
-    return all(f in present for f in BF16_LINEAR_FLAGS) and available()
+    return all(f in present for f in AVX2_KERNEL_FLAGS) and available()
 
 
 @functools.cache

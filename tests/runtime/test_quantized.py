@@ -4,8 +4,9 @@ checkpoint (which runs compressed-tensors' fake quantisation of weights, activat
 Tolerances, and why:
 - FP8 weights and activations, static or dynamic, FP8 KV cache: the same float operations as
   the reference, so log-probabilities agree to 1e-4.
-- W4A16 and W8A16: the int4pack / int8pack CPU kernels take bf16 activations, so each layer
-  carries bf16 rounding: max |delta logprob| <= 0.05 and mean <= 0.02.
+- W4A16 and W8A16: the CPU kernels (int4pack / int8pack, kiln's int4 kernel on CPUs without
+  AVX-512) take bf16 activations, so each layer carries bf16 rounding: max |delta logprob|
+  <= 0.05 and mean <= 0.02.
 - W8A8 int8 (and INT8 KV): each linear matches to float precision, but per-token int8
   rounding of activations is discontinuous; the reference itself moves by ~0.05 when its
   input changes by 1e-6. Mean |delta logprob| <= 0.02, max <= 0.1.
@@ -181,6 +182,72 @@ def test_int4_bf16_layer_prefill_and_decode_paths_agree() -> None:
     assert (decode.float() - expected).abs().max() <= bound
 
 
+needs_avx2_kernels = pytest.mark.skipif(
+    not native.avx2_kernels_available(),
+    reason="kiln's AVX2 kernels need an x86 CPU with AVX2 and FMA",
+)
+
+
+@needs_avx2_kernels
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kiln_int4_kernel_multiplies_by_the_stored_weight(group: int, dtype: torch.dtype) -> None:
+    """kiln's int4 decode kernel against a float64 product with the weight (u - 8) s + z it
+    stands for: float32 accumulation, so within 1e-5 of the largest output (bf16 output:
+    its rounding); 80 outputs (a padded last panel) and 1-9, 33 rows (every tile shape); a
+    row's result does not depend on the rows beside it."""
+    generator = torch.Generator().manual_seed(group)
+    rows, columns = 80, 2 * 256
+    codes = torch.randint(0, 16, (rows, columns), dtype=torch.uint8, generator=generator)
+    groups = columns // group
+    scale = (torch.rand(rows, groups, generator=generator) * 0.1 + 0.01).bfloat16().float()
+    zero = (torch.randn(rows, groups, generator=generator) * 0.05).bfloat16().float()
+    packed, sz = torch.ops.kiln.int4_pack(codes, scale, zero)
+    weight = (codes.double() - 8).view(rows, groups, group) * scale.double()[..., None]
+    weight = (weight + zero.double()[..., None]).view(rows, columns)
+    x = torch.randn(33, columns, generator=generator).bfloat16()
+    expected = x.double() @ weight.t()
+    bound = (1e-5 if dtype == torch.float32 else 2**-8) * float(expected.abs().max())
+    everything = torch.ops.kiln.int4_linear(x, packed, sz, rows, dtype)
+    assert everything.dtype == dtype and everything.shape == (33, rows)
+    assert (everything.double() - expected).abs().max() <= bound
+    for count in range(1, 10):
+        got = torch.ops.kiln.int4_linear(x[:count], packed, sz, rows, dtype)
+        assert torch.equal(got, everything[:count])
+
+
+def test_int4_decode_is_kiln_only_on_cpus_without_avx512() -> None:
+    cpu = torch.device("cpu")
+    assert not kernels.int4_on_kiln(cpu, "fpu sse2 avx2 fma avx512f avx512bw")
+    assert not kernels.int4_on_kiln(torch.device("cuda"), "fpu avx2 fma")
+    assert not kernels.int4_on_kiln(cpu, "fpu sse2 avx")  # no AVX2: torch's kernel
+    assert kernels.int4_on_kiln(cpu, "fpu avx2 fma") == native.available()
+
+
+@needs_avx2_kernels
+def test_int4_layer_decodes_alike_on_either_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode-sized inputs on kiln's kernel and on torch's int4pack: the same bf16
+    activations, scales and zeros, so within bf16 rounding of each other (torch's kernel
+    rounds its output to bf16); act-order weights run on both."""
+    generator = torch.Generator().manual_seed(5)
+    w = int4_weights(96, 256, 64, seed=5)
+    w = LinearWeights(
+        w.scheme, w.weight, w.scale, w.zero_point, torch.randperm(256, generator=generator) // 64
+    )
+    layers = {}
+    for on_kiln in (True, False):
+        monkeypatch.setattr(kernels, "int4_on_kiln", lambda device, on_kiln=on_kiln: on_kiln)
+        layers[on_kiln] = make_linear([w], torch.float32, torch.device("cpu"))
+        assert isinstance(layers[on_kiln], Int4Linear)
+        assert (layers[on_kiln].kiln_sz is not None) == on_kiln
+    for rows in (1, 2, 5, 8):
+        x = torch.randn(rows, 256, generator=generator)
+        expected = x.bfloat16().float() @ dequantize(w, torch.float32).t()
+        bound = 2**-7 * float(expected.abs().max())
+        assert (layers[True](x) - expected).abs().max() <= bound
+        assert (layers[True](x) - layers[False](x)).abs().max() <= bound
+
+
 def test_unknown_quantisation_method_is_named(tiny_llama: Path, tmp_path: Path) -> None:
     import json
     import shutil
@@ -261,7 +328,7 @@ def test_w8a8_without_vnni_multiplies_the_same_integers(
 ) -> None:
     """The bf16-panel path (CPUs without VNNI) and `_int_mm` give bit-identical results: the
     codes are exact in bf16 and every float32 partial sum here is an exact integer."""
-    if not native.bf16_linear_available():
+    if not native.avx2_kernels_available():
         pytest.skip("kiln's bf16-weight kernel needs an x86 CPU with AVX2 and FMA")
     generator = torch.Generator().manual_seed(3)
     codes = torch.randint(-128, 128, (200, 576), dtype=torch.int8, generator=generator)

@@ -1,0 +1,254 @@
+// kiln runtime: y = x W^T for a group-wise int4 weight at decode-sized batches, on AVX2 CPUs.
+//
+// Hand-written because torch's int4 weight kernel (`_weight_int4pack_mm_for_cpu`) is
+// compute-bound on CPUs without AVX-512: on a 2-core Zen 3 EPYC (AVX2) it takes ~4x the time
+// its 0.5 byte per weight needs to stream, so a W4A16 model decoded slower than the same
+// model in bf16 there. Here each weight is widened once to float32 in registers and
+// multiplied by a bf16-rounded activation in float32, and the group's scale and zero are
+// applied once per group instead of once per weight:
+//
+//   sum_k x[k] ((u[k] - 8) s + z) = s sum_k x[k] u[k] + (z - 8 s) sum_k x[k]
+//
+// over each group's k (u the stored code in [0, 15], s and z the group's scale and zero,
+// the weight the W4A16 layer's other paths compute with). Accumulation is float32 throughout;
+// results differ from multiplying by the dequantised weight only by float32 rounding.
+//
+// Layout (`int4_pack`): panels of 64 output columns, codes [ceil(N/64), K, 32] bytes, so a
+// one-row call reads the weight as one stream; byte 8 b + i of a k holds column 16 b + i in
+// its low nibble and column 16 b + 8 + i in its high one (b < 4, i < 8): eight bytes widen to
+// eight int32 lanes whose low and high nibbles are two vectors of 8 consecutive columns.
+// Scales and zeros are bf16 (as the layer holds them) in [panels, groups, 2, 64]: the 64
+// scales of a panel's group, then its 64 zeros.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace kiln_simd;
+
+constexpr int64_t PANEL = 64;   // output columns per panel
+constexpr int64_t BYTES = 32;   // bytes of codes per k of a panel
+constexpr int64_t CHUNK = 16;   // columns whose codes are 8 consecutive bytes
+constexpr int64_t CHUNKS = PANEL / CHUNK;
+constexpr int64_t PREFETCH = 1024;  // bytes ahead in a panel's code stream
+
+struct Problem {
+  const float* x;       // [M, K], bf16-rounded activations widened to float32
+  const float* xsum;    // [M, groups]: each row's sum over each group
+  const uint8_t* codes; // [panels, K, 32]
+  const uint16_t* sz;   // bf16 [panels, groups, 2, 64]
+  int64_t M, N, K, group;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Rows m0 .. m0 + MR - 1 against chunks c0 .. c0 + NB - 1 of panel p: out[r][16 * NB] floats.
+template <int MR, int NB>
+inline void tile(const Problem& pr, int64_t p, int64_t c0, int64_t m0, float* out) {
+  const int64_t groups = pr.K / pr.group;
+  const uint8_t* codes = pr.codes + p * pr.K * BYTES + c0 * 8;
+  const uint16_t* sz = pr.sz + p * groups * 2 * PANEL + c0 * CHUNK;
+  const __m256i low = _mm256_set1_epi32(15);
+  // The running sums stay in memory (L1), touched once per group: the group's accumulators
+  // and the widened weights need the registers.
+  alignas(32) float y[MR * 2 * NB * 8] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[MR][2 * NB];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < 2 * NB; ++v) acc[r][v] = _mm256_setzero_ps();
+    const int64_t k_end = (g + 1) * pr.group;
+    for (int64_t k = g * pr.group; k < k_end; ++k) {
+      // The hardware prefetcher alone leaves a one-row call waiting on memory (2x the time
+      // of the same call on a cached weight): ask for the codes PREFETCH bytes ahead.
+      if (NB == CHUNKS && (k & 1) == 0) _mm_prefetch(codes + k * BYTES + PREFETCH, _MM_HINT_T0);
+      __m256 a[MR];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) a[r] = _mm256_broadcast_ss(pr.x + (m0 + r) * pr.K + k);
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * BYTES + 8 * b)));
+        const __m256 w_low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+        const __m256 w_high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          acc[r][2 * b] = _mm256_fmadd_ps(a[r], w_low, acc[r][2 * b]);
+          acc[r][2 * b + 1] = _mm256_fmadd_ps(a[r], w_high, acc[r][2 * b + 1]);
+        }
+      }
+    }
+    const uint16_t* scales = sz + g * 2 * PANEL;
+#pragma GCC unroll 8
+    for (int v = 0; v < 2 * NB; ++v) {
+      const __m256 s = widen8(scales + 8 * v);
+      // z - 8 s: the weight (u - 8) s + z is u s + (z - 8 s)
+      const __m256 shift = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, widen8(scales + PANEL + 8 * v));
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 total = _mm256_broadcast_ss(pr.xsum + (m0 + r) * groups + g);
+        float* dst = y + (r * 2 * NB + v) * 8;
+        _mm256_store_ps(dst, _mm256_fmadd_ps(shift, total,
+                                             _mm256_fmadd_ps(s, acc[r][v], _mm256_load_ps(dst))));
+      }
+    }
+  }
+  std::copy(y, y + MR * 2 * NB * 8, out);
+}
+#else
+template <int MR, int NB>
+inline void tile(const Problem& pr, int64_t p, int64_t c0, int64_t m0, float* out) {
+  const int64_t groups = pr.K / pr.group;
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < CHUNK * NB; ++c) {
+      const int64_t chunk = c0 + c / CHUNK, col = c % CHUNK;
+      const int64_t byte = chunk * 8 + col % 8, shift = col < 8 ? 0 : 4;
+      float y = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float acc = 0.f;
+        for (int64_t k = g * pr.group; k < (g + 1) * pr.group; ++k) {
+          const int u = (pr.codes[(p * pr.K + k) * BYTES + byte] >> shift) & 15;
+          acc += pr.x[(m0 + r) * pr.K + k] * static_cast<float>(u);
+        }
+        c10::BFloat16 s, z;
+        s.x = pr.sz[(p * groups + g) * 2 * PANEL + chunk * CHUNK + col];
+        z.x = pr.sz[(p * groups + g) * 2 * PANEL + PANEL + chunk * CHUNK + col];
+        y += widen(s) * acc + (widen(z) - 8.f * widen(s)) * pr.xsum[(m0 + r) * groups + g];
+      }
+      out[r * CHUNK * NB + c] = y;
+    }
+}
+#endif
+
+template <typename T, int MR, int NB>
+inline void run_tile(const Problem& pr, T* y, int64_t p, int64_t c0, int64_t m0) {
+  alignas(32) float acc[MR * CHUNK * NB];
+  tile<MR, NB>(pr, p, c0, m0, acc);
+  const int64_t n0 = p * PANEL + c0 * CHUNK;
+  const int64_t width = std::min<int64_t>(CHUNK * NB, pr.N - n0);
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < width; ++c) y[(m0 + r) * pr.N + n0 + c] = narrow<T>(acc[r * CHUNK * NB + c]);
+}
+
+template <typename T>
+void linear(const Problem& pr, T* y) {
+  const int64_t panels = (pr.N + PANEL - 1) / PANEL;
+  // Threads split the output columns, so each streams its own part of the weight.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      // Four rows at a time share each widened weight, a chunk (8 bytes of codes per k, in
+      // L1 while the row blocks pass over it) per tile; the last one to three rows take
+      // wider tiles, a whole panel for a single row (one stream, as a one-row call).
+      const int64_t m0 = pr.M - pr.M % 4;
+      for (int64_t c = 0; c < CHUNKS; ++c)
+        for (int64_t m = 0; m < m0; m += 4) run_tile<T, 4, 1>(pr, y, p, c, m);
+      switch (pr.M - m0) {
+        case 3:
+          for (int64_t c = 0; c < CHUNKS; ++c) run_tile<T, 3, 1>(pr, y, p, c, m0);
+          break;
+        case 2:
+          for (int64_t c = 0; c < CHUNKS; c += 2) run_tile<T, 2, 2>(pr, y, p, c, m0);
+          break;
+        case 1: run_tile<T, 1, CHUNKS>(pr, y, p, 0, m0); break;
+        default: break;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& codes, const at::Tensor& scale,
+                                             const at::Tensor& zero) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2,
+              "int4_pack: uint8 codes [N, K] in [0, 15] on the CPU");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.sizes() == zero.sizes() &&
+                  scale.size(1) > 0 && K % scale.size(1) == 0,
+              "int4_pack: scale and zero [N, groups] with groups dividing K");
+  const int64_t groups = scale.size(1), panels = (N + PANEL - 1) / PANEL;
+  at::Tensor padded = at::zeros({panels * PANEL, K}, codes.options());
+  padded.narrow(0, 0, N).copy_(codes);
+  // [panels, chunk, half, 8, K]: half 0 -> low nibble, half 1 -> high nibble
+  at::Tensor split = padded.view({panels, CHUNKS, 2, 8, K});
+  at::Tensor bytes = at::bitwise_or(split.select(2, 0).bitwise_and(15),
+                                    split.select(2, 1).bitwise_and(15).bitwise_left_shift(4));
+  at::Tensor packed = bytes.permute({0, 3, 1, 2}).contiguous().view({panels, K, BYTES});
+  at::Tensor both = at::zeros({panels * PANEL, 2, groups}, scale.options().dtype(at::kBFloat16));
+  both.narrow(0, 0, N).select(1, 0).copy_(scale);
+  both.narrow(0, 0, N).select(1, 1).copy_(zero);
+  at::Tensor sz = both.view({panels, PANEL, 2, groups}).permute({0, 3, 2, 1}).contiguous();
+  return {packed, sz};
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                       int64_t N, at::ScalarType dtype) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_linear: x [M, K] float32 or bfloat16 on the CPU");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(1) == K && packed.size(2) == BYTES &&
+                  packed.size(0) * PANEL >= N && packed.size(0) * PANEL < N + PANEL,
+              "int4_linear: codes from int4_pack with x's K columns and N outputs");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 4 && sz.is_contiguous() &&
+                  sz.size(0) == packed.size(0) && sz.size(2) == 2 && sz.size(3) == PANEL &&
+                  sz.size(1) > 0 && K % sz.size(1) == 0,
+              "int4_linear: scales and zeros from int4_pack");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "int4_linear: float32 or bfloat16 output");
+  const int64_t groups = sz.size(1), group = K / groups;
+  at::Tensor out = at::empty({M, N}, x.options().dtype(dtype));
+  if (M == 0) return out;
+  // x widened to float32 and each row's group sums, in plain buffers: a decode step makes
+  // ~120 of these calls, and a torch operator per call would cost more than the widening.
+  std::vector<float> x32(M * K), xsum(M * groups);
+  const at::Tensor xc = x.contiguous();
+  if (xc.scalar_type() == at::kFloat) {
+    std::copy(xc.data_ptr<float>(), xc.data_ptr<float>() + M * K, x32.begin());
+  } else {
+    const c10::BFloat16* in = xc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) x32[i] = widen(in[i]);
+  }
+  for (int64_t i = 0; i < M * groups; ++i) {
+    float total = 0.f;
+    for (int64_t k = 0; k < group; ++k) total += x32[i * group + k];
+    xsum[i] = total;
+  }
+  const Problem pr{x32.data(), xsum.data(), packed.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>()), M, N, K,
+                   group};
+  if (dtype == at::kFloat) {
+    linear(pr, out.data_ptr<float>());
+  } else {
+    linear(pr, out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("int4_pack(Tensor codes, Tensor scale, Tensor zero) -> (Tensor, Tensor)");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor sz, int N, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("int4_pack", &int4_pack);
+  m.impl("int4_linear", &int4_linear);
+}

@@ -7,11 +7,11 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
 - W4A16 (`Int4Linear`): `aten._weight_int4pack_mm_for_cpu`. Its fp32 and fp16 paths are
   50-100x slower than its bf16 path, so activations enter as bf16 (still 16-bit activations)
   and scales/zeros are held in bf16. 2x faster than fp32 dense at one token, 1.7x slower at
-  32; prefill-sized inputs dequantise instead (see the class). Without AVX-512 its kernel is
-  compute-bound, and decode-sized inputs run kiln's int4 kernel instead
-  (runtime/csrc/int4_linear.cpp, `int4_on_kiln`): on a 2-core Zen 3 EPYC, one thread,
-  1.1-2.1x faster per layer at 1-32 rows, a W4A16 SmolLM2-135M decoding 35.9 -> 25.9 ms
-  per token (`tests/benchmarks/int4_cpu.py`).
+  32; prefill-sized inputs dequantise instead (see the class). Without AVX-512 its kernel reads
+  its weight far below the memory's speed, and decode-sized inputs run kiln's int4 kernel
+  instead (runtime/csrc/int4_linear.cpp, `int4_on_kiln`): on a 2-core Zen 3 EPYC, one
+  thread, 1.1-2.1x faster per layer at 1-32 rows, a W4A16 SmolLM2-135M decoding 35.9 -> 25.9 ms
+  per token (`tests/benchmarks/int4_cpu.py`, CPU time).
 - W8A16 per-channel (`Int8WeightLinear`): `aten._weight_int8pack_mm`, bf16 activations for
   the same reason; prefill-sized inputs dequantise instead (see the class).
 - W8A8 int8 (`Int8Linear`): `torch._int_mm` (VNNI) after per-token dynamic (or static
@@ -62,19 +62,16 @@ FP8_MAX = 448.0
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
-# x86 flags under which torch's int4 weight kernel (`_weight_int4pack_mm_for_cpu`) runs its
-# AVX-512 code; with AVX2 alone it is compute-bound at decode sizes.
-INT4_TORCH_FLAGS = ("avx512f",)
-
-
-def int4_on_kiln(device: torch.device, flags: str | None = None) -> bool:
-    """Whether W4A16 decode runs on kiln's int4 kernel here rather than torch's: a CPU
-    without AVX-512 (`flags`: its /proc/cpuinfo flags, read when None) where kiln's AVX2
-    kernels load."""
-    present = set((native.this_cpus_flags() if flags is None else flags).split())
-    if device.type != "cpu" or any(f in present for f in INT4_TORCH_FLAGS):
+def int4_on_kiln(device: torch.device, capability: str | None = None) -> bool:
+    """Whether W4A16 decode runs on kiln's int4 kernel here rather than torch's: where torch
+    does not run its AVX-512 code (`capability`: torch's CPU capability, its own when None;
+    it needs AVX-512 F/BW/VL/DQ, and ATEN_CPU_CAPABILITY can lower it) and kiln's AVX2
+    kernels load. torch's AVX2 int4 kernel is the slow one (see Int4Linear)."""
+    if device.type != "cpu":
         return False
-    return native.avx2_kernels_available(flags)
+    if capability is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+    return not capability.startswith("AVX512") and native.avx2_kernels_available()
 
 
 class Int4Linear(Linear):
@@ -113,14 +110,15 @@ class Int4Linear(Linear):
             codes = codes[:, self.perm.cpu()]
         unsigned = (codes.to(torch.int32) + 8).contiguous()
         zeros = -zero_point.float() * scale if zero_point is not None else torch.zeros_like(scale)
-        self.scales_and_zeros = (
+        self.scales_and_zeros: torch.Tensor | None = (
             torch.stack([scale.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous().to(device)
         )
         rows = w.out_features
         self.nibbles = (unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)).to(torch.uint8).to(device)
         # [rows, groups, 1] for broadcasting over each group's columns in the dequant path.
-        self.scale_rows = self.scales_and_zeros[..., 0].t().float().reshape(rows, -1, 1)
-        self.zero_rows = self.scales_and_zeros[..., 1].t().float().reshape(rows, -1, 1)
+        held = self.scales_and_zeros
+        self.scale_rows = held[..., 0].t().float().reshape(rows, -1, 1)
+        self.zero_rows = held[..., 1].t().float().reshape(rows, -1, 1)
         # Decode-sized inputs: kiln's kernel (codes in its panels, bf16 scales and zeros
         # beside them) where it serves this CPU, else torch's int4pack kernel.
         self.kiln_sz: torch.Tensor | None = None
@@ -128,6 +126,7 @@ class Int4Linear(Linear):
             self.packed, self.kiln_sz = torch.ops.kiln.int4_pack(
                 unsigned.to(torch.uint8), self.scale_rows[..., 0], self.zero_rows[..., 0]
             )
+            self.scales_and_zeros = None  # int4pack's layout, which nothing reads here
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2).to(device)
         self.bias = bias_of(w, dtype, device)
@@ -173,13 +172,14 @@ class Int4Linear(Linear):
                 activations, self.packed, self.kiln_sz, self.out_features, self.dtype
             )
         else:
+            assert self.scales_and_zeros is not None
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 activations, self.packed, self.group_size, self.scales_and_zeros
             ).to(self.dtype)
         return y if self.bias is None else y + self.bias
 
     def weight_bytes(self) -> int:
-        # the decode kernel's weight, not the prefill nibbles
+        # what the decode kernel reads (one of the two scale layouts), not the prefill nibbles
         held = (self.packed, self.scales_and_zeros, self.kiln_sz, self.bias)
         return sum(t.nbytes for t in held if t is not None)
 

@@ -1,9 +1,9 @@
 // kiln runtime: y = x W^T for a group-wise int4 weight at decode-sized batches, on AVX2 CPUs.
 //
-// Hand-written because torch's int4 weight kernel (`_weight_int4pack_mm_for_cpu`) is
-// compute-bound on CPUs without AVX-512: on a 2-core Zen 3 EPYC (AVX2) it takes ~4x the time
-// its 0.5 byte per weight needs to stream, so a W4A16 model decoded slower than the same
-// model in bf16 there. Here each weight is widened once to float32 in registers and
+// Hand-written because torch's int4 weight kernel (`_weight_int4pack_mm_for_cpu`) is slow on
+// CPUs without AVX-512: on a 2-core Zen 3 EPYC (AVX2), one thread, a one-row call on a
+// 3072x576 weight reads its 0.9 MB at ~2.6 GB/s where one thread reads ~10 GB/s, and a W4A16
+// model decoded about as slowly as the same model in bf16 there. Here each weight is widened once to float32 in registers and
 // multiplied by a bf16-rounded activation in float32, and the group's scale and zero are
 // applied once per group instead of once per weight:
 //
@@ -45,7 +45,7 @@ constexpr int64_t CHUNKS = PANEL / CHUNK;
 constexpr int64_t PREFETCH = 1024;  // bytes ahead in a panel's code stream
 
 struct Problem {
-  const float* x;       // [M, K], bf16-rounded activations widened to float32
+  const float* x;       // [M, K] widened to float32 (the W4A16 layer passes bf16)
   const float* xsum;    // [M, groups]: each row's sum over each group
   const uint8_t* codes; // [panels, K, 32]
   const uint16_t* sz;   // bf16 [panels, groups, 2, 64]
@@ -78,7 +78,10 @@ inline void tile(const Problem& pr, int64_t p, int64_t c0, int64_t m0, float* ou
     for (int64_t k = g * pr.group; k < k_end; ++k) {
       // The hardware prefetcher alone leaves a one-row call waiting on memory (2x the time
       // of the same call on a cached weight): ask for the codes PREFETCH bytes ahead.
-      if (NB == CHUNKS && (k & 1) == 0) _mm_prefetch(codes + k * BYTES + PREFETCH, _MM_HINT_T0);
+      if (NB == CHUNKS && (k & 1) == 0) {
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(codes) + k * BYTES + PREFETCH;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);  // never faults
+      }
       __m256 a[MR];
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) a[r] = _mm256_broadcast_ss(pr.x + (m0 + r) * pr.K + k);
@@ -113,27 +116,11 @@ inline void tile(const Problem& pr, int64_t p, int64_t c0, int64_t m0, float* ou
   std::copy(y, y + MR * 2 * NB * 8, out);
 }
 #else
+// Without AVX2 and FMA the runtime keeps torch's int4 kernel (`int4_on_kiln`): no slow copy
+// of this one is kept that nothing would run.
 template <int MR, int NB>
-inline void tile(const Problem& pr, int64_t p, int64_t c0, int64_t m0, float* out) {
-  const int64_t groups = pr.K / pr.group;
-  for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < CHUNK * NB; ++c) {
-      const int64_t chunk = c0 + c / CHUNK, col = c % CHUNK;
-      const int64_t byte = chunk * 8 + col % 8, shift = col < 8 ? 0 : 4;
-      float y = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float acc = 0.f;
-        for (int64_t k = g * pr.group; k < (g + 1) * pr.group; ++k) {
-          const int u = (pr.codes[(p * pr.K + k) * BYTES + byte] >> shift) & 15;
-          acc += pr.x[(m0 + r) * pr.K + k] * static_cast<float>(u);
-        }
-        c10::BFloat16 s, z;
-        s.x = pr.sz[(p * groups + g) * 2 * PANEL + chunk * CHUNK + col];
-        z.x = pr.sz[(p * groups + g) * 2 * PANEL + PANEL + chunk * CHUNK + col];
-        y += widen(s) * acc + (widen(z) - 8.f * widen(s)) * pr.xsum[(m0 + r) * groups + g];
-      }
-      out[r * CHUNK * NB + c] = y;
-    }
+inline void tile(const Problem&, int64_t, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "int4_linear: kiln's int4 kernel was built for a CPU without AVX2 and FMA");
 }
 #endif
 
@@ -177,6 +164,8 @@ std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& codes, const at::
                                              const at::Tensor& zero) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2,
               "int4_pack: uint8 codes [N, K] in [0, 15] on the CPU");
+  TORCH_CHECK(codes.numel() == 0 || codes.max().item<uint8_t>() <= 15,
+              "int4_pack: codes must lie in [0, 15] (4-bit codes plus 8)");
   const int64_t N = codes.size(0), K = codes.size(1);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.sizes() == zero.sizes() &&
                   scale.size(1) > 0 && K % scale.size(1) == 0,
@@ -202,6 +191,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int4_linear: x [M, K] float32 or bfloat16 on the CPU");
   const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.device().is_cpu() && sz.device().is_cpu(),
+              "int4_linear: codes, scales and zeros on the CPU");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(1) == K && packed.size(2) == BYTES &&
                   packed.size(0) * PANEL >= N && packed.size(0) * PANEL < N + PANEL,

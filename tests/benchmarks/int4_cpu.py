@@ -34,7 +34,7 @@ GROUP = 64
 
 def take_kiln(on_kiln: bool) -> None:
     """Layers and engines built from here on decode on kiln's kernel (True) or torch's."""
-    kernels.int4_on_kiln = lambda device, flags=None: on_kiln
+    kernels.int4_on_kiln = lambda device, capability=None: on_kiln
 
 
 def int4_layer(n: int, k: int, on_kiln: bool) -> Int4Linear:

@@ -205,47 +205,70 @@ def test_kiln_int4_kernel_multiplies_by_the_stored_weight(group: int, dtype: tor
     packed, sz = torch.ops.kiln.int4_pack(codes, scale, zero)
     weight = (codes.double() - 8).view(rows, groups, group) * scale.double()[..., None]
     weight = (weight + zero.double()[..., None]).view(rows, columns)
-    x = torch.randn(33, columns, generator=generator).bfloat16()
-    expected = x.double() @ weight.t()
-    bound = (1e-5 if dtype == torch.float32 else 2**-8) * float(expected.abs().max())
-    everything = torch.ops.kiln.int4_linear(x, packed, sz, rows, dtype)
-    assert everything.dtype == dtype and everything.shape == (33, rows)
-    assert (everything.double() - expected).abs().max() <= bound
-    for count in range(1, 10):
-        got = torch.ops.kiln.int4_linear(x[:count], packed, sz, rows, dtype)
-        assert torch.equal(got, everything[:count])
+    # zero-mean inputs, and inputs of one sign (an outlier channel's), where s * sum(x u) and
+    # (z - 8 s) * sum(x) are large and cancel
+    for shift in (0.0, 4.0):
+        x = (torch.randn(33, columns, generator=generator) + shift).bfloat16()
+        expected = x.double() @ weight.t()
+        products = x.double().abs() @ weight.abs().t()  # what float32 rounding scales with
+        bound = 1e-5 * products.max() + (0 if dtype == torch.float32 else 2**-8) * expected.abs()
+        everything = torch.ops.kiln.int4_linear(x, packed, sz, rows, dtype)
+        assert everything.dtype == dtype and everything.shape == (33, rows)
+        assert ((everything.double() - expected).abs() <= bound).all()
+        for count in range(1, 10):
+            got = torch.ops.kiln.int4_linear(x[:count], packed, sz, rows, dtype)
+            assert torch.equal(got, everything[:count])
 
 
-def test_int4_decode_is_kiln_only_on_cpus_without_avx512() -> None:
+@needs_avx2_kernels
+def test_kiln_int4_pack_refuses_codes_outside_four_bits() -> None:
+    codes = torch.full((64, 64), 16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"codes must lie in \[0, 15\]"):
+        torch.ops.kiln.int4_pack(codes, torch.ones(64, 1), torch.zeros(64, 1))
+
+
+def test_int4_decode_is_kiln_only_where_torch_runs_no_avx512() -> None:
     cpu = torch.device("cpu")
-    assert not kernels.int4_on_kiln(cpu, "fpu sse2 avx2 fma avx512f avx512bw")
-    assert not kernels.int4_on_kiln(torch.device("cuda"), "fpu avx2 fma")
-    assert not kernels.int4_on_kiln(cpu, "fpu sse2 avx")  # no AVX2: torch's kernel
-    assert kernels.int4_on_kiln(cpu, "fpu avx2 fma") == native.available()
+    assert not kernels.int4_on_kiln(cpu, "AVX512")
+    assert not kernels.int4_on_kiln(torch.device("cuda"), "AVX2")
+    assert kernels.int4_on_kiln(cpu, "AVX2") == native.avx2_kernels_available()
+    assert kernels.int4_on_kiln(cpu, "DEFAULT") == native.avx2_kernels_available()
 
 
 @needs_avx2_kernels
 def test_int4_layer_decodes_alike_on_either_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-sized inputs on kiln's kernel and on torch's int4pack: the same bf16
     activations, scales and zeros, so within bf16 rounding of each other (torch's kernel
-    rounds its output to bf16); act-order weights run on both."""
+    rounds its output to bf16); act-order weights with a bias, float32 and bf16 models. Each
+    layer counts the bytes its decode kernel reads: 0.5 a weight and 4 a column's group."""
     generator = torch.Generator().manual_seed(5)
-    w = int4_weights(96, 256, 64, seed=5)
+    w = int4_weights(128, 256, 64, seed=5)
     w = LinearWeights(
-        w.scheme, w.weight, w.scale, w.zero_point, torch.randperm(256, generator=generator) // 64
+        w.scheme,
+        w.weight,
+        w.scale,
+        w.zero_point,
+        torch.randperm(256, generator=generator) // 64,
+        bias=torch.randn(128, generator=generator),
     )
-    layers = {}
-    for on_kiln in (True, False):
-        monkeypatch.setattr(kernels, "int4_on_kiln", lambda device, on_kiln=on_kiln: on_kiln)
-        layers[on_kiln] = make_linear([w], torch.float32, torch.device("cpu"))
-        assert isinstance(layers[on_kiln], Int4Linear)
-        assert (layers[on_kiln].kiln_sz is not None) == on_kiln
-    for rows in (1, 2, 5, 8):
-        x = torch.randn(rows, 256, generator=generator)
-        expected = x.bfloat16().float() @ dequantize(w, torch.float32).t()
-        bound = 2**-7 * float(expected.abs().max())
-        assert (layers[True](x) - expected).abs().max() <= bound
-        assert (layers[True](x) - layers[False](x)).abs().max() <= bound
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = {}
+        for on_kiln in (True, False):
+            monkeypatch.setattr(kernels, "int4_on_kiln", lambda device, on_kiln=on_kiln: on_kiln)
+            layers[on_kiln] = make_linear([w], dtype, torch.device("cpu"))
+            assert isinstance(layers[on_kiln], Int4Linear)
+            assert (layers[on_kiln].kiln_sz is not None) == on_kiln
+            bias = 128 * dtype.itemsize
+            assert layers[on_kiln].weight_bytes() == 128 * 256 // 2 + 128 * 4 * 4 + bias
+        assert w.bias is not None
+        for rows in (1, 2, 5, 8):
+            x = torch.randn(rows, 256, generator=generator).to(dtype)
+            expected = x.bfloat16().float() @ dequantize(w, torch.float32).t() + w.bias
+            bound = 2**-7 * float(expected.abs().max())
+            got = layers[True](x)
+            assert got.dtype == dtype
+            assert (got.float() - expected).abs().max() <= bound
+            assert (got.float() - layers[False](x).float()).abs().max() <= bound
 
 
 def test_unknown_quantisation_method_is_named(tiny_llama: Path, tmp_path: Path) -> None:

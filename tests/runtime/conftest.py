@@ -10,7 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kiln.runtime import Logprob
+from kiln.runtime import Logprob, native
+
+# Tests of kiln's AVX2 kernels (bf16 weights, int4 weights): skipped where they cannot load.
+needs_avx2_kernels = pytest.mark.skipif(
+    not native.avx2_kernels_available(),
+    reason="kiln's AVX2 kernels need an x86 CPU with AVX2 and FMA, and a C++ compiler",
+)
 
 PROMPTS = [
     "Permission is hereby granted, free of charge, to any person obtaining a copy",

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kiln.runtime import native
 from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme, float_linear
+from tests.runtime.conftest import needs_avx2_kernels
 
 CPU = torch.device("cpu")
 bf16_packing = pytest.mark.skipif(
@@ -50,12 +51,7 @@ def test_float32_layer_keeps_the_one_row_gemv_weight() -> None:
         torch.testing.assert_close(layer(x), F.linear(x, w.weight, w.bias))
 
 
-bf16_kernel = pytest.mark.skipif(
-    not native.avx2_kernels_available(), reason="kiln's bf16 kernel needs AVX2, FMA and a compiler"
-)
-
-
-@bf16_kernel
+@needs_avx2_kernels
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_kernel_is_a_float32_sum_over_bf16_weights(x_dtype: torch.dtype, bias: bool) -> None:
@@ -77,7 +73,7 @@ def test_bf16_kernel_is_a_float32_sum_over_bf16_weights(x_dtype: torch.dtype, bi
         torch.testing.assert_close(got.double(), exact, atol=atol, rtol=rtol)
 
 
-@bf16_kernel
+@needs_avx2_kernels
 def test_bf16_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
     panels = torch.ops.kiln.bf16_pack(weights(64, 128, bias=False).weight.bfloat16())
     batch = torch.randn(37, 128).bfloat16()
@@ -87,7 +83,7 @@ def test_bf16_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
         assert torch.equal(alone[0], together[row])
 
 
-@bf16_kernel
+@needs_avx2_kernels
 def test_bf16_layer_without_onednn_bf16_holds_kilns_panels_once() -> None:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN runs bf16 on this CPU: the layer uses its packed weight instead")

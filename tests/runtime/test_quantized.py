@@ -37,7 +37,12 @@ from kiln.runtime.kernels import (
     make_linear,
 )
 from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme, dequantize
-from tests.runtime.conftest import assert_close_to_reference, hf_greedy, hf_model
+from tests.runtime.conftest import (
+    assert_close_to_reference,
+    hf_greedy,
+    hf_model,
+    needs_avx2_kernels,
+)
 
 LAYERS = {
     "w4a16_gptq_sym": Int4Linear,
@@ -180,12 +185,6 @@ def test_int4_bf16_layer_prefill_and_decode_paths_agree() -> None:
     bound = 2e-2 * float(expected.abs().max())
     assert (prefill.float() - expected).abs().max() <= bound
     assert (decode.float() - expected).abs().max() <= bound
-
-
-needs_avx2_kernels = pytest.mark.skipif(
-    not native.avx2_kernels_available(),
-    reason="kiln's AVX2 kernels need an x86 CPU with AVX2 and FMA",
-)
 
 
 @needs_avx2_kernels
@@ -345,14 +344,13 @@ def test_int8_gemm_is_native_only_with_vnni() -> None:
     assert not kernels.int8_gemm_native("fpu sse2 avx fma avx2")  # Zen 3: `_int_mm` is a loop
 
 
+@needs_avx2_kernels
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_w8a8_without_vnni_multiplies_the_same_integers(
     dynamic: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The bf16-panel path (CPUs without VNNI) and `_int_mm` give bit-identical results: the
     codes are exact in bf16 and every float32 partial sum here is an exact integer."""
-    if not native.avx2_kernels_available():
-        pytest.skip("kiln's bf16-weight kernel needs an x86 CPU with AVX2 and FMA")
     generator = torch.Generator().manual_seed(3)
     codes = torch.randint(-128, 128, (200, 576), dtype=torch.int8, generator=generator)
     act = ActivationScheme(dynamic=dynamic, strategy="token" if dynamic else "tensor")

@@ -9,9 +9,11 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
   and scales/zeros are held in bf16. 2x faster than fp32 dense at one token, 1.7x slower at
   32; prefill-sized inputs dequantise instead (see the class). Without AVX-512 its kernel reads
   its weight far below the memory's speed, and decode-sized inputs run kiln's int4 kernel
-  instead (runtime/csrc/int4_linear.cpp, `int4_on_kiln`): on a 2-core Zen 3 EPYC, one
-  thread, 1.1-2.1x faster per layer at 1-32 rows, a W4A16 SmolLM2-135M decoding 35.9 -> 25.9 ms
-  per token (`tests/benchmarks/int4_cpu.py`, CPU time).
+  instead (runtime/csrc/int4_linear.cpp, `int4_on_kiln`): activations as 16-bit integers in
+  a power-of-two unit per group, codes multiplied as integers. On a 2-core Zen 3 EPYC, one
+  thread, 2.1-3.1x faster per layer than int4pack at one row, 1.3-2.0x at 8-32 rows, a
+  W4A16 SmolLM2-135M decoding 28.5 -> 16.8 ms per token (`tests/benchmarks/int4_cpu.py`, CPU
+  time).
 - W8A16 per-channel (`Int8WeightLinear`): `aten._weight_int8pack_mm`, bf16 activations for
   the same reason; prefill-sized inputs dequantise instead (see the class).
 - W8A8 int8 (`Int8Linear`): `torch._int_mm` (VNNI) after per-token dynamic (or static
@@ -94,8 +96,10 @@ class Int4Linear(Linear):
     generic loop).
 
     On CPUs without AVX-512 (`int4_on_kiln`) decode-sized inputs run kiln's int4 kernel in
-    place of int4pack, on the same bf16 activations, scales and zeros, in float32 with one
-    rounding to the model's dtype (int4pack rounds its output to bf16 first).
+    place of int4pack, on the same bf16 activations, scales and zeros: each group's
+    activations as 16-bit integers in a power-of-two unit set by the group's largest (values
+    within 2^7 of it exact, smaller ones rounded to 2^-15 of it), integer products, float32
+    per group, one rounding to the model's dtype (int4pack rounds its output to bf16 first).
     """
 
     DEQUANT_ROWS = 128

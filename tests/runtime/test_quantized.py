@@ -192,31 +192,83 @@ def test_int4_bf16_layer_prefill_and_decode_paths_agree() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kiln_int4_kernel_multiplies_by_the_stored_weight(group: int, dtype: torch.dtype) -> None:
     """kiln's int4 decode kernel against a float64 product with the weight (u - 8) s + z it
-    stands for: float32 accumulation, so within 1e-5 of the largest output (bf16 output:
-    its rounding); 80 outputs (a padded last panel) and 1-9, 33 rows (every tile shape); a
-    row's result does not depend on the rows beside it."""
+    stands for: activations enter as 16-bit integers in a power-of-two unit per group (below
+    2^-15 of the group's largest magnitude), then float32, so within `int4_bound` (bf16
+    output: plus its rounding); 80 outputs (a padded last panel) and 1-9, 33 rows (every tile
+    shape); a row's result does not depend on the rows beside it."""
     generator = torch.Generator().manual_seed(group)
     rows, columns = 80, 2 * 256
-    codes = torch.randint(0, 16, (rows, columns), dtype=torch.uint8, generator=generator)
-    groups = columns // group
-    scale = (torch.rand(rows, groups, generator=generator) * 0.1 + 0.01).bfloat16().float()
-    zero = (torch.randn(rows, groups, generator=generator) * 0.05).bfloat16().float()
+    codes, scale, zero, weight = int4_problem(rows, columns, group, generator)
     packed, sz = torch.ops.kiln.int4_pack(codes, scale, zero)
-    weight = (codes.double() - 8).view(rows, groups, group) * scale.double()[..., None]
-    weight = (weight + zero.double()[..., None]).view(rows, columns)
     # zero-mean inputs, and inputs of one sign (an outlier channel's), where s * sum(x u) and
     # (z - 8 s) * sum(x) are large and cancel
     for shift in (0.0, 4.0):
         x = (torch.randn(33, columns, generator=generator) + shift).bfloat16()
         expected = x.double() @ weight.t()
-        products = x.double().abs() @ weight.abs().t()  # what float32 rounding scales with
-        bound = 1e-5 * products.max() + (0 if dtype == torch.float32 else 2**-8) * expected.abs()
+        bound = int4_bound(x, weight, scale, group, dtype)
         everything = torch.ops.kiln.int4_linear(x, packed, sz, rows, dtype)
         assert everything.dtype == dtype and everything.shape == (33, rows)
         assert ((everything.double() - expected).abs() <= bound).all()
         for count in range(1, 10):
             got = torch.ops.kiln.int4_linear(x[:count], packed, sz, rows, dtype)
             assert torch.equal(got, everything[:count])
+
+
+def int4_problem(
+    rows: int, columns: int, group: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random codes in [0, 15], bf16-exact scales and zeros, and the float64 weight."""
+    codes = torch.randint(0, 16, (rows, columns), dtype=torch.uint8, generator=generator)
+    groups = columns // group
+    scale = (torch.rand(rows, groups, generator=generator) * 0.1 + 0.01).bfloat16().float()
+    zero = (torch.randn(rows, groups, generator=generator) * 0.05).bfloat16().float()
+    weight = (codes.double() - 8).view(rows, groups, group) * scale.double()[..., None]
+    return codes, scale, zero, (weight + zero.double()[..., None]).view(rows, columns)
+
+
+def int4_bound(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """How far kiln's int4 kernel may be from the float64 product: float32 rounding (1e-5 of
+    the largest product sum), each activation's rounding to its group's unit (half of 2^-15
+    of the group's largest magnitude, times 15 s per weight: the kernel multiplies it by
+    u s, u <= 15), and a bf16 output's own rounding."""
+    groups = x.shape[1] // group
+    largest = x.double().abs().view(x.shape[0], groups, group).amax(-1)  # [rows, groups]
+    rounding = (largest * 2.0**-16) @ (15 * group * scale.double().t())  # [rows, outputs]
+    products = x.double().abs() @ weight.abs().t()  # what float32 rounding scales with
+    expected = x.double() @ weight.t()
+    output = 0 if dtype == torch.float32 else 2**-8 * expected.abs()
+    return 1e-5 * products.max() + rounding + output
+
+
+@needs_avx2_kernels
+def test_kiln_int4_kernel_rounds_only_what_lies_far_below_a_group_outlier() -> None:
+    """An outlier activation 2^12 times its group's others: they are rounded to its unit
+    (within `int4_bound`, as float32 accumulation would nearly be), while a group without
+    one is exact; a non-finite activation makes its row's outputs NaN, as a float product
+    would make them non-finite, and the other rows are untouched."""
+    generator = torch.Generator().manual_seed(3)
+    rows, columns, group = 64, 128, 64
+    codes, scale, zero, weight = int4_problem(rows, columns, group, generator)
+    packed, sz = torch.ops.kiln.int4_pack(codes, scale, zero)
+    x = torch.randn(3, columns, generator=generator).bfloat16()
+    x[0, 5] = 4096.0
+    got = torch.ops.kiln.int4_linear(x, packed, sz, rows, torch.float32).double()
+    expected = x.double() @ weight.t()
+    assert ((got - expected).abs() <= int4_bound(x, weight, scale, group, torch.float32)).all()
+    # bf16 values within 2^7 of their group's largest are exact: only float32 rounding left
+    tame = torch.full((1, columns), 0.75).bfloat16()
+    tame[0, ::3] = -1.5
+    exact = tame.double() @ weight.t()
+    products = tame.double().abs() @ weight.abs().t()
+    tame_got = torch.ops.kiln.int4_linear(tame, packed, sz, rows, torch.float32).double()
+    assert ((tame_got - exact).abs() <= 1e-6 * products.max()).all()
+    x[1, 70] = float("inf")
+    broken = torch.ops.kiln.int4_linear(x, packed, sz, rows, torch.float32)
+    assert broken[1].isnan().all()
+    others = torch.ops.kiln.int4_linear(x[[0, 2]], packed, sz, rows, torch.float32)
+    assert torch.equal(broken[[0, 2]], others)
 
 
 @needs_avx2_kernels

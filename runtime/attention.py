@@ -11,7 +11,12 @@ A step's tokens are laid out decodes first (one token per sequence, attended as 
 then each prefill chunk (attended one sequence at a time with a causal mask aligned to the
 end of its context, which covers chunked prefill and prefix-cache hits). With a float32
 cache on CPU the decode rows skip the gather: the native kernel (`native_decode`) reads each
-sequence's keys and values straight from its blocks.
+sequence's keys and values straight from its blocks. A step of decodes only (the steady state
+of serving) goes further (`fused_decode`): one native call per layer stores the step's keys
+and values and attends, reading the stacked qkv projection as it is and returning the
+model's dtype, where the torch path around the kernel makes ~10 operator calls per layer
+(W4A16 SmolLM2-135M, one stream, one thread, a 2-core Zen 3 EPYC: 17.9 -> 16.0 ms per token;
+its bf16 checkpoint 34.4 -> 30.0 ms).
 
 The KV cache may hold FP8 or INT8 codes with per-tensor (or per-head) scales from the
 checkpoint: values are quantised on write and dequantised on read, so attention always sees
@@ -153,6 +158,41 @@ def native_decode(cache: PagedKVCache) -> bool:
         and cache.dtype in (torch.float32, torch.bfloat16)
         and cache.k[0].device.type == "cpu"
         and native.available()
+    )
+
+
+def fused_decode(meta: AttentionMetadata, rows: int, dtype: torch.dtype) -> bool:
+    """Whether this step's attention runs as one native call per layer (`decode_attention`):
+    all `rows` decodes on the native kernel, and qkv in a `dtype` the call reads."""
+    return (
+        meta.native_decode
+        and not meta.prefills
+        and meta.num_decodes == rows
+        and dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def decode_attention(
+    layer: int,
+    qkv: torch.Tensor,
+    heads: int,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A decode-only step's attention in one native call (where `fused_decode`): qkv [T,
+    (heads + 2 kv_heads) * dim] (queries and keys rotated) stores its keys and values and
+    attends; [T, heads * dim] in qkv's dtype, the values `paged_attention` computes."""
+    assert meta.decode_block_ids is not None and meta.decode_lens is not None
+    return torch.ops.kiln.decode_attention_(
+        qkv,
+        cache.k[layer],
+        cache.v[layer],
+        meta.slot_mapping,
+        meta.decode_block_ids.view(meta.num_decodes, -1),
+        meta.decode_lens,
+        heads,
+        scale,
     )
 
 

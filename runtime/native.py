@@ -38,7 +38,7 @@ SOURCES = [
 HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
 OPS = (
     "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
-    "bf16_pack", "bf16_linear", "int4_pack", "int4_linear",
+    "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).

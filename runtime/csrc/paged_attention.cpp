@@ -9,6 +9,9 @@
 // Layout (runtime/attention.py): caches [kv_heads, num_blocks, block_size, head_dim] float32 or
 // bfloat16 (widened to float32 as each row is read); q [batch, heads, head_dim] float32 with query heads h * group .. h * group + group - 1 on KV head h;
 // block_tables [batch, width] int64; context_lens [batch] int64 (>= 1 and <= width * block_size).
+// `decode_attention_` is the whole of a decode-only step's attention for one layer: it stores
+// each row's key and value (from the stacked qkv projection, in the caches' dtype, as
+// PagedKVCache.write does) before attending, and returns the model's dtype.
 // Every (sequence, KV head) is computed alone, so a sequence's result does not depend on what
 // else is in the batch. Softmax is the usual max-subtracted one, accumulated in float32.
 
@@ -241,32 +244,9 @@ void run(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_decode_attention: CPU tensors only");
-  const at::ScalarType held = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == held &&
-                  (held == at::kFloat || held == at::kBFloat16),
-              "paged_decode_attention: a float32 query and float32 or bfloat16 caches only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: q [B, H, D], caches [KVH, NB, BS, D]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "paged_decode_attention: int64 block tables and lengths");
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor kc = k_cache.contiguous();
-  const at::Tensor vc = v_cache.contiguous();
-  const at::Tensor tables = block_tables.contiguous();
-  const at::Tensor lens = context_lens.contiguous();
-  const int64_t batch = qc.size(0), heads = qc.size(1), dim = qc.size(2);
-  const int64_t kv_heads = kc.size(0), num_blocks = kc.size(1), block_size = kc.size(2);
-  const int64_t width = tables.size(1);
-  TORCH_CHECK(kc.size(3) == dim && heads % kv_heads == 0, "paged_decode_attention: head shapes");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.size(0) == batch,
-              "paged_decode_attention: one block table and length per sequence");
-  const int64_t* table_p = tables.data_ptr<int64_t>();
-  const int64_t* len_p = lens.data_ptr<int64_t>();
+// The block tables and lengths a call reads, checked before any of it is read.
+void check_tables(const int64_t* table_p, const int64_t* len_p, int64_t batch, int64_t width,
+                  int64_t block_size, int64_t num_blocks) {
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(len_p[b] >= 1 && len_p[b] <= width * block_size,
                 "paged_decode_attention: context length out of range");
@@ -275,13 +255,132 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: bad block id");
     }
   }
+}
+
+at::Tensor attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc,
+                  const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  const int64_t batch = qc.size(0), heads = qc.size(1), dim = qc.size(2);
+  const int64_t kv_heads = kc.size(0), num_blocks = kc.size(1), block_size = kc.size(2);
+  const int64_t width = tables.size(1);
+  TORCH_CHECK(kc.size(3) == dim && heads % kv_heads == 0, "paged_decode_attention: head shapes");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.size(0) == batch,
+              "paged_decode_attention: one block table and length per sequence");
+  const int64_t* table_p = tables.data_ptr<int64_t>();
+  const int64_t* len_p = lens.data_ptr<int64_t>();
+  check_tables(table_p, len_p, batch, width, block_size, num_blocks);
   at::Tensor out = at::empty_like(qc);
-  if (held == at::kBFloat16) {
+  if (kc.scalar_type() == at::kBFloat16) {
     run<c10::BFloat16>(qc, kc, vc, table_p, len_p, out, width, scale);
   } else {
     run<float>(qc, kc, vc, table_p, len_p, out, width, scale);
   }
   return out;
+}
+
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const at::ScalarType held = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  v_cache.scalar_type() == held && (held == at::kFloat || held == at::kBFloat16),
+              "paged_decode_attention: float32 or bfloat16 caches on the CPU");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: caches [KVH, NB, BS, D]");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3,
+              "paged_decode_attention: a float32 query [B, H, D] on the CPU");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: int64 block tables and lengths");
+  return attend(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
+                context_lens.contiguous(), scale);
+}
+
+// Row r's keys and values (after its query heads in qkv) into the caches at slots[r], in the
+// caches' dtype; its query heads as float32, rounded to the caches' dtype first as the torch
+// path attends (a bf16 cache under a float32 model attends in bf16).
+template <typename In, typename Held>
+void store_and_widen(const In* qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                     const int64_t* slots, int64_t cache_rows, Held* k_cache, Held* v_cache,
+                     float* q) {
+  const int64_t width = (heads + 2 * kv_heads) * dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    const In* row = qkv + r * width;
+    for (int64_t i = 0; i < heads * dim; ++i) q[r * heads * dim + i] = widen(narrow<Held>(widen(row[i])));
+    const int64_t slot = slots[r];
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      Held* k_to = k_cache + (h * cache_rows + slot) * dim;
+      Held* v_to = v_cache + (h * cache_rows + slot) * dim;
+      const In* k_from = row + (heads + h) * dim;
+      const In* v_from = row + (heads + kv_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        k_to[d] = narrow<Held>(widen(k_from[d]));
+        v_to[d] = narrow<Held>(widen(v_from[d]));
+      }
+    }
+  }
+}
+
+template <typename In>
+void store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
+           const int64_t* slots, at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& q) {
+  const int64_t rows = qkv.size(0), cache_rows = k_cache.size(1) * k_cache.size(2);
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    store_and_widen(qkv.data_ptr<In>(), rows, heads, kv_heads, dim, slots, cache_rows,
+                    k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+                    q.data_ptr<float>());
+  } else {
+    store_and_widen(qkv.data_ptr<In>(), rows, heads, kv_heads, dim, slots, cache_rows,
+                    k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), q.data_ptr<float>());
+  }
+}
+
+// A step of decodes only, in one call: each row of qkv [B, (H + 2 KVH) D] (queries, keys,
+// values side by side, as the stacked projection leaves them, rotated) stores its key and
+// value at its slot, then attends over its context; out [B, H D] in qkv's dtype. The torch
+// path does this in ~10 operator calls per layer (slices, transposes, two index_copy_, the
+// query's widening, the output's narrowing): a decode step runs it for every layer.
+at::Tensor decode_attention_(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, int64_t heads, double scale) {
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decode_attention_: contiguous caches (it stores into them)");
+  const at::ScalarType dtype = qkv.scalar_type();
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16),
+              "decode_attention_: qkv [B, (H + 2 KVH) D] float32 or bfloat16 on the CPU");
+  const int64_t kv_heads = k_cache.size(0), dim = k_cache.size(3), rows = qkv.size(0);
+  TORCH_CHECK(heads > 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "decode_attention_: qkv's width is not (heads + 2 kv_heads) head_dim");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == rows && block_tables.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong,
+              "decode_attention_: int64 slots, block tables and lengths, one per row");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const int64_t cache_rows = k_cache.size(1) * k_cache.size(2);
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slot_p[r] >= 0 && slot_p[r] < cache_rows, "decode_attention_: slot out of range");
+  // every table checked before the first key is stored: a bad one leaves the caches untouched
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && lens.size(0) == rows,
+              "decode_attention_: one block table and length per row");
+  check_tables(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), rows, tables.size(1),
+               k_cache.size(2), k_cache.size(1));
+  const at::Tensor qc = qkv.contiguous();
+  at::Tensor q = at::empty({rows, heads, dim}, qkv.options().dtype(at::kFloat));
+  if (dtype == at::kBFloat16) {
+    store<c10::BFloat16>(qc, heads, kv_heads, dim, slot_p, k_cache, v_cache, q);
+  } else {
+    store<float>(qc, heads, kv_heads, dim, slot_p, k_cache, v_cache, q);
+  }
+  const at::Tensor attended = attend(q, k_cache, v_cache, tables, lens, scale);
+  return dtype == at::kFloat ? attended.view({rows, heads * dim})
+                             : attended.view({rows, heads * dim}).to(dtype);
 }
 
 }  // namespace
@@ -290,6 +389,12 @@ TORCH_LIBRARY(kiln, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale) -> Tensor");
+  m.def(
+      "decode_attention_(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+      "Tensor block_tables, Tensor context_lens, int heads, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_attention_", &decode_attention_);
+}

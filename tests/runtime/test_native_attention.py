@@ -152,3 +152,109 @@ def test_a_source_that_does_not_compile_raises_naming_it(
     assert str(broken) in message and "failed to build" in message
     assert "error" in message.split("failed to build", 1)[1]  # the compiler's own words
     assert "KILN_NATIVE=0" in message
+
+
+def torch_decode_step(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """What the model does without `decode_attention_`: store keys and values in the caches'
+    dtype (attention.PagedKVCache.write), attend in the caches' dtype widened to float32, and
+    return the model's dtype."""
+    kv_heads, _, _, dim = k_cache.shape
+    rows = qkv.shape[0]
+    parts = qkv.view(rows, heads + 2 * kv_heads, dim)
+    q, k, v = parts[:, :heads], parts[:, heads : heads + kv_heads], parts[:, heads + kv_heads :]
+    for cache, values in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(kv_heads, -1, dim)
+        flat.index_copy_(1, slots, values.transpose(0, 1).to(cache.dtype))
+    q = q.to(k_cache.dtype).float()
+    out = torch.ops.kiln.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    return out.view(rows, heads * dim).to(qkv.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("held", [torch.float32, torch.bfloat16])
+def test_fused_decode_step_stores_and_attends_as_the_torch_path(
+    dtype: torch.dtype, held: torch.dtype
+) -> None:
+    """One call per layer for a decode-only step: the same cache contents and the same
+    attention output, bit for bit, as the ~10 torch calls it replaces; every new key is
+    attended by its own row (it is stored before any row reads)."""
+    generator = torch.Generator().manual_seed(11)
+    kv_heads, heads, dim, block_size, num_blocks = 3, 9, 64, 16, 24
+    caches = [
+        torch.randn(kv_heads, num_blocks, block_size, dim, generator=generator).to(held)
+        for _ in range(2)
+    ]
+    tables = torch.randperm(num_blocks, generator=generator)[:12].view(4, 3)
+    lens = torch.tensor([1, 17, 32, 48])
+    # each row's new token sits at its last position
+    slots = torch.stack(
+        [
+            tables[b, (n - 1) // block_size] * block_size + (n - 1) % block_size
+            for b, n in enumerate(lens.tolist())
+        ]
+    )
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    ours = [c.clone() for c in caches]
+    theirs = [c.clone() for c in caches]
+    got = torch.ops.kiln.decode_attention_(qkv, *ours, slots, tables, lens, heads, 0.125)
+    expected = torch_decode_step(qkv, *theirs, slots, tables, lens, heads, 0.125)
+    assert got.dtype == dtype and got.shape == (4, heads * dim)
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert not torch.equal(ours[0], caches[0])
+
+
+@pytest.mark.parametrize(
+    ("slot", "block", "message"), [(16 * 8, 0, "slot out of range"), (0, 9, "bad block id")]
+)
+def test_fused_decode_step_refuses_bad_slots_and_tables_before_storing(
+    slot: int, block: int, message: str
+) -> None:
+    k_cache, v_cache = torch.zeros(1, 8, 16, 64), torch.zeros(1, 8, 16, 64)
+    qkv = torch.ones(1, 3 * 64)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kiln.decode_attention_(
+            qkv, k_cache, v_cache, torch.tensor([slot]), torch.tensor([[block]]),
+            torch.tensor([1]), 1, 1.0,
+        )  # fmt: skip
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_engine_decodes_alike_with_and_without_the_fused_step(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy tokens and log-probabilities identical whether decode-only steps take the one
+    native call per layer or the torch calls around the kernel; the fused step is taken."""
+    import kiln.runtime.model as model_module
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = audit_prompts(tiny_llama)[:6]
+    runs = {}
+    taken = []
+    real = model_module.fused_decode
+    for on in (True, False):
+
+        def chosen(*args: object, on: bool = on) -> bool:
+            result = on and real(*args)  # type: ignore[arg-type]
+            taken.append(result)
+            return result
+
+        monkeypatch.setattr(model_module, "fused_decode", chosen)
+        engine = Engine.from_pretrained(tiny_llama, enable_prefix_caching=False)
+        runs[on] = engine.generate(prompts, params)
+    assert any(taken)
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x is not None and y is not None
+            assert {t: p.logprob for t, p in x.items()} == {t: p.logprob for t, p in y.items()}

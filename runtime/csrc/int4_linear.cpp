@@ -127,7 +127,8 @@ inline void tile(const Problem& pr, int64_t p, int64_t c0, int64_t m0, float* ou
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (m0 + r) * groups + g;
-        const __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_set1_ps(pr.unit[at]));
+        const __m256 sum =
+            _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_set1_ps(pr.unit[at]));
         float* dst = y + (r * 2 * NB + v) * 8;
         _mm256_store_ps(dst, _mm256_fmadd_ps(shift, _mm256_set1_ps(pr.xsum[at]),
                                              _mm256_fmadd_ps(s, sum, _mm256_load_ps(dst))));
@@ -183,7 +184,7 @@ void linear(const Problem& pr, T* y) {
 
 // Each row's groups as 16-bit integers: unit = 2^(e - 15) for the group's largest magnitude
 // below 2^e, q = x / unit rounded to nearest even (|q| <= 32767). A group holding Inf or NaN
-// gets a NaN unit, so its outputs are NaN as a float product's would be.
+// (or whose sum overflows) gets a NaN unit, so its outputs are NaN as a float product's would be.
 template <typename T>
 void to_integers(const T* x, int64_t M, int64_t K, int64_t group, int16_t* q, float* unit,
                  float* xsum) {

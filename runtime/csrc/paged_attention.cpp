@@ -244,30 +244,32 @@ void run(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const
   });
 }
 
-// The block tables and lengths a call reads, checked before any of it is read.
-void check_tables(const int64_t* table_p, const int64_t* len_p, int64_t batch, int64_t width,
-                  int64_t block_size, int64_t num_blocks) {
+// The block tables and lengths a call reads, checked before any of it is read; `op` names
+// the operator in the error.
+void check_tables(const char* op, const int64_t* table_p, const int64_t* len_p, int64_t batch,
+                  int64_t width, int64_t block_size, int64_t num_blocks) {
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(len_p[b] >= 1 && len_p[b] <= width * block_size,
-                "paged_decode_attention: context length out of range");
+    TORCH_CHECK(len_p[b] >= 1 && len_p[b] <= width * block_size, op,
+                ": context length out of range");
     for (int64_t slot = 0; slot < (len_p[b] + block_size - 1) / block_size; ++slot) {
       const int64_t block = table_p[b * width + slot];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: bad block id");
+      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": bad block id");
     }
   }
 }
 
-at::Tensor attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc,
-                  const at::Tensor& tables, const at::Tensor& lens, double scale) {
+at::Tensor attend(const char* op, const at::Tensor& qc, const at::Tensor& kc,
+                  const at::Tensor& vc, const at::Tensor& tables, const at::Tensor& lens,
+                  double scale) {
   const int64_t batch = qc.size(0), heads = qc.size(1), dim = qc.size(2);
   const int64_t kv_heads = kc.size(0), num_blocks = kc.size(1), block_size = kc.size(2);
   const int64_t width = tables.size(1);
-  TORCH_CHECK(kc.size(3) == dim && heads % kv_heads == 0, "paged_decode_attention: head shapes");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.size(0) == batch,
-              "paged_decode_attention: one block table and length per sequence");
+  TORCH_CHECK(kc.size(3) == dim && heads % kv_heads == 0, op, ": head shapes");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.size(0) == batch, op,
+              ": one block table and length per sequence");
   const int64_t* table_p = tables.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
-  check_tables(table_p, len_p, batch, width, block_size, num_blocks);
+  check_tables(op, table_p, len_p, batch, width, block_size, num_blocks);
   at::Tensor out = at::empty_like(qc);
   if (kc.scalar_type() == at::kBFloat16) {
     run<c10::BFloat16>(qc, kc, vc, table_p, len_p, out, width, scale);
@@ -277,25 +279,26 @@ at::Tensor attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& 
   return out;
 }
 
-void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+void check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   const at::ScalarType held = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   v_cache.scalar_type() == held && (held == at::kFloat || held == at::kBFloat16),
-              "paged_decode_attention: float32 or bfloat16 caches on the CPU");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: caches [KVH, NB, BS, D]");
+              op, ": float32 or bfloat16 caches on the CPU");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), op,
+              ": caches [KVH, NB, BS, D]");
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
-  check_caches(k_cache, v_cache);
+  constexpr const char* op = "paged_decode_attention";
+  check_caches(op, k_cache, v_cache);
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3,
               "paged_decode_attention: a float32 query [B, H, D] on the CPU");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 block tables and lengths");
-  return attend(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
-                context_lens.contiguous(), scale);
+  return attend(op, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                block_tables.contiguous(), context_lens.contiguous(), scale);
 }
 
 // Row r's keys and values (after its query heads in qkv) into the caches at slots[r], in the
@@ -308,7 +311,8 @@ void store_and_widen(const In* qkv, int64_t rows, int64_t heads, int64_t kv_head
   const int64_t width = (heads + 2 * kv_heads) * dim;
   for (int64_t r = 0; r < rows; ++r) {
     const In* row = qkv + r * width;
-    for (int64_t i = 0; i < heads * dim; ++i) q[r * heads * dim + i] = widen(narrow<Held>(widen(row[i])));
+    float* q_to = q + r * heads * dim;
+    for (int64_t i = 0; i < heads * dim; ++i) q_to[i] = widen(narrow<Held>(widen(row[i])));
     const int64_t slot = slots[r];
     for (int64_t h = 0; h < kv_heads; ++h) {
       Held* k_to = k_cache + (h * cache_rows + slot) * dim;
@@ -345,7 +349,8 @@ void store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
 at::Tensor decode_attention_(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, int64_t heads, double scale) {
-  check_caches(k_cache, v_cache);
+  constexpr const char* op = "decode_attention_";
+  check_caches(op, k_cache, v_cache);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_attention_: contiguous caches (it stores into them)");
   const at::ScalarType dtype = qkv.scalar_type();
@@ -369,7 +374,7 @@ at::Tensor decode_attention_(const at::Tensor& qkv, at::Tensor& k_cache, at::Ten
   // every table checked before the first key is stored: a bad one leaves the caches untouched
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && lens.size(0) == rows,
               "decode_attention_: one block table and length per row");
-  check_tables(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), rows, tables.size(1),
+  check_tables(op, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), rows, tables.size(1),
                k_cache.size(2), k_cache.size(1));
   const at::Tensor qc = qkv.contiguous();
   at::Tensor q = at::empty({rows, heads, dim}, qkv.options().dtype(at::kFloat));
@@ -378,7 +383,7 @@ at::Tensor decode_attention_(const at::Tensor& qkv, at::Tensor& k_cache, at::Ten
   } else {
     store<float>(qc, heads, kv_heads, dim, slot_p, k_cache, v_cache, q);
   }
-  const at::Tensor attended = attend(q, k_cache, v_cache, tables, lens, scale);
+  const at::Tensor attended = attend(op, q, k_cache, v_cache, tables, lens, scale);
   return dtype == at::kFloat ? attended.view({rows, heads * dim})
                              : attended.view({rows, heads * dim}).to(dtype);
 }

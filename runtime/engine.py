@@ -285,11 +285,15 @@ class Engine:
         if plain:
             requests = [request for request, _ in plain]
             index = [row for _, row in plain]
-            if index == list(range(logits.shape[0])):  # every row, in order: no copy
-                rows = logits
+            if step.tokens is not None:  # greedy rows without log-probabilities: argmaxes
+                tokens, rows = step.tokens[torch.tensor(index, device=logits.device)], logits
             else:
-                rows = logits[torch.tensor(index, device=logits.device)]
-            tokens = sample(rows, [r.params for r in requests], [r.generator for r in requests])
+                if index == list(range(logits.shape[0])):  # every row, in order: no copy
+                    rows = logits
+                else:
+                    rows = logits[torch.tensor(index, device=logits.device)]
+                params = [r.params for r in requests]
+                tokens = sample(rows, params, [r.generator for r in requests])
             entries = self._logprob_entries(requests, rows, tokens)
             for request, token, entry in zip(requests, tokens.tolist(), entries, strict=True):
                 self._emit(request, token, entry)

@@ -32,6 +32,7 @@ from kiln.runtime.attention import (
     fused_decode,
     paged_attention,
 )
+from kiln.runtime.greedy_head import GreedyHead
 from kiln.runtime.linear import Linear
 from kiln.runtime.model_info import ModelInfo
 
@@ -86,6 +87,8 @@ class CausalLM:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
+        # Greedy steps on a bf16 head on kiln's CPU kernel read an int8 screen of it first.
+        self.greedy_head = GreedyHead.build(lm_head)
         self.dtype = embed.dtype
         self.dtype_reason = "the weights' dtype"  # the loader says why it chose this dtype
         self.device = embed.device
@@ -145,8 +148,10 @@ class CausalLM:
         cache: PagedKVCache,
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
+        greedy: bool = False,
     ) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(logits_rows), vocab]."""
+        """Run one step; returns float32 logits [len(logits_rows), vocab], or with `greedy`
+        each row's argmax (int64 [len(logits_rows)], the first maximum) instead."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         qk_size = (heads + kv_heads) * dim
@@ -185,4 +190,7 @@ class CausalLM:
             else:
                 residual, normed = self._add_rms_norm(residual, layer.down(activated), following)
         selected = self._rms_norm(residual.index_select(0, logits_rows), self.norm)
-        return self.lm_head(selected).float()
+        if greedy and self.greedy_head is not None:
+            return self.greedy_head.argmax(selected)
+        logits = self.lm_head(selected).float()
+        return logits.max(dim=-1).indices if greedy else logits

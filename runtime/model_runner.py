@@ -1,4 +1,5 @@
-"""ModelRunner: turns a scheduler step into model inputs, runs the forward, returns logits.
+"""ModelRunner: turns a scheduler step into model inputs, runs the forward, returns logits
+(or, on a step whose rows all sample greedily without log-probabilities, their argmaxes).
 
 The step's tokens are laid out decodes first (requests advancing by one token), then prefill
 chunks. For each request the runner records which logits rows it needs: the last row when
@@ -24,6 +25,9 @@ class StepLogits:
     """The forward's logits and, per request, which of its rows mean what."""
 
     logits: torch.Tensor
+    # Each sample row's token, where every row of the step samples greedily without
+    # log-probabilities (the forward then returns argmaxes, not logits; `logits` is empty).
+    tokens: torch.Tensor | None
     # (request, first logits row, first position, count) for prompt log-probability rows.
     prompt_rows: list[tuple[Request, int, int, int]]
     # (request, row) for requests that sample a token this step; a request verifying k
@@ -34,8 +38,11 @@ class StepLogits:
 class ModelRunner:
     """Owns the model and its paged KV cache; runs one scheduled step at a time."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, greedy_steps: bool = True) -> None:
         self.model = model
+        # Whether steps that need only greedy tokens may ask the model for argmaxes (a draft
+        # model's runner always needs logits: they are mapped onto the target's vocabulary).
+        self.greedy_steps = greedy_steps
         self.cache = cache
         self.block_size = cache.block_size
         self.device = model.device
@@ -104,10 +111,30 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(first, count, context, blocks, causal))
             self._plan_rows(request, first, count, rows, sample_rows, prompt_rows)
 
-        logits = self.model.forward(
-            self._tensor(token_ids), self._tensor(positions), self.cache, meta, self._tensor(rows)
+        args = (self._tensor(token_ids), self._tensor(positions), self.cache, meta)
+        if self._greedy_only(prompt_rows, sample_rows):
+            tokens = self.model.forward(*args, self._tensor(rows), greedy=True)
+            return StepLogits(tokens.new_empty((0,)), tokens, prompt_rows, sample_rows)
+        logits = self.model.forward(*args, self._tensor(rows))
+        return StepLogits(logits, None, prompt_rows, sample_rows)
+
+    def _greedy_only(
+        self,
+        prompt_rows: list[tuple[Request, int, int, int]],
+        sample_rows: list[tuple[Request, int]],
+    ) -> bool:
+        """Whether the step needs only argmaxes: every row samples greedily, with no
+        log-probabilities and no draft tokens to verify, and the model screens its head."""
+        return (
+            self.greedy_steps
+            and self.model.greedy_head is not None
+            and not prompt_rows
+            and bool(sample_rows)
+            and all(
+                r.params.greedy and r.params.logprobs is None and not r.spec_token_ids
+                for r, _ in sample_rows
+            )
         )
-        return StepLogits(logits, prompt_rows, sample_rows)
 
     def _plan_rows(
         self,

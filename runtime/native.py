@@ -4,7 +4,8 @@ Hand-written where no installable library does the job on a CPU box (see each so
 header): single-token attention read straight from the paged KV cache, the decoder's
 fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), the
 W4A16 layer's one-pass int4 dequantisation for prefill and its decode kernel for CPUs
-without AVX-512, and the bf16-weight linear layer for CPUs without native bf16. The build
+without AVX-512, the bf16-weight linear layer for CPUs without native bf16, and the int8
+screen of a greedy step's LM head (greedy_head.py). The build
 uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency), once per
 machine and source version; the shared object is cached in torch's extensions directory
 (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no ninja) the
@@ -34,11 +35,13 @@ SOURCES = [
     CSRC / "int4_dequant.cpp",
     CSRC / "bf16_linear.cpp",
     CSRC / "int4_linear.cpp",
+    CSRC / "int8_screen.cpp",
 ]
 HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
 OPS = (
     "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
     "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",
+    "int8_screen",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).

@@ -171,7 +171,7 @@ class DraftProposer:
         cache = build_kv_cache(model, config, kv_spec or KVCacheSpec(), 0, num_blocks)
         self.model = model
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching=False)
-        self.runner = ModelRunner(model, cache)
+        self.runner = ModelRunner(model, cache, greedy_steps=False)
         self.vocab_size = vocab_size
         self.sequences: dict[str, DraftSequence] = {}
 

@@ -1,0 +1,228 @@
+// kiln runtime: approximate logits from an int8 copy of the LM head, for exact greedy steps.
+//
+// Hand-written because no library does it: a greedy decode step needs only the argmax of the
+// logits, and at a few rows the bf16 LM head (SmolLM2-135M: 49,152 x 576, 57 MB) is a third
+// of the bytes a step reads. runtime/greedy_head.py screens the vocabulary with this int8
+// copy (half the bytes), bounds each approximate logit's distance from the exact one, and
+// recomputes exactly only the tokens that can still be the argmax (the rule and its proof are
+// in greedy_head.py; `int8_greedy` carries it out, `int8_screen` is its first pass).
+//
+// `int8_screen(x, panels, scale, N)`: approx[m, n] = scale[n] * sum_k x[m, k] * q[n, k] in
+// float32, x float32 or bfloat16 (widened exactly). Layout: `panels` is q [N, K] int8 in
+// panels of 64 output columns, [ceil(N/64), K, 64], zeros past N (runtime/greedy_head.py
+// packs it), so one row reads the whole copy as one stream. Per k the 64 codes are widened
+// 8 at a time (sign extension, then an exact conversion to float32) and multiplied in
+// float32; the summation order is not the bf16 kernel's, which the screen's bound allows for.
+// The candidates are then recomputed from the bf16 panels with bf16_linear's arithmetic.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace kiln_simd;
+
+constexpr int64_t PANEL = 64;  // output columns per panel
+constexpr int64_t MAX_ROWS = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[r][c] = sum_k x[r, k] * q[c, k] for MR rows and the 8 * V columns of one panel starting
+// at column 8 * v0.
+template <int MR, int V>
+inline void tile(const float* x, int64_t K, const int8_t* panel, int v0, float* out,
+                 int64_t ldo) {
+  __m256 acc[MR][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* codes = panel + k * PANEL + 8 * v0;
+    __m256 w[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * v));
+      w[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, w[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + r * ldo + 8 * (v0 + v), acc[r][v]);
+}
+#else
+template <int MR, int V>
+inline void tile(const float* x, int64_t K, const int8_t* panel, int v0, float* out,
+                 int64_t ldo) {
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 8 * v0; c < 8 * (v0 + V); ++c) {
+      float dot = 0.f;
+      for (int64_t k = 0; k < K; ++k) dot += x[r * K + k] * panel[k * PANEL + c];
+      out[r * ldo + c] = dot;
+    }
+}
+#endif
+
+// One panel for MR rows: all 64 columns, in register-sized column blocks.
+template <int MR>
+inline void panel_rows(const float* x, int64_t K, const int8_t* panel, float* out) {
+  constexpr int V = MR == 1 ? 8 : MR == 2 ? 4 : 2;  // 8 * MR accumulators at most
+  for (int v0 = 0; v0 < PANEL / 8; v0 += V) tile<MR, V>(x, K, panel, v0, out, PANEL);
+}
+
+// approx [M, N] = scale[n] * sum_k x[m, k] * q[n, k] (x widened to float32 [M, K]).
+void screen(const float* xs, int64_t M, int64_t K, const int8_t* q, int64_t P, const float* s,
+            int64_t N, float* o) {
+  at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
+    alignas(32) float acc[MAX_ROWS * PANEL];
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* panel = q + p * K * PANEL;
+      switch (M) {
+        case 1: panel_rows<1>(xs, K, panel, acc); break;
+        case 2: panel_rows<2>(xs, K, panel, acc); break;
+        case 3: panel_rows<3>(xs, K, panel, acc); break;
+        default: panel_rows<4>(xs, K, panel, acc); break;
+      }
+      const int64_t n0 = p * PANEL, width = std::min<int64_t>(PANEL, N - n0);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t c = 0; c < width; ++c) o[r * N + n0 + c] = s[n0 + c] * acc[r * PANEL + c];
+    }
+  });
+}
+
+// Where bf16_pack stores column n: panel n / 64, position (n % 64 / 16) * 16 + slot(n % 16).
+inline int64_t bf16_offset(int64_t n, int64_t K, int64_t k) {
+  const int64_t c = n % 16;
+  const int64_t position = (n % PANEL / 16) * 16 + (c < 8 ? 2 * c : 2 * (c - 8) + 1);
+  return (n / PANEL) * K * PANEL + k * PANEL + position;
+}
+
+template <typename T>
+inline float as_output(float v) {
+  return widen(narrow<T>(v));
+}
+
+// Row m's argmax of the bf16 layer's outputs (rounded to T), or -1 where the screen cannot
+// decide (a non-finite approximate logit, or more than max_candidates candidates).
+template <typename T>
+int64_t decide(const float* x, int64_t K, const float* approx, const float* slack,
+               const uint16_t* w, int64_t N, int64_t max_candidates, std::vector<int64_t>& cand) {
+  float norm = 0.f;
+  for (int64_t k = 0; k < K; ++k) norm += std::fabs(x[k]);
+  norm *= 1.f + 0x1p-10f;
+  // bound_n: how far the exact float32 logit can be from approx_n (greedy_head.py)
+  auto bound = [&](int64_t n) { return norm * slack[n] + std::fabs(approx[n]) * 0x1p-20f; };
+  float floor = -INFINITY;
+  for (int64_t n = 0; n < N; ++n) {
+    if (!std::isfinite(approx[n])) return -1;
+    floor = std::max(floor, approx[n] - bound(n));
+  }
+  const float reach = as_output<T>(floor);
+  cand.clear();
+  for (int64_t n = 0; n < N; ++n) {
+    if (as_output<T>(approx[n] + bound(n)) >= reach) {
+      if (static_cast<int64_t>(cand.size()) == max_candidates) return -1;
+      cand.push_back(n);
+    }
+  }
+  // Each candidate exactly as bf16_linear computes it: one float32 fused multiply-add per k,
+  // in order from zero, then rounded to T. The first of equal maxima wins, as argmax's.
+  int64_t best = -1;
+  float best_value = 0.f;
+  for (const int64_t n : cand) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      c10::BFloat16 v;
+      v.x = w[bf16_offset(n, K, k)];
+      acc = std::fma(x[k], widen(v), acc);
+    }
+    const float value = as_output<T>(acc);
+    if (best < 0 || value > best_value) best = n, best_value = value;
+  }
+  return best;
+}
+
+at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
+                       int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.size(0) <= MAX_ROWS,
+              "int8_screen: x [M, K] float32 or bfloat16 on the CPU, M <= 4");
+  TORCH_CHECK(panels.scalar_type() == at::kChar && panels.dim() == 3 &&
+                  panels.size(2) == PANEL && panels.is_contiguous() &&
+                  panels.size(1) == x.size(1) && panels.size(0) * PANEL >= N &&
+                  panels.size(0) * PANEL < N + PANEL,
+              "int8_screen: int8 panels [ceil(N/64), K, 64] with x's K columns and N outputs");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == N &&
+                  scale.is_contiguous(),
+              "int8_screen: scale float32 [N]");
+  at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), N}, x32.options());
+  if (x.size(0) > 0)
+    screen(x32.data_ptr<float>(), x.size(0), x.size(1), panels.data_ptr<int8_t>(),
+           panels.size(0), scale.data_ptr<float>(), N, out.data_ptr<float>());
+  return out;
+}
+
+// Each row's argmax of the bf16 layer whose bf16_pack panels are `weight` (no bias), decided
+// through the int8 screen; an empty tensor where some row cannot be decided that way.
+at::Tensor int8_greedy(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
+                       const at::Tensor& slack, const at::Tensor& weight, int64_t N,
+                       int64_t max_candidates) {
+  at::Tensor approx = int8_screen(x, panels, scale, N);
+  TORCH_CHECK(slack.scalar_type() == at::kFloat && slack.dim() == 1 && slack.size(0) == N &&
+                  slack.is_contiguous(),
+              "int8_greedy: slack float32 [N]");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 3 &&
+                  weight.is_contiguous() && weight.sizes() == panels.sizes(),
+              "int8_greedy: the bf16_pack panels of the layer the screen copies");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
+  std::vector<int64_t> cand;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x32.data_ptr<float>() + m * K;
+    const float* am = approx.data_ptr<float>() + m * N;
+    const int64_t token =
+        x.scalar_type() == at::kBFloat16
+            ? decide<c10::BFloat16>(xm, K, am, slack.data_ptr<float>(), w, N, max_candidates,
+                                    cand)
+            : decide<float>(xm, K, am, slack.data_ptr<float>(), w, N, max_candidates, cand);
+    if (token < 0) return at::empty({0}, tokens.options());
+    tokens.data_ptr<int64_t>()[m] = token;
+  }
+  return tokens;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("int8_screen(Tensor x, Tensor panels, Tensor scale, int N) -> Tensor");
+  m.def(
+      "int8_greedy(Tensor x, Tensor panels, Tensor scale, Tensor slack, Tensor weight, int N, "
+      "int max_candidates) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("int8_screen", &int8_screen);
+  m.impl("int8_greedy", &int8_greedy);
+}

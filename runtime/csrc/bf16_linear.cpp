@@ -15,8 +15,10 @@
 // Each k's 64 values are four sub-panels of 16 columns, the columns interleaved within each
 // (see `slot`). `bf16_linear` computes a tile of MR rows x 16*NB columns at a time: per k it
 // widens NB sub-panels' 16 values and does MR*NB*2 fused multiply-adds (AVX2: 8 lanes), the
-// accumulators living in registers. x is float32 or bfloat16 (widened once per call); the
-// result has x's dtype. Every output is the same sequential float32 sum over k whatever the
+// accumulators living in registers. With 2-8 rows every row tile meets a block of k's of a
+// panel while it sits in L1, so each panel streams from memory once, in order; with more,
+// blocks of rows meet each sub-panel in turn. x is float32 or bfloat16 (widened once per
+// call); the result has x's dtype. Every output is the same sequential float32 sum over k whatever the
 // tile, so a row's result does not depend on the other rows of the call.
 
 #include <ATen/ATen.h>
@@ -24,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 
@@ -41,6 +44,8 @@ constexpr int64_t LANES = 16;    // output columns per sub-panel
 constexpr int64_t PANEL = 64;    // output columns per panel: four sub-panels
 constexpr int64_t SUBS = PANEL / LANES;
 constexpr int64_t M_BLOCK = 48;  // rows whose inputs stay in L2 while the panels pass by
+constexpr int64_t K_BLOCK = 64;  // k's of a panel (8 KB) in L1 while every row tile reads them
+constexpr int64_t FEW_ROWS = 8;  // up to this many rows, blocks of k (measured: faster to 8)
 
 // Where a panel stores its column c (0-15) within each k's 16 values: columns 0-7 in the even
 // slots, 8-15 in the odd ones (read back by widen16).
@@ -56,16 +61,19 @@ inline void widen16(const uint16_t* p, __m256& low, __m256& high) {
                        _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// acc[r][c] = sum_k x[r, k] * W[c, k] for MR rows and NB consecutive sub-panels of one
-// panel (16 * NB columns).
+// acc[r][c] += sum_{k0 <= k < k1} x[r, k] * W[c, k] for MR rows and NB consecutive sub-panels
+// of one panel (16 * NB columns), one fused multiply-add per k in order; the accumulators
+// start at zero when `first` and are read from acc_io otherwise (row stride ld floats).
 template <int MR, int NB>
-inline void tile(const float* x, int64_t ldx, const uint16_t* panels, int64_t K, float* acc_out) {
+inline void tile(const float* x, int64_t ldx, const uint16_t* panels, int64_t k0, int64_t k1,
+                 float* acc_io, int64_t ld, bool first) {
   __m256 acc[MR][2 * NB];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < 2 * NB; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int v = 0; v < 2 * NB; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_io + r * ld + 8 * v);
+  for (int64_t k = k0; k < k1; ++k) {
     __m256 w[2 * NB];
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
@@ -81,21 +89,22 @@ inline void tile(const float* x, int64_t ldx, const uint16_t* panels, int64_t K,
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < 2 * NB; ++v) _mm256_storeu_ps(acc_out + r * LANES * NB + 8 * v, acc[r][v]);
+    for (int v = 0; v < 2 * NB; ++v) _mm256_storeu_ps(acc_io + r * ld + 8 * v, acc[r][v]);
 }
 #else
 template <int MR, int NB>
-inline void tile(const float* x, int64_t ldx, const uint16_t* panels, int64_t K, float* acc_out) {
+inline void tile(const float* x, int64_t ldx, const uint16_t* panels, int64_t k0, int64_t k1,
+                 float* acc_io, int64_t ld, bool first) {
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b)
       for (int64_t c = 0; c < LANES; ++c) {
-        float dot = 0.f;
-        for (int64_t k = 0; k < K; ++k) {
+        float dot = first ? 0.f : acc_io[r * ld + b * LANES + c];
+        for (int64_t k = k0; k < k1; ++k) {
           c10::BFloat16 w;
           w.x = panels[k * PANEL + b * LANES + slot(c)];
-          dot += x[r * ldx + k] * widen(w);
+          dot = std::fma(x[r * ldx + k], widen(w), dot);
         }
-        acc_out[r * LANES * NB + b * LANES + c] = dot;
+        acc_io[r * ld + b * LANES + c] = dot;
       }
 }
 #endif
@@ -109,32 +118,43 @@ struct Problem {
   int64_t M, N, K;
 };
 
-// Rows m0 .. m0 + MR - 1 against sub-panels sub .. sub + NB - 1 (of one panel), bias added,
-// stored as T.
-template <typename T, int MR, int NB>
-inline void run_tile(const Problem<T>& pr, int64_t m0, int64_t sub) {
-  alignas(32) float acc[MR * LANES * NB];
-  const uint16_t* panel = pr.packed + (sub / SUBS) * pr.K * PANEL + (sub % SUBS) * LANES;
-  tile<MR, NB>(pr.x + m0 * pr.K, pr.K, panel, pr.K, acc);
-  const int64_t n0 = sub * LANES, width = std::min<int64_t>(LANES * NB, pr.N - n0);
-  for (int r = 0; r < MR; ++r) {
+// acc [rows, 64] (row stride PANEL) of panel p, bias added, stored as T in rows m0 ...
+template <typename T>
+inline void store(const Problem<T>& pr, const float* acc, int64_t m0, int64_t rows, int64_t p) {
+  const int64_t n0 = p * PANEL, width = std::min<int64_t>(PANEL, pr.N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
     T* row = pr.out + (m0 + r) * pr.N + n0;
-    const float* a = acc + r * LANES * NB;
+    const float* a = acc + r * PANEL;
     for (int64_t c = 0; c < width; ++c)
       row[c] = narrow<T>(pr.bias ? a[c] + pr.bias[n0 + c] : a[c]);
   }
 }
 
-// Rows m0 .. m0 + rows - 1 (rows <= 6) against sub-panel `sub`.
-template <typename T>
-void run_rows(const Problem<T>& pr, int64_t m0, int64_t rows, int64_t sub) {
+// Rows (rows <= 6, x's first row at x) against one sub-panel, k in [k0, k1).
+inline void sub_rows(const float* x, int64_t K, const uint16_t* w, int64_t rows, int64_t k0,
+                     int64_t k1, float* acc, bool first) {
   switch (rows) {
-    case 1: run_tile<T, 1, 1>(pr, m0, sub); break;
-    case 2: run_tile<T, 2, 1>(pr, m0, sub); break;
-    case 3: run_tile<T, 3, 1>(pr, m0, sub); break;
-    case 4: run_tile<T, 4, 1>(pr, m0, sub); break;
-    case 5: run_tile<T, 5, 1>(pr, m0, sub); break;
-    default: run_tile<T, 6, 1>(pr, m0, sub); break;
+    case 1: tile<1, 1>(x, K, w, k0, k1, acc, PANEL, first); break;
+    case 2: tile<2, 1>(x, K, w, k0, k1, acc, PANEL, first); break;
+    case 3: tile<3, 1>(x, K, w, k0, k1, acc, PANEL, first); break;
+    case 4: tile<4, 1>(x, K, w, k0, k1, acc, PANEL, first); break;
+    case 5: tile<5, 1>(x, K, w, k0, k1, acc, PANEL, first); break;
+    default: tile<6, 1>(x, K, w, k0, k1, acc, PANEL, first); break;
+  }
+}
+
+// Rows (rows <= 6) against the whole panel, k in [k0, k1): one row takes the panel as one
+// tile and two rows half of it (more accumulators in flight), more rows one sub-panel.
+inline void panel_rows(const float* x, int64_t K, const uint16_t* panel, int64_t rows,
+                       int64_t k0, int64_t k1, float* acc, bool first) {
+  if (rows == 1) {
+    tile<1, SUBS>(x, K, panel, k0, k1, acc, PANEL, first);
+  } else if (rows == 2) {
+    for (int64_t sub = 0; sub < SUBS; sub += 2)
+      tile<2, 2>(x, K, panel + sub * LANES, k0, k1, acc + sub * LANES, PANEL, first);
+  } else {
+    for (int64_t sub = 0; sub < SUBS; ++sub)
+      sub_rows(x, K, panel + sub * LANES, rows, k0, k1, acc + sub * LANES, first);
   }
 }
 
@@ -143,26 +163,43 @@ void linear(const Problem<T>& pr) {
   const int64_t panels = (pr.N + PANEL - 1) / PANEL;
   // Threads split the output columns, so each reads its own part of the weight.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    if (pr.M <= 2) {
+    alignas(32) float acc[M_BLOCK * PANEL];
+    if (pr.M == 1) {
       // Bound by the weight's bytes, read once: a whole panel per k (one stream), with
       // enough independent accumulators in flight.
       for (int64_t p = begin; p < end; ++p) {
-        if (pr.M == 1) {
-          run_tile<T, 1, SUBS>(pr, 0, p * SUBS);
-        } else {
-          run_tile<T, 2, SUBS / 2>(pr, 0, p * SUBS);
-          run_tile<T, 2, SUBS / 2>(pr, 0, p * SUBS + SUBS / 2);
-        }
+        tile<1, SUBS>(pr.x, pr.K, pr.packed + p * pr.K * PANEL, 0, pr.K, acc, PANEL, true);
+        store(pr, acc, 0, 1, p);
       }
       return;
     }
-    // Six rows per tile keep the FMA units busy; a block of rows meets each sub-panel while
-    // it sits in L1.
     for (int64_t m_block = 0; m_block < pr.M; m_block += M_BLOCK) {
       const int64_t m_end = std::min(pr.M, m_block + M_BLOCK);
-      for (int64_t sub = begin * SUBS; sub < end * SUBS; ++sub)
-        for (int64_t m0 = m_block; m0 < m_end; m0 += 6)
-          run_rows(pr, m0, std::min<int64_t>(6, m_end - m0), sub);
+      for (int64_t p = begin; p < end; ++p) {
+        const uint16_t* panel = pr.packed + p * pr.K * PANEL;
+        if (pr.M <= FEW_ROWS) {
+          // Too few rows to keep the FMA units busy on one sub-panel: every row tile meets
+          // each block of K_BLOCK k's of the panel while it sits in L1, so the panel streams
+          // from memory once, front to back; the accumulators wait in `acc` between blocks.
+          for (int64_t k0 = 0; k0 < pr.K; k0 += K_BLOCK) {
+            const int64_t k1 = std::min(pr.K, k0 + K_BLOCK);
+            for (int64_t m0 = m_block; m0 < m_end; m0 += 6)
+              panel_rows(pr.x + m0 * pr.K, pr.K, panel, std::min<int64_t>(6, m_end - m0), k0,
+                         k1, acc + (m0 - m_block) * PANEL, k0 == 0);
+          }
+        } else {
+          // Six rows per tile keep the FMA units busy; the block of rows meets each
+          // sub-panel, all of its k's, while it sits in L1.
+          for (int64_t sub = 0; sub < SUBS; ++sub)
+            for (int64_t m0 = m_block; m0 < m_end; m0 += 6)
+              sub_rows(pr.x + m0 * pr.K, pr.K, panel + sub * LANES,
+                       std::min<int64_t>(6, m_end - m0), 0, pr.K,
+                       acc + (m0 - m_block) * PANEL + sub * LANES, true);
+        }
+        // Either way each output is one fused multiply-add per k, in order: the same bits
+        // as a single row's.
+        store(pr, acc, m_block, m_end - m_block, p);
+      }
     }
   });
 }

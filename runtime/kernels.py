@@ -7,9 +7,10 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
 - W4A16 (`Int4Linear`): `aten._weight_int4pack_mm_for_cpu`. Its fp32 and fp16 paths are
   50-100x slower than its bf16 path, so activations enter as bf16 (still 16-bit activations)
   and scales/zeros are held in bf16. 2x faster than fp32 dense at one token, 1.7x slower at
-  32; prefill-sized inputs dequantise instead (see the class). Without AVX-512 its kernel reads
-  its weight far below the memory's speed, and decode-sized inputs run kiln's int4 kernel
-  instead (runtime/csrc/int4_linear.cpp, `int4_on_kiln`): activations as 16-bit integers in
+  32; prefill-sized inputs dequantise instead (see the class). Its AVX2 kernel reads its
+  weight far below the memory's speed and its AVX-512 one trails kiln's at a few rows, so
+  wherever kiln's native kernels load (AVX2 and FMA) decode-sized inputs run kiln's int4
+  kernel instead (runtime/csrc/int4_linear.cpp, `int4_on_kiln`): activations as 16-bit integers in
   a power-of-two unit per group, codes multiplied as integers. On a 2-core Zen 3 EPYC, one
   thread, 2.1-3.1x faster per layer than int4pack at one row, 1.3-2.0x at 8-32 rows, a
   W4A16 SmolLM2-135M decoding 28.5 -> 16.8 ms per token (`tests/benchmarks/int4_cpu.py`, CPU
@@ -64,16 +65,14 @@ FP8_MAX = 448.0
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def int4_on_kiln(device: torch.device, capability: str | None = None) -> bool:
-    """Whether W4A16 decode runs on kiln's int4 kernel here rather than torch's: where torch
-    does not run its AVX-512 code (`capability`: torch's CPU capability, its own when None;
-    it needs AVX-512 F/BW/VL/DQ, and ATEN_CPU_CAPABILITY can lower it) and kiln's AVX2
-    kernels load. torch's AVX2 int4 kernel is the slow one (see Int4Linear)."""
-    if device.type != "cpu":
-        return False
-    if capability is None:
-        capability = torch.backends.cpu.get_cpu_capability()
-    return not capability.startswith("AVX512") and native.avx2_kernels_available()
+def int4_on_kiln(device: torch.device) -> bool:
+    """Whether W4A16 decode runs on kiln's int4 kernel here rather than torch's int4pack:
+    on every CPU where kiln's AVX2 kernels load. torch's AVX2 int4 kernel is the slow one
+    (see Int4Linear); its AVX-512 one also trails kiln's at one row (one thread, a Xeon with
+    AVX512-BF16 and AMX, SmolLM2-135M's projections: 1.26-1.61x per layer, 1.38x summed over
+    a step's) and is level with it from 2 to 32 rows (0.89-1.30x per layer, 0.95-1.09x
+    summed), `tests/benchmarks/int4_cpu.py`."""
+    return device.type == "cpu" and native.avx2_kernels_available()
 
 
 class Int4Linear(Linear):
@@ -95,11 +94,12 @@ class Int4Linear(Linear):
     other CPUs a bf16 model's prefill takes the float32 GEMM: torch's bf16 matmul there is a
     generic loop).
 
-    On CPUs without AVX-512 (`int4_on_kiln`) decode-sized inputs run kiln's int4 kernel in
-    place of int4pack, on the same bf16 activations, scales and zeros: each group's
-    activations as 16-bit integers in a power-of-two unit set by the group's largest (values
-    within 2^7 of it exact, smaller ones rounded to 2^-15 of it), integer products, float32
-    per group, one rounding to the model's dtype (int4pack rounds its output to bf16 first).
+    Where kiln's native kernels load (`int4_on_kiln`: AVX2 and FMA) decode-sized inputs run
+    kiln's int4 kernel in place of int4pack, on the same bf16 activations, scales and zeros:
+    each group's activations as 16-bit integers in a power-of-two unit set by the group's
+    largest (values within 2^7 of it exact, smaller ones rounded to 2^-15 of it), integer
+    products, float32 per group, one rounding to the model's dtype (int4pack rounds its
+    output to bf16 first).
     """
 
     DEQUANT_ROWS = 128

@@ -4,9 +4,10 @@
 
 One thread, CPU time (time.process_time). For each of SmolLM2-135M's projection shapes at
 the demo's group size (64) and row count: `Int4Linear` on torch's
-`_weight_int4pack_mm_for_cpu` (the path on CPUs with AVX-512) and on kiln's int4 kernel
-(runtime/csrc/int4_linear.cpp; the path on CPUs without), each cycling through enough copies
-of its weight (64 MB) that a call never finds its weight in the caches, as in a decode step.
+`_weight_int4pack_mm_for_cpu` (the path where kiln's kernels do not load) and on kiln's int4
+kernel (runtime/csrc/int4_linear.cpp; the runtime's path on CPUs with AVX2 and FMA), each
+cycling through enough copies of its weight (256 MB, more than a server CPU's last-level
+cache) that a call never finds its weight in the caches, as in a decode step.
 With `--artifact` (a W4A16 artifact, e.g. the demo's) it also decodes one greedy stream on
 each path, CPU ms per generated token (a 129-token run less a 1-token one, after the same
 prompt). The two paths alternate within each round and the best round counts, so a busy
@@ -34,7 +35,7 @@ GROUP = 64
 
 def take_kiln(on_kiln: bool) -> None:
     """Layers and engines built from here on decode on kiln's kernel (True) or torch's."""
-    kernels.int4_on_kiln = lambda device, capability=None: on_kiln
+    kernels.int4_on_kiln = lambda device: on_kiln
 
 
 def int4_layer(n: int, k: int, on_kiln: bool) -> Int4Linear:

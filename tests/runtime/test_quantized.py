@@ -278,12 +278,9 @@ def test_kiln_int4_pack_refuses_codes_outside_four_bits() -> None:
         torch.ops.kiln.int4_pack(codes, torch.ones(64, 1), torch.zeros(64, 1))
 
 
-def test_int4_decode_is_kiln_only_where_torch_runs_no_avx512() -> None:
-    cpu = torch.device("cpu")
-    assert not kernels.int4_on_kiln(cpu, "AVX512")
-    assert not kernels.int4_on_kiln(torch.device("cuda"), "AVX2")
-    assert kernels.int4_on_kiln(cpu, "AVX2") == native.avx2_kernels_available()
-    assert kernels.int4_on_kiln(cpu, "DEFAULT") == native.avx2_kernels_available()
+def test_int4_decode_is_kiln_wherever_its_kernels_load() -> None:
+    assert kernels.int4_on_kiln(torch.device("cpu")) == native.avx2_kernels_available()
+    assert not kernels.int4_on_kiln(torch.device("cuda"))
 
 
 @needs_avx2_kernels

@@ -42,7 +42,9 @@ def writers(root: Path, tmp: Path, mode: str, count: int, n: int = 4) -> list[st
     """Run `n` writer processes at once; read the manifest while they write. Returns their
     stderr for each that failed."""
     go = tmp / "go"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # kiln from this checkout first, then whatever the caller's path holds (its packages)
+    path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WRITER, str(root), str(go), f"w{k}", str(count), mode],

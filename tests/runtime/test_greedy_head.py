@@ -5,12 +5,14 @@ greedy tokens are the same with it and without it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import kiln.runtime.greedy_head as greedy_head
+import kiln.runtime.linear as linear
 from kiln.runtime import Engine, SamplingParams, native
 from kiln.runtime.greedy_head import GreedyHead
 from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme
@@ -22,6 +24,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 VOCAB, HIDDEN = 8192, 576
+
+
+@pytest.fixture(scope="module", autouse=True)
+def on_kilns_bf16_kernel() -> Iterator[None]:
+    """bf16 layers on kiln's kernel, where the screen applies, also on CPUs whose oneDNN
+    computes bf16 (the runtime's choice there)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear, "PACKED_DTYPES", (torch.float32,))
+        yield
 
 
 def bf16_head(weight: torch.Tensor) -> DenseLinear:

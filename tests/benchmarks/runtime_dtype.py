@@ -4,40 +4,63 @@ now (oneDNN-packed weights where the CPU computes bf16 natively, kiln's bf16-wei
 where it has AVX2 without native bf16). `--dtype auto` is whichever of float32 and bf16 now
 this table favours on the CPU it ran on; the CPU heads the output.
 
-    PYTHONPATH=. python tests/benchmarks/runtime_dtype.py --threads 1 --rounds 2
+    PYTHONPATH=. python tests/benchmarks/runtime_dtype.py --threads 1 --rounds 2 [--model DIR]
+        [--random]
 
-SmolLM2-135M-Instruct (runtime_serving.smollm2_dir), a 128-token prompt. Single stream:
+SmolLM2-135M-Instruct (runtime_serving.smollm2_dir) or the checkpoint `--model` names;
+`--random`: random weights of that checkpoint's shape (its config.json and tokenizer alone,
+e.g. on a machine the weights cannot reach; every request ignores EOS, so only the greedy
+LM-head screen's share depends on the values). A 128-token prompt. Single stream:
 ms per decoded token; batch: the median decode step with 32 sequences; prefill: one
 128-token prompt. Times are the process's CPU time (time.process_time), which on a shared
 host moves far less than wall time with one thread; with more threads it adds the threads
-up. The engines run interleaved, round by round, so the ratios compare like with like.
+up. The engines run interleaved, round by round, so the ratios compare like with like. On a
+CPU whose oneDNN computes bf16 a fourth engine runs bf16 on kiln's own bf16 kernel instead
+of oneDNN's packed weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 import kiln.runtime.attention as attention
 import kiln.runtime.linear as linear
-from kiln.runtime import Engine, SamplingParams
+from kiln.runtime import Engine, SamplingParams, native
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_serving import smollm2_dir
 
 
-def build(dtype: str, before: bool) -> Engine:
+def random_checkpoint(source: Path) -> Path:
+    """A checkpoint of `source`'s config with random bf16 weights (seed 0), tokenizer copied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(source)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    out = Path(tempfile.mkdtemp(prefix="kiln-random-"))
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    return out
+
+
+def build(path: Path, dtype: str, before: bool = False, onednn: bool = True) -> Engine:
     """An engine; `before`: bf16 without packed weights, kiln's bf16 kernel or the native
-    decode kernel."""
+    decode kernel; `onednn=False`: bf16 on kiln's bf16 kernel even where oneDNN runs bf16."""
     attention.NATIVE_DECODE = not before
-    linear.PACKED_DTYPES = (torch.float32,) if before else (torch.float32, torch.bfloat16)
+    packed_bf16 = not before and onednn
+    linear.PACKED_DTYPES = (torch.float32, torch.bfloat16) if packed_bf16 else (torch.float32,)
     linear.BF16_PANELS = not before
     try:
-        return Engine.from_pretrained(
-            smollm2_dir(), max_num_seqs=32, max_model_len=300, dtype=dtype
-        )
+        return Engine.from_pretrained(path, max_num_seqs=32, max_model_len=300, dtype=dtype)
     finally:
         attention.NATIVE_DECODE = True
         linear.PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -85,16 +108,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--model", type=Path, help="a checkpoint directory (default: SmolLM2)")
+    parser.add_argument("--random", action="store_true", help="random weights of its shape")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    path = args.model or smollm2_dir()
+    if args.random:
+        path = random_checkpoint(path)
     engines = {
-        "fp32": build("float32", before=False),
-        "bf16 before": build("bfloat16", before=True),
-        "bf16 now": build("bfloat16", before=False),
+        "fp32": build(path, "float32"),
+        "bf16 before": build(path, "bfloat16", before=True),
+        "bf16 now": build(path, "bfloat16"),
     }
+    if linear.onednn_runs_bf16() and native.avx2_kernels_available():
+        engines["bf16 kiln kernel"] = build(path, "bfloat16", onednn=False)
+    if args.random:
+        shutil.rmtree(path)  # the engines hold their weights
     for engine in engines.values():
         single(engine, 4)  # warm-up
-    print(f"machine: {machine()}; {args.threads} thread(s)", flush=True)
+    weights = "random weights" if args.random else "its weights"
+    print(f"machine: {machine()}; {args.threads} thread(s); {path.name}, {weights}", flush=True)
     results: dict[str, tuple[list[float], ...]] = {k: ([], [], []) for k in engines}
     for r in range(args.rounds):
         for name, engine in engines.items():
@@ -115,6 +148,13 @@ def main() -> None:
             f"c=32 decode step {batches:.0f} ms ({base[1] / batches:.2f}x fp32), "
             f"128-token prefill {prefills:.0f} ms ({base[2] / prefills:.2f}x fp32)"
         )
+    for name, engine in engines.items():
+        screen = engine.runner.model.greedy_head
+        if screen is not None:
+            print(
+                f"{name}: greedy LM-head screen decided {screen.screened} steps, "
+                f"ran the full head for {screen.fallbacks}"
+            )
 
 
 if __name__ == "__main__":

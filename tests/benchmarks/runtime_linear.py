@@ -1,17 +1,22 @@
-"""The runtime's bf16 dense layers on SmolLM2-135M's shapes: oneDNN-packed vs plain F.linear.
+"""The runtime's bf16 dense layers on SmolLM2-135M's shapes: oneDNN-packed, plain F.linear and
+kiln's bf16 kernel.
 
     PYTHONPATH=. python tests/benchmarks/runtime_linear.py --rows 1,32,128
 
 One thread, CPU time (time.process_time: on a shared host it moves far less than wall
 time). For each projection shape (q/k/v stacked, o, gate/up stacked, down, the tied LM
-head) and row count: `DenseLinear` as the runtime builds it (the weight reordered once
-into oneDNN's blocked layout, held once), the same weight reordered for a 1-row batch
-instead of 32 rows, and F.linear on the plain weight (oneDNN re-blocks it on every call).
-Layers cycle through enough copies of their weight (64 MB) that one call never finds the
-previous call's weight in the core's caches, as in a decode step that streams every
-layer. Also printed: the single-thread read bandwidth (a float32 sum of 256 MB) and the
-fixed cost of one packed call (a 16 x 32 weight), which bound what a single-token step can
-reach. Ratios compare columns of one run; the figures only compare within one run.
+head) and row count: where oneDNN computes bf16 (AVX512-BF16, AMX), `DenseLinear` as the
+runtime builds it there (the weight reordered once into oneDNN's blocked layout, held once)
+and the same weight reordered for a 1-row batch instead of 32 rows; F.linear on the plain
+weight (oneDNN re-blocks it on every call); and, where kiln's native kernels load, kiln's
+bf16 kernel on its panels (runtime/csrc/bf16_linear.cpp: the runtime's choice on AVX2 CPUs
+without native bf16; on CPUs with it, the column says whether it would beat oneDNN there).
+Layers cycle through enough copies of their weight (256 MB: more than a server CPU's
+last-level cache) that one call never finds the previous call's weight in the caches, as
+in a decode step that streams every layer. Also printed: the single-thread read bandwidth
+(a float32 sum of 256 MB) and the fixed cost of one `DenseLinear` call (a 16 x 32 weight),
+which bound what a single-token step can reach. Ratios compare columns of one run; the
+figures only compare within one run.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme
+from kiln.runtime import native
+from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme, onednn_runs_bf16
 from tests.benchmarks.cpu_comparison import machine
 
 SHAPES = {  # name: (out_features, in_features, calls per decode step)
@@ -33,7 +39,7 @@ SHAPES = {  # name: (out_features, in_features, calls per decode step)
     "down": (576, 1536, 30),
     "lm_head": (49152, 576, 1),
 }
-STREAM_BYTES = 64 * 2**20
+STREAM_BYTES = 256 * 2**20
 
 
 def cpu_ms(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
@@ -69,6 +75,10 @@ def plain_call(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.linear(x, weight)
 
 
+def kiln_call(panels: torch.Tensor, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: torch.ops.kiln.bf16_linear(x, panels, n, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,32,128", help="row counts (tokens per call)")
@@ -76,30 +86,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {machine()}; 1 thread; CPU ms per call (best of 5 x {args.calls})")
-    big = torch.ones(STREAM_BYTES, dtype=torch.float32)  # 256 MB
+    big = torch.ones(STREAM_BYTES // 4, dtype=torch.float32)
     read = big.nbytes / cpu_ms(big.sum, 3) / 1e6
     del big
-    tiny = DenseLinear(
-        LinearWeights(WeightScheme(), torch.randn(16, 32)), torch.bfloat16, torch.device("cpu")
-    )
+    cpu = torch.device("cpu")
+    tiny = DenseLinear(LinearWeights(WeightScheme(), torch.randn(16, 32)), torch.bfloat16, cpu)
     one = torch.randn(1, 32, dtype=torch.bfloat16)
     fixed_us = cpu_ms(lambda: tiny(one), 2000) * 1000
-    print(f"read bandwidth {read:.1f} GB/s; fixed cost of a packed call {fixed_us:.1f} us")
+    print(f"read bandwidth {read:.1f} GB/s; fixed cost of a DenseLinear call {fixed_us:.1f} us")
     rows = [int(r) for r in args.rows.split(",")]
     step: dict[tuple[str, int], float] = {}
     for name, (n, k, per_step) in SHAPES.items():
         weight = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
         copies = [weight.clone() for _ in range(max(1, STREAM_BYTES // weight.nbytes))]
-        dense = [
-            DenseLinear(LinearWeights(WeightScheme(), w), torch.bfloat16, torch.device("cpu"))
-            for w in copies
-        ]
-        hinted = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in copies]
-        variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-            "packed": list(dense),
-            "packed for 1 row": [packed_call(p) for p in hinted],
-            "plain F.linear": [plain_call(w) for w in copies],
-        }
+        variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+        if onednn_runs_bf16():  # oneDNN refuses to pack bf16 elsewhere
+            variants["packed"] = [
+                DenseLinear(LinearWeights(WeightScheme(), w), torch.bfloat16, cpu) for w in copies
+            ]
+            variants["packed for 1 row"] = [
+                packed_call(torch.ops.mkldnn._reorder_linear_weight(w, 1)) for w in copies
+            ]
+        variants["plain F.linear"] = [plain_call(w) for w in copies]
+        if native.avx2_kernels_available():
+            variants["kiln kernel"] = [kiln_call(torch.ops.kiln.bf16_pack(w), n) for w in copies]
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             times = {v: cpu_ms(cycling(layers, x), args.calls) for v, layers in variants.items()}
@@ -111,7 +121,7 @@ def main() -> None:
             print(f"{name:8s} {n}x{k} rows={m:4d}: {cells}", flush=True)
     print("\nall projections of one step (30 layers + LM head):")
     for m in rows:
-        base = step[("packed", m)]
+        base = next(ms for (_, r), ms in step.items() if r == m)
         cells = ", ".join(
             f"{v} {ms:.1f} ms ({ms / base:.2f}x)" for (v, r), ms in step.items() if r == m
         )

@@ -18,8 +18,8 @@
 // accumulators living in registers. With 2-8 rows every row tile meets a block of k's of a
 // panel while it sits in L1, so each panel streams from memory once, in order; with more,
 // blocks of rows meet each sub-panel in turn. x is float32 or bfloat16 (widened once per
-// call); the result has x's dtype. Every output is the same sequential float32 sum over k whatever the
-// tile, so a row's result does not depend on the other rows of the call.
+// call); the result has x's dtype. Every output is the same sequential float32 sum over k
+// whatever the tile, so a row's result does not depend on the other rows of the call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

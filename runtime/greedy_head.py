@@ -21,9 +21,9 @@ Where the screen cannot decide cheaply (a non-finite input or logit, or more tha
 `MAX_CANDIDATES` candidates), the full head runs. The engine asks for it only on steps whose
 rows all sample greedily without log-probabilities (model_runner.py).
 
-Hand-written: no library screens a vocabulary projection with a bound. Applies to the bf16
-head on kiln's bf16 kernel (CPUs without native bf16, where `DenseLinear` holds panels);
-elsewhere the head runs whole.
+Hand-written: no library screens a vocabulary projection with a bound. Applies to a bf16
+head that holds kiln's panels (`DenseLinear` on CPUs with AVX2: the only copy without native
+bf16, the single-row copy beside oneDNN's with it); elsewhere the head runs whole.
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ class GreedyHead:
             self.scale[begin:end] = scale.float()
             codes[begin:end] = q.to(torch.int8)
         self.panels = codes.view(-1, PANEL, k).transpose(1, 2).contiguous()
+        # Rows it screens: those the full head runs on the same panels (one, beside oneDNN's
+        # packed copy), so the recomputed candidates are the full head's own logits.
+        self.max_rows = min(MAX_ROWS, head.panel_max_rows)
         self.screened = 0  # steps decided by the screen (tests and benchmarks read these)
         self.fallbacks = 0
 
@@ -108,7 +111,7 @@ class GreedyHead:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of the head's logits (first index among equals, NaN first)."""
-        if x.shape[0] <= MAX_ROWS:
+        if x.shape[0] <= self.max_rows:
             tokens = self._screened(x)
             if tokens is not None:
                 self.screened += 1

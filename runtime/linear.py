@@ -207,10 +207,15 @@ class DenseLinear(Linear):
     (`mkldnn._linear_pointwise`, the kernel torch.compile's CPU weight-prepacking pass
     emits); F.linear re-blocks it on every call.
 
-    - bfloat16 (where oneDNN runs bf16): every row count runs on the packed weight and the
-      plain one is dropped, so the layer holds its weight once. Measured on SmolLM2-135M's
-      shapes, one thread, a Xeon with AMX: its LM head at 1 row 8-11 vs 25 ms, at 32 rows
-      17 vs 23 ms; gate/up at 1 row 0.29-0.36 vs 0.34 ms, at 32 rows 0.31 vs 0.80 ms.
+    - bfloat16 (where oneDNN runs bf16): two or more rows run on the packed weight and the
+      plain one is dropped. Measured on SmolLM2-135M's shapes, one thread, a Xeon with AMX:
+      its LM head at 1 row 8-11 vs 25 ms, at 32 rows 17 vs 23 ms; gate/up at 1 row
+      0.29-0.36 vs 0.34 ms, at 32 rows 0.31 vs 0.80 ms. A single row (single-stream decode)
+      runs on kiln's bf16 kernel, which also holds the weight (`ONE_ROW_PANELS`): oneDNN's
+      bf16 GEMM at one row carries a fixed cost per call and reads the small projections at
+      6-9 GB/s, where kiln's kernel streams them near the core's read bandwidth (a 2-core
+      Xeon with AMX, tests/benchmarks/runtime_linear.py: a step's projections 25.4 vs 32.2
+      ms). The cost is memory: such a layer holds its weight twice (bf16 both times).
     - bfloat16 where oneDNN does not (no AVX512-BF16 or AMX) but AVX2 and FMA are there:
       kiln's own kernel (runtime/csrc/bf16_linear.cpp) keeps the weight bf16 in panels,
       widens it in registers and accumulates in float32, holding the weight once. torch's
@@ -233,7 +238,10 @@ class DenseLinear(Linear):
         self.bias = bias_of(w, dtype, device)
         self.out_features = w.out_features
         self.packed = _onednn_pack(weight)
-        self.panels = _bf16_panels(weight) if self.packed is None else None
+        self.panels = _bf16_panels(weight) if self.packed is None or ONE_ROW_PANELS else None
+        # Rows up to which kiln's kernel serves the layer: every row count where it holds the
+        # only copy, a single row beside oneDNN's packed weight.
+        self.panel_max_rows = 1 if self.packed is not None else torch.iinfo(torch.int64).max
         self.packed_min_rows = self.PACKED_MIN_ROWS
         self.weight: torch.Tensor | None = weight
         if self.panels is not None or (self.packed is not None and dtype == torch.bfloat16):
@@ -242,22 +250,22 @@ class DenseLinear(Linear):
             self.weight = weight.t().contiguous().t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
+        if self.panels is not None and x.shape[0] <= self.panel_max_rows:
             return torch.ops.kiln.bf16_linear(x, self.panels, self.out_features, self.bias)
         if self.weight is None or (self.packed is not None and x.shape[0] >= self.packed_min_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def weight_bytes(self) -> int:
-        held = self.weight if self.weight is not None else self.packed
-        if held is None:
-            held = self.panels
-        assert held is not None
+        # the copy a single row reads: kiln's panels, else the plain weight, else oneDNN's
+        held = next(t for t in (self.panels, self.weight, self.packed) if t is not None)
         return held.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
 
 # kiln's bf16-weight kernel where it serves the CPU (False: torch's bf16 matmul, for comparison).
 BF16_PANELS = True
+# Beside oneDNN's packed bf16 weight, kiln's panels for single-row calls (False: oneDNN only).
+ONE_ROW_PANELS = True
 
 
 def _bf16_panels(weight: torch.Tensor) -> torch.Tensor | None:

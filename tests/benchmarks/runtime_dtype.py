@@ -1,8 +1,9 @@
 """Decode and prefill speed by compute dtype, in one process: float32, bf16 as the runtime
 ran it before its bf16 kernels (plain F.linear on bf16 weights, gathered attention), and bf16
-now (oneDNN-packed weights where the CPU computes bf16 natively, kiln's bf16-weight kernel
-where it has AVX2 without native bf16). `--dtype auto` is whichever of float32 and bf16 now
-this table favours on the CPU it ran on; the CPU heads the output.
+now (oneDNN-packed weights where the CPU computes bf16 natively, single rows on kiln's
+bf16-weight kernel there; that kernel alone where the CPU has AVX2 without native bf16).
+`--dtype auto` is whichever of float32 and bf16 now this table favours on the CPU it ran
+on; the CPU heads the output.
 
     PYTHONPATH=. python tests/benchmarks/runtime_dtype.py --threads 1 --rounds 2 [--model DIR]
         [--random]
@@ -15,8 +16,9 @@ ms per decoded token; batch: the median decode step with 32 sequences; prefill: 
 128-token prompt. Times are the process's CPU time (time.process_time), which on a shared
 host moves far less than wall time with one thread; with more threads it adds the threads
 up. The engines run interleaved, round by round, so the ratios compare like with like. On a
-CPU whose oneDNN computes bf16 a fourth engine runs bf16 on kiln's own bf16 kernel instead
-of oneDNN's packed weights.
+CPU whose oneDNN computes bf16, "bf16 now" runs single rows on kiln's bf16 kernel and more
+on oneDNN's packed weights; two more engines run every row count on oneDNN ("bf16 oneDNN
+only", what the runtime did before) or on kiln's kernel ("bf16 kiln kernel").
 """
 
 from __future__ import annotations
@@ -52,19 +54,23 @@ def random_checkpoint(source: Path) -> Path:
     return out
 
 
-def build(path: Path, dtype: str, before: bool = False, onednn: bool = True) -> Engine:
+def build(
+    path: Path, dtype: str, before: bool = False, onednn: bool = True, one_row: bool = True
+) -> Engine:
     """An engine; `before`: bf16 without packed weights, kiln's bf16 kernel or the native
-    decode kernel; `onednn=False`: bf16 on kiln's bf16 kernel even where oneDNN runs bf16."""
+    decode kernel; `onednn=False`: bf16 on kiln's bf16 kernel even where oneDNN runs bf16;
+    `one_row=False`: where oneDNN runs bf16, single rows on it too (no panels beside)."""
     attention.NATIVE_DECODE = not before
     packed_bf16 = not before and onednn
     linear.PACKED_DTYPES = (torch.float32, torch.bfloat16) if packed_bf16 else (torch.float32,)
     linear.BF16_PANELS = not before
+    linear.ONE_ROW_PANELS = one_row
     try:
         return Engine.from_pretrained(path, max_num_seqs=32, max_model_len=300, dtype=dtype)
     finally:
         attention.NATIVE_DECODE = True
         linear.PACKED_DTYPES = (torch.float32, torch.bfloat16)
-        linear.BF16_PANELS = True
+        linear.BF16_PANELS = linear.ONE_ROW_PANELS = True
 
 
 def single(engine: Engine, tokens: int) -> float:
@@ -121,6 +127,7 @@ def main() -> None:
         "bf16 now": build(path, "bfloat16"),
     }
     if linear.onednn_runs_bf16() and native.avx2_kernels_available():
+        engines["bf16 oneDNN only"] = build(path, "bfloat16", one_row=False)
         engines["bf16 kiln kernel"] = build(path, "bfloat16", onednn=False)
     if args.random:
         shutil.rmtree(path)  # the engines hold their weights

@@ -27,11 +27,18 @@ def weights(out_features: int, in_features: int, bias: bool) -> LinearWeights:
 
 @bf16_packing
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_layer_holds_its_weight_once_and_computes_f_linear(bias: bool) -> None:
+def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_linear(
+    bias: bool,
+) -> None:
     w = weights(96, 64, bias)
     layer = DenseLinear(w, torch.bfloat16, CPU)
-    assert layer.weight is None and layer.packed is not None  # no plain second copy
-    assert layer.weight_bytes() == 96 * 64 * 2 + (96 * 2 if bias else 0)
+    assert layer.weight is None and layer.packed is not None  # no plain float copy
+    if native.avx2_kernels_available():  # single rows on kiln's kernel, its panels beside
+        assert layer.panels is not None and layer.panel_max_rows == 1
+        assert layer.weight_bytes() == layer.panels.nbytes + (96 * 2 if bias else 0)
+    else:
+        assert layer.panels is None
+        assert layer.weight_bytes() == 96 * 64 * 2 + (96 * 2 if bias else 0)
     weight = w.weight.bfloat16()
     b = None if w.bias is None else w.bias.bfloat16()
     for rows in (0, 1, 3, 4, 32):

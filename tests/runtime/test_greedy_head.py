@@ -128,3 +128,30 @@ def test_engine_greedy_tokens_are_the_same_with_the_screen_and_without(
     with_logprobs = engine.generate(prompts[:1], wants)
     assert screen.screened + screen.fallbacks == before
     assert with_logprobs[0].token_ids == full[0].token_ids and with_logprobs[0].logprobs
+
+
+@pytest.mark.skipif(not linear.onednn_runs_bf16(), reason="oneDNN cannot run bf16 on this CPU")
+def test_beside_onednns_packed_head_only_single_rows_are_screened(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runtime's own choice on a CPU with native bf16: oneDNN's packed head for two rows
+    # or more, kiln's panels for one row, so only one-row steps are screened.
+    monkeypatch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(greedy_head, "MIN_VOCAB", 1)
+    head = bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
+    assert head.packed is not None and head.panel_max_rows == 1
+    screen = GreedyHead.build(head)
+    assert screen is not None and screen.max_rows == 1
+    for rows in (1, 2, 4):
+        x = torch.randn(rows, HIDDEN).bfloat16()
+        assert torch.equal(screen.argmax(x), full_argmax(head, x))
+    assert (screen.screened, screen.fallbacks) == (1, 2)
+    prompts = audit_prompts(tiny_llama)[:3]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine = Engine.from_pretrained(tiny_llama, dtype="bfloat16", enable_prefix_caching=False)
+    model = engine.runner.model
+    assert model.greedy_head is not None
+    alone = [engine.generate([p], greedy)[0].token_ids for p in prompts]
+    assert model.greedy_head.screened > 0
+    model.greedy_head = None
+    assert alone == [engine.generate([p], greedy)[0].token_ids for p in prompts]

@@ -12,6 +12,9 @@ fits, see kernels.py), and the wrappers that split or pre-scale a layer's input.
 from __future__ import annotations
 
 import functools
+import os
+import threading
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -215,7 +218,10 @@ class DenseLinear(Linear):
       bf16 GEMM at one row carries a fixed cost per call and reads the small projections at
       6-9 GB/s, where kiln's kernel streams them near the core's read bandwidth (a 2-core
       Xeon with AMX, tests/benchmarks/runtime_linear.py: a step's projections 25.4 vs 32.2
-      ms). The cost is memory: such a layer holds its weight twice (bf16 both times).
+      ms). The cost is memory: such a layer holds its weight twice (bf16 both times), so
+      the single-row copies of a process stay within 1/`ONE_ROW_MEMORY_SHARE` of the
+      machine's memory; layers past it (a model too large for it) hold one copy and run
+      single rows on oneDNN too.
     - bfloat16 where oneDNN does not (no AVX512-BF16 or AMX) but AVX2 and FMA are there:
       kiln's own kernel (runtime/csrc/bf16_linear.cpp) keeps the weight bf16 in panels,
       widens it in registers and accumulates in float32, holding the weight once. torch's
@@ -238,7 +244,7 @@ class DenseLinear(Linear):
         self.bias = bias_of(w, dtype, device)
         self.out_features = w.out_features
         self.packed = _onednn_pack(weight)
-        self.panels = _bf16_panels(weight) if self.packed is None or ONE_ROW_PANELS else None
+        self.panels = _bf16_panels(weight) if self.packed is None else _one_row_copy(self, weight)
         # Rows up to which kiln's kernel serves the layer: every row count where it holds the
         # only copy, a single row beside oneDNN's packed weight.
         self.panel_max_rows = 1 if self.packed is not None else torch.iinfo(torch.int64).max
@@ -266,6 +272,32 @@ class DenseLinear(Linear):
 BF16_PANELS = True
 # Beside oneDNN's packed bf16 weight, kiln's panels for single-row calls (False: oneDNN only).
 ONE_ROW_PANELS = True
+# The single-row copies of all layers in a process stay within 1/this of physical memory.
+ONE_ROW_MEMORY_SHARE = 8
+_one_row_lock = threading.Lock()
+_one_row_held = [0]  # bytes of single-row copies held now
+
+
+def _one_row_copy(layer: DenseLinear, weight: torch.Tensor) -> torch.Tensor | None:
+    """kiln's panels of `weight` for a layer that also holds oneDNN's packed copy, while the
+    process's single-row copies fit their share of memory; released with the layer."""
+    if not ONE_ROW_PANELS or weight.dtype != torch.bfloat16:
+        return None
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ONE_ROW_MEMORY_SHARE
+    with _one_row_lock:
+        if _one_row_held[0] + weight.nbytes > budget:
+            return None
+        panels = _bf16_panels(weight)
+        if panels is None:
+            return None
+        _one_row_held[0] += panels.nbytes
+    weakref.finalize(layer, _release_one_row, panels.nbytes)
+    return panels
+
+
+def _release_one_row(nbytes: int) -> None:
+    with _one_row_lock:
+        _one_row_held[0] -= nbytes
 
 
 def _bf16_panels(weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,12 +1,17 @@
-"""The unquantised layer on CPU: oneDNN's packed weight, held once in bf16, or kiln's bf16
-panels where oneDNN cannot run bf16."""
+"""The unquantised layer on CPU: oneDNN's packed weight in bf16 with kiln's panels beside it
+for single rows (within their memory share), or kiln's bf16 panels alone where oneDNN cannot
+run bf16."""
 
 from __future__ import annotations
+
+import gc
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import kiln.runtime.linear as linear
 from kiln.runtime import native
 from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme, float_linear
 from tests.runtime.conftest import needs_avx2_kernels
@@ -47,6 +52,29 @@ def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_line
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
         expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
         torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.02)
+
+
+@bf16_packing
+@needs_avx2_kernels
+def test_single_row_copies_stay_within_their_share_of_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+    gc.collect()
+    held = linear._one_row_held[0]
+    # A budget with room for one 96 x 64 bf16 weight's copy (two panels of 64 columns), not two.
+    monkeypatch.setattr(linear, "ONE_ROW_MEMORY_SHARE", page * pages // (held + 2 * 64 * 64 * 2))
+    first = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
+    second = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
+    assert first.panels is not None and first.panel_max_rows == 1
+    assert second.panels is None and second.packed is not None  # over budget: oneDNN alone
+    x = torch.randn(1, 64).bfloat16()
+    torch.testing.assert_close(second(x).float(), first(x).float(), atol=0.05, rtol=0.02)
+    del first
+    gc.collect()
+    assert linear._one_row_held[0] == held  # released with its layer
+    third = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
+    assert third.panels is not None
 
 
 def test_float32_layer_keeps_the_one_row_gemv_weight() -> None:

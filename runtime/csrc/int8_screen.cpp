@@ -12,7 +12,8 @@
 // panels of 64 output columns, [ceil(N/64), K, 64], zeros past N (runtime/greedy_head.py
 // packs it), so one row reads the whole copy as one stream. Per k the 64 codes are widened
 // 8 at a time, 16 with AVX-512 (sign extension, then an exact conversion to float32) and
-// multiplied in float32; the summation order is not the bf16 kernel's, which the screen's bound allows for.
+// multiplied in float32; the summation order is not the bf16 kernel's, which the screen's
+// bound allows for.
 // The candidates are then recomputed from the bf16 panels with bf16_linear's arithmetic.
 
 #include <ATen/ATen.h>

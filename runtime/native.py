@@ -4,8 +4,9 @@ Hand-written where no installable library does the job on a CPU box (see each so
 header): single-token attention read straight from the paged KV cache, the decoder's
 fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), the
 W4A16 layer's one-pass int4 dequantisation for prefill and its decode kernel for CPUs
-without AVX-512, the bf16-weight linear layer for CPUs without native bf16, and the int8
-screen of a greedy step's LM head (greedy_head.py). The build
+without AVX-512, the bf16-weight linear layer for CPUs without native bf16 (and its AMX
+form for decode-sized row counts on CPUs with AMX), and the int8 screen of a greedy
+step's LM head (greedy_head.py). The build
 uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency), once per
 machine and source version; the shared object is cached in torch's extensions directory
 (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no ninja) the
@@ -36,12 +37,13 @@ SOURCES = [
     CSRC / "bf16_linear.cpp",
     CSRC / "int4_linear.cpp",
     CSRC / "int8_screen.cpp",
+    CSRC / "amx_linear.cpp",
 ]
 HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
 OPS = (
     "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
     "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",
-    "int8_screen",
+    "int8_screen", "amx_ready", "amx_pack", "amx_linear",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).
@@ -79,6 +81,16 @@ def avx2_kernels_available(flags: str | None = None) -> bool:
     load."""
     present = set((this_cpus_flags() if flags is None else flags).split())
     return all(f in present for f in AVX2_KERNEL_FLAGS) and available()
+
+
+@functools.cache
+def amx_kernels_available() -> bool:
+    """Whether kiln's AMX bf16 linear kernel (amx_linear.cpp) serves this CPU: AMX-BF16 in
+    its flags, the native kernels load, and the OS lets the process use the tile unit."""
+    present = set(this_cpus_flags().split())
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= present or not available():
+        return False
+    return bool(torch.ops.kiln.amx_ready())
 
 
 @functools.cache

@@ -16,9 +16,11 @@ ms per decoded token; batch: the median decode step with 32 sequences; prefill: 
 128-token prompt. Times are the process's CPU time (time.process_time), which on a shared
 host moves far less than wall time with one thread; with more threads it adds the threads
 up. The engines run interleaved, round by round, so the ratios compare like with like. On a
-CPU whose oneDNN computes bf16, "bf16 now" runs single rows on kiln's bf16 kernel and more
-on oneDNN's packed weights; two more engines run every row count on oneDNN ("bf16 oneDNN
-only", what the runtime did before) or on kiln's kernel ("bf16 kiln kernel").
+CPU whose oneDNN computes bf16, "bf16 now" runs single rows on kiln's bf16 kernel (with AMX:
+up to 128 rows on kiln's AMX kernel) and more on oneDNN's packed weights; more engines run
+every row count on oneDNN ("bf16 oneDNN only"), or on kiln's kernel ("bf16 kiln kernel"),
+and with AMX single rows on kiln's panels, the rest on oneDNN ("bf16 panels for 1 row",
+what the runtime did before its AMX kernel).
 """
 
 from __future__ import annotations
@@ -55,22 +57,29 @@ def random_checkpoint(source: Path) -> Path:
 
 
 def build(
-    path: Path, dtype: str, before: bool = False, onednn: bool = True, one_row: bool = True
+    path: Path,
+    dtype: str,
+    before: bool = False,
+    onednn: bool = True,
+    one_row: bool = True,
+    amx: bool = True,
 ) -> Engine:
     """An engine; `before`: bf16 without packed weights, kiln's bf16 kernel or the native
     decode kernel; `onednn=False`: bf16 on kiln's bf16 kernel even where oneDNN runs bf16;
-    `one_row=False`: where oneDNN runs bf16, single rows on it too (no panels beside)."""
+    `one_row=False`: where oneDNN runs bf16, few rows on it too (no panels or AMX tiles
+    beside); `amx=False`: single rows on kiln's panels even where the CPU has AMX."""
     attention.NATIVE_DECODE = not before
     packed_bf16 = not before and onednn
     linear.PACKED_DTYPES = (torch.float32, torch.bfloat16) if packed_bf16 else (torch.float32,)
     linear.BF16_PANELS = not before
     linear.ONE_ROW_PANELS = one_row
+    linear.AMX_LINEAR = amx
     try:
         return Engine.from_pretrained(path, max_num_seqs=32, max_model_len=300, dtype=dtype)
     finally:
         attention.NATIVE_DECODE = True
         linear.PACKED_DTYPES = (torch.float32, torch.bfloat16)
-        linear.BF16_PANELS = linear.ONE_ROW_PANELS = True
+        linear.BF16_PANELS = linear.ONE_ROW_PANELS = linear.AMX_LINEAR = True
 
 
 def single(engine: Engine, tokens: int) -> float:
@@ -129,6 +138,8 @@ def main() -> None:
     if linear.onednn_runs_bf16() and native.avx2_kernels_available():
         engines["bf16 oneDNN only"] = build(path, "bfloat16", one_row=False)
         engines["bf16 kiln kernel"] = build(path, "bfloat16", onednn=False)
+        if native.amx_kernels_available():
+            engines["bf16 panels for 1 row"] = build(path, "bfloat16", amx=False)
     if args.random:
         shutil.rmtree(path)  # the engines hold their weights
     for engine in engines.values():

@@ -5,12 +5,13 @@ kiln's bf16 kernel.
 
 One thread, CPU time (time.process_time: on a shared host it moves far less than wall
 time). For each projection shape (q/k/v stacked, o, gate/up stacked, down, the tied LM
-head) and row count: where oneDNN computes bf16 (AVX512-BF16, AMX), `DenseLinear` as the
-runtime builds it there (the weight reordered once into oneDNN's blocked layout, held once)
-and the same weight reordered for a 1-row batch instead of 32 rows; F.linear on the plain
+head) and row count: where oneDNN computes bf16 (AVX512-BF16, AMX), the weight reordered
+once into oneDNN's blocked layout for 32 rows (what `DenseLinear` runs there from 2 rows, or
+past 128 rows with AMX) and for a 1-row batch; F.linear on the plain
 weight (oneDNN re-blocks it on every call); and, where kiln's native kernels load, kiln's
 bf16 kernel on its panels (runtime/csrc/bf16_linear.cpp: the runtime's choice on AVX2 CPUs
-without native bf16; on CPUs with it, the column says whether it would beat oneDNN there).
+without native bf16; on CPUs with it, the column says whether it would beat oneDNN there),
+and where the CPU has AMX, kiln's AMX kernel (amx_linear.cpp).
 Layers cycle through enough copies of their weight (256 MB: more than a server CPU's
 last-level cache) that one call never finds the previous call's weight in the caches, as
 in a decode step that streams every layer. Also printed: the single-thread read bandwidth
@@ -79,6 +80,10 @@ def kiln_call(panels: torch.Tensor, n: int) -> Callable[[torch.Tensor], torch.Te
     return lambda x: torch.ops.kiln.bf16_linear(x, panels, n, None)
 
 
+def amx_call(tiles: torch.Tensor, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: torch.ops.kiln.amx_linear(x, tiles, n, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,32,128", help="row counts (tokens per call)")
@@ -101,8 +106,8 @@ def main() -> None:
         copies = [weight.clone() for _ in range(max(1, STREAM_BYTES // weight.nbytes))]
         variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
         if onednn_runs_bf16():  # oneDNN refuses to pack bf16 elsewhere
-            variants["packed"] = [
-                DenseLinear(LinearWeights(WeightScheme(), w), torch.bfloat16, cpu) for w in copies
+            variants["oneDNN packed"] = [
+                packed_call(torch.ops.mkldnn._reorder_linear_weight(w, 32)) for w in copies
             ]
             variants["packed for 1 row"] = [
                 packed_call(torch.ops.mkldnn._reorder_linear_weight(w, 1)) for w in copies
@@ -110,6 +115,8 @@ def main() -> None:
         variants["plain F.linear"] = [plain_call(w) for w in copies]
         if native.avx2_kernels_available():
             variants["kiln kernel"] = [kiln_call(torch.ops.kiln.bf16_pack(w), n) for w in copies]
+        if native.amx_kernels_available():
+            variants["kiln AMX"] = [amx_call(torch.ops.kiln.amx_pack(w), n) for w in copies]
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             times = {v: cpu_ms(cycling(layers, x), args.calls) for v, layers in variants.items()}

@@ -1,6 +1,6 @@
-"""The unquantised layer on CPU: oneDNN's packed weight in bf16 with kiln's panels beside it
-for single rows (within their memory share), or kiln's bf16 panels alone where oneDNN cannot
-run bf16."""
+"""The unquantised layer on CPU: oneDNN's packed weight in bf16 with kiln's AMX tiles beside
+it for decode-sized row counts where the CPU has AMX, or kiln's panels for single rows
+(within their memory share), or kiln's bf16 panels alone where oneDNN cannot run bf16."""
 
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_line
     w = weights(96, 64, bias)
     layer = DenseLinear(w, torch.bfloat16, CPU)
     assert layer.weight is None and layer.packed is not None  # no plain float copy
-    if native.avx2_kernels_available():  # single rows on kiln's kernel, its panels beside
+    if native.amx_kernels_available():  # few rows on kiln's AMX kernel, its tiles beside
+        assert layer.amx is not None and layer.panels is None
+        assert layer.weight_bytes() == layer.amx.nbytes + (96 * 2 if bias else 0)
+    elif native.avx2_kernels_available():  # single rows on kiln's kernel, its panels beside
         assert layer.panels is not None and layer.panel_max_rows == 1
         assert layer.weight_bytes() == layer.panels.nbytes + (96 * 2 if bias else 0)
     else:
@@ -46,7 +49,7 @@ def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_line
         assert layer.weight_bytes() == 96 * 64 * 2 + (96 * 2 if bias else 0)
     weight = w.weight.bfloat16()
     b = None if w.bias is None else w.bias.bfloat16()
-    for rows in (0, 1, 3, 4, 32):
+    for rows in (0, 1, 3, 4, 32, linear.AMX_MAX_ROWS + 1):
         x = torch.randn(rows, 64).bfloat16()
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
@@ -62,19 +65,69 @@ def test_single_row_copies_stay_within_their_share_of_memory(
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
     gc.collect()
     held = linear._one_row_held[0]
-    # A budget with room for one 96 x 64 bf16 weight's copy (two panels of 64 columns), not two.
+    # A budget with room for one 96 x 64 bf16 weight's copy (two panels of 64 columns, or
+    # three pairs of AMX tiles), not two.
     monkeypatch.setattr(linear, "ONE_ROW_MEMORY_SHARE", page * pages // (held + 2 * 64 * 64 * 2))
     first = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
     second = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
-    assert first.panels is not None and first.panel_max_rows == 1
-    assert second.panels is None and second.packed is not None  # over budget: oneDNN alone
+    assert copy_of(first) is not None
+    assert copy_of(second) is None and second.packed is not None  # over budget: oneDNN alone
     x = torch.randn(1, 64).bfloat16()
     torch.testing.assert_close(second(x).float(), first(x).float(), atol=0.05, rtol=0.02)
     del first
     gc.collect()
     assert linear._one_row_held[0] == held  # released with its layer
     third = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
-    assert third.panels is not None
+    assert copy_of(third) is not None
+
+
+def copy_of(layer: DenseLinear) -> torch.Tensor | None:
+    """The few-row copy a bf16 layer holds beside oneDNN's (AMX tiles or panels), if any."""
+    return layer.amx if layer.amx is not None else layer.panels
+
+
+needs_amx = pytest.mark.skipif(
+    not native.amx_kernels_available(), reason="no AMX kernel on this CPU"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_kernel_is_a_float32_sum_over_bf16_weights(bias: bool) -> None:
+    # 70 outputs: two pairs of 16-column blocks and a partial one; 100 inputs: three chunks of
+    # 32 k's and a partial one; rows cover one and two tiles of 16 and more than 32.
+    w = weights(70, 100, bias)
+    weight = w.weight.bfloat16()
+    b = None if w.bias is None else w.bias.bfloat16()
+    tiles = torch.ops.kiln.amx_pack(weight)
+    assert tiles.dtype == torch.bfloat16 and tiles.shape == (3, 4, 2, 16, 16, 2)
+    for rows in (0, 1, 2, 15, 16, 17, 31, 32, 33, 70):
+        x = torch.randn(rows, 100).bfloat16()
+        got = torch.ops.kiln.amx_linear(x, tiles, 70, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 70)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        # float32 accumulation, then one rounding to bf16 (half an ulp: 2**-8 of the value)
+        torch.testing.assert_close(got.double(), exact, atol=1e-3, rtol=2**-8 + 1e-5)
+
+
+@needs_amx
+def test_amx_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
+    tiles = torch.ops.kiln.amx_pack(weights(64, 600, bias=False).weight.bfloat16())
+    batch = torch.randn(45, 600).bfloat16()
+    together = torch.ops.kiln.amx_linear(batch, tiles, 64, None)
+    for rows in (1, 2, 16, 17, 32, 33):
+        assert torch.equal(
+            torch.ops.kiln.amx_linear(batch[:rows], tiles, 64, None), together[:rows]
+        )
+
+
+@needs_amx
+def test_amx_kernel_refuses_a_weight_of_another_shape() -> None:
+    tiles = torch.ops.kiln.amx_pack(weights(64, 96, bias=False).weight.bfloat16())
+    with pytest.raises(RuntimeError, match="a weight from amx_pack with x's K columns"):
+        torch.ops.kiln.amx_linear(torch.randn(2, 128).bfloat16(), tiles, 64, None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] bfloat16"):
+        torch.ops.kiln.amx_linear(torch.randn(2, 96), tiles, 64, None)
 
 
 def test_float32_layer_keeps_the_one_row_gemv_weight() -> None:

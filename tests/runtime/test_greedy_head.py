@@ -134,9 +134,10 @@ def test_engine_greedy_tokens_are_the_same_with_the_screen_and_without(
 def test_beside_onednns_packed_head_only_single_rows_are_screened(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The runtime's own choice on a CPU with native bf16: oneDNN's packed head for two rows
-    # or more, kiln's panels for one row, so only one-row steps are screened.
+    # The runtime's own choice on a CPU with native bf16 but no AMX: oneDNN's packed head for
+    # two rows or more, kiln's panels for one row, so only one-row steps are screened.
     monkeypatch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(linear, "AMX_LINEAR", False)
     monkeypatch.setattr(greedy_head, "MIN_VOCAB", 1)
     head = bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
     assert head.packed is not None and head.panel_max_rows == 1
@@ -155,3 +156,18 @@ def test_beside_onednns_packed_head_only_single_rows_are_screened(
     assert model.greedy_head.screened > 0
     model.greedy_head = None
     assert alone == [engine.generate([p], greedy)[0].token_ids for p in prompts]
+
+
+@pytest.mark.skipif(not native.amx_kernels_available(), reason="no AMX kernel on this CPU")
+def test_a_head_on_kilns_amx_kernel_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The screen's recomputed candidates must be the full head's own logits; AMX sums a
+    # k-chunk in its own order, which the screen does not reproduce, so it stays off there.
+    monkeypatch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(greedy_head, "MIN_VOCAB", 1)
+    head = DenseLinear(
+        LinearWeights(WeightScheme(), torch.randn(VOCAB, HIDDEN).bfloat16()),
+        torch.bfloat16,
+        torch.device("cpu"),
+    )
+    assert head.amx is not None and head.panels is None
+    assert GreedyHead.build(head) is None

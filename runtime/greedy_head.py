@@ -13,23 +13,30 @@ about a third of them (half of a W4A16 step's). `GreedyHead` keeps an int8 copy 
    rounds its output (bfloat16), reaches max_m(approx_m - bound_m) rounded the same way:
    rounding is monotone, so every other token's rounded exact logit is strictly below the
    rounded exact logit of the token that attains that floor;
-4. the candidates' logits are recomputed by the bf16 layer's own kernel (the same sequential
-   float32 sum over k for any tile, so bit-identical to the full head's), and the argmax over
-   them, ties to the lowest index, is the full head's argmax.
+4. the candidates' logits are recomputed by the bf16 layer's own kernel (kiln's panels: the
+   same sequential float32 sum over k for any tile; kiln's AMX tiles: the same tile sums of
+   the candidate's 32 columns as any call's; either way bit-identical to the full head's),
+   and the argmax over them, ties to the lowest index, is the full head's argmax.
 
 Where the screen cannot decide cheaply (a non-finite input or logit, or more than
 `MAX_CANDIDATES` candidates), the full head runs. The engine asks for it only on steps whose
 rows all sample greedily without log-probabilities (model_runner.py).
 
+The summation bound allows twice the usual float32 loss for the head's own sum: AMX's
+documentation does not pin down the order and rounding of its k-chunk sums (measured: not
+the sequential sum), and 2 gamma_K covers any order rounding to nearest or towards zero.
+
 Hand-written: no library screens a vocabulary projection with a bound. Applies to a bf16
 head that holds kiln's panels (`DenseLinear` on CPUs with AVX2: the only copy without native
-bf16, the single-row copy beside oneDNN's with it); elsewhere the head runs whole.
+bf16, the single-row copy beside oneDNN's with it) or kiln's AMX tiles (CPUs with AMX, where
+rows up to `MAX_ROWS` are screened); elsewhere the head runs whole.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln.runtime import linear
 from kiln.runtime.linear import DenseLinear, Linear
 
 PANEL = 64  # output columns per panel, as in bf16_linear.cpp and int8_screen.cpp
@@ -47,16 +54,28 @@ def _unpack_bf16(panels: torch.Tensor, rows: int) -> torch.Tensor:
     return panels.view(count, k, 4, 8, 2).permute(0, 2, 4, 3, 1).reshape(count * PANEL, k)[:rows]
 
 
+def _unpack_amx(tiles: torch.Tensor, rows: int) -> torch.Tensor:
+    """The [rows, K] weight `amx_pack` stored as [pairs, chunks, 2, 16, 16, 2] (K a multiple
+    of 32)."""
+    pairs, chunks = tiles.shape[0], tiles.shape[1]
+    return tiles.permute(0, 2, 4, 1, 3, 5).reshape(pairs * 32, chunks * 32)[:rows]
+
+
 class GreedyHead:
     """The int8 screen of one bf16 LM head, and the exact argmax it leads to."""
 
     CHUNK = 4096  # rows converted to float64 at a time while building the copy
 
     def __init__(self, head: DenseLinear) -> None:
-        assert head.panels is not None and head.bias is None
+        assert head.bias is None
         self.head = head
         self.vocab = head.out_features
-        weight = _unpack_bf16(head.panels, self.vocab)
+        self.weight = head.amx if head.amx is not None else head.panels
+        assert self.weight is not None
+        if head.amx is not None:
+            weight = _unpack_amx(head.amx, self.vocab)
+        else:
+            weight = _unpack_bf16(self.weight, self.vocab)
         k = weight.shape[1]
         # float32 summation of K products can lose gamma_K * sum |x_k w_k| <= |x|_1 max|w|
         gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
@@ -72,15 +91,17 @@ class GreedyHead:
             scale = torch.where(peak > 0, peak / 127, torch.ones_like(peak)).float().double()
             q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127)
             # The copy's largest error in the row, plus the summation losses of both sides
-            # (and a third for the screen's own arithmetic), rounded up.
+            # (twice for the head's, see above, once more for the screen's own arithmetic),
+            # rounded up.
             error = (w - q * scale.unsqueeze(1)).abs().amax(dim=1)
-            self.slack[begin:end] = ((error + 3 * gamma * peak) * (1 + 2.0**-20)).float()
+            self.slack[begin:end] = ((error + 4 * gamma * peak) * (1 + 2.0**-20)).float()
             self.scale[begin:end] = scale.float()
             codes[begin:end] = q.to(torch.int8)
         self.panels = codes.view(-1, PANEL, k).transpose(1, 2).contiguous()
-        # Rows it screens: those the full head runs on the same panels (one, beside oneDNN's
-        # packed copy), so the recomputed candidates are the full head's own logits.
-        self.max_rows = min(MAX_ROWS, head.panel_max_rows)
+        # Rows it screens: those the full head runs on the same copy (panels: one beside
+        # oneDNN's packed weight), so the recomputed candidates are the full head's own logits.
+        held_rows = linear.AMX_MAX_ROWS if head.amx is not None else head.panel_max_rows
+        self.max_rows = min(MAX_ROWS, held_rows)
         self.screened = 0  # steps decided by the screen (tests and benchmarks read these)
         self.fallbacks = 0
 
@@ -97,14 +118,12 @@ class GreedyHead:
 
     @staticmethod
     def applies(head: Linear) -> bool:
-        return (
-            ENABLED
-            and isinstance(head, DenseLinear)
-            and head.panels is not None
-            and head.bias is None
-            and head.out_features >= MIN_VOCAB
-            and head.panels.shape[1] <= MAX_K
-        )
+        if not ENABLED or not isinstance(head, DenseLinear) or head.bias is not None:
+            return False
+        # on AMX tiles the screen reads x as they do: K needs no padding
+        amx = head.amx is not None and head.in_features % 32 == 0
+        held = amx or head.panels is not None
+        return held and head.out_features >= MIN_VOCAB and head.in_features <= MAX_K
 
     def weight_bytes(self) -> int:
         return self.panels.nbytes + self.scale.nbytes + self.slack.nbytes
@@ -120,8 +139,7 @@ class GreedyHead:
         return self.head(x).float().max(dim=-1).indices
 
     def _screened(self, x: torch.Tensor) -> torch.Tensor | None:
-        assert self.head.panels is not None
         tokens = torch.ops.kiln.int8_greedy(
-            x, self.panels, self.scale, self.slack, self.head.panels, self.vocab, MAX_CANDIDATES
+            x, self.panels, self.scale, self.slack, self.weight, self.vocab, MAX_CANDIDATES
         )
         return tokens if tokens.numel() else None

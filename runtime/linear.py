@@ -252,6 +252,7 @@ class DenseLinear(Linear):
         weight = w.weight.to(device=device, dtype=dtype).contiguous()
         self.bias = bias_of(w, dtype, device)
         self.out_features = w.out_features
+        self.in_features = w.in_features
         self.packed = _onednn_pack(weight)
         self.panels: torch.Tensor | None = None
         self.amx: torch.Tensor | None = None

@@ -39,7 +39,7 @@ SOURCES = [
     CSRC / "int8_screen.cpp",
     CSRC / "amx_linear.cpp",
 ]
-HEADERS = [CSRC / "simd.h"]  # included by the sources: part of the build key
+HEADERS = [CSRC / "simd.h", CSRC / "amx.h"]  # included by the sources: part of the build key
 OPS = (
     "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
     "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "amx.h"
 #include "simd.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -101,9 +102,40 @@ void store(const Problem& pr, const float* acc, int64_t m0, int64_t rows, int64_
   }
 }
 
+// acc [rows, 32] (row stride 32) = x's rows against one pair of blocks: tiles 0-1 (and 2-3
+// for rows past 16: `high`) summed chunk by chunk in order from zero, as configured.
+void accumulate(const uint16_t* x, const uint16_t* pair, int64_t chunks, bool high, float* acc) {
+  const char* xa = reinterpret_cast<const char*>(x);
+  const int64_t ldx = chunks * CHUNK * 2;  // bytes per row of x
+  _tile_zero(0);
+  _tile_zero(1);
+  if (high) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint16_t* b = pair + c * 2 * TILE;
+    _tile_loadd(4, xa + c * CHUNK * 2, ldx);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + TILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (high) {
+      _tile_loadd(5, xa + M_TILE * ldx + c * CHUNK * 2, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, PAIR * 4);
+  _tile_stored(1, acc + BLOCK, PAIR * 4);
+  if (high) {
+    _tile_stored(2, acc + M_TILE * PAIR, PAIR * 4);
+    _tile_stored(3, acc + M_TILE * PAIR + BLOCK, PAIR * 4);
+  }
+}
+
 void linear(const Problem& pr) {
   const int64_t pairs = (pr.N + PAIR - 1) / PAIR;
-  const int64_t ldx = pr.chunks * CHUNK * 2;  // bytes per row of x
   // Threads split the pairs, so each streams its own part of the weight.
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[2 * M_TILE * PAIR];
@@ -118,32 +150,7 @@ void linear(const Problem& pr) {
           low_now = low;
           high_now = high;
         }
-        const char* xa = reinterpret_cast<const char*>(pr.x + m0 * pr.chunks * CHUNK);
-        _tile_zero(0);
-        _tile_zero(1);
-        if (high) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
-        for (int64_t c = 0; c < pr.chunks; ++c) {
-          const uint16_t* b = pair + c * 2 * TILE;
-          _tile_loadd(4, xa + c * CHUNK * 2, ldx);
-          _tile_loadd(6, b, 64);
-          _tile_loadd(7, b + TILE, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (high) {
-            _tile_loadd(5, xa + M_TILE * ldx + c * CHUNK * 2, ldx);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, acc, PAIR * 4);
-        _tile_stored(1, acc + BLOCK, PAIR * 4);
-        if (high) {
-          _tile_stored(2, acc + M_TILE * PAIR, PAIR * 4);
-          _tile_stored(3, acc + M_TILE * PAIR + BLOCK, PAIR * 4);
-        }
+        accumulate(pr.x + m0 * pr.chunks * CHUNK, pair, pr.chunks, high > 0, acc);
         store(pr, acc, m0, rows, p);
       }
     }
@@ -212,6 +219,24 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 }
 
 }  // namespace
+
+namespace kiln_amx {
+
+bool pair_row(const uint16_t* x, int64_t chunks, const uint16_t* tiles, int64_t pair,
+              float* out) {
+#ifdef KILN_AMX
+  if (!permitted()) return false;
+  configure(1, 0);  // the tiles of a one-row call (any row of a call sums alike)
+  accumulate(x, tiles + pair * chunks * 2 * TILE, chunks, false, out);
+  _tile_release();
+  return true;
+#else
+  (void)x, (void)chunks, (void)tiles, (void)pair, (void)out;
+  return false;
+#endif
+}
+
+}  // namespace kiln_amx
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("amx_ready() -> bool", &amx_ready);

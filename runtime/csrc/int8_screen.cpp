@@ -14,17 +14,20 @@
 // 8 at a time, 16 with AVX-512 (sign extension, then an exact conversion to float32) and
 // multiplied in float32; the summation order is not the bf16 kernel's, which the screen's
 // bound allows for.
-// The candidates are then recomputed from the bf16 panels with bf16_linear's arithmetic.
+// The candidates are then recomputed from the layer's own weight with its own arithmetic:
+// bf16_linear's from its panels, or amx_linear's from its tiles (kiln_amx::pair_row).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "amx.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -163,15 +166,20 @@ inline float as_output(float v) {
 }
 
 // Row m's argmax of the bf16 layer's outputs (rounded to T), or -1 where the screen cannot
-// decide (a non-finite approximate logit, or more than max_candidates candidates).
-template <typename T>
-int64_t decide(const float* x, int64_t K, const float* approx, const float* slack,
-               const uint16_t* w, int64_t N, int64_t max_candidates, std::vector<int64_t>& cand) {
+// decide (a non-finite approximate logit, or more than max_candidates candidates); exact(n) is
+// candidate n's float32 sum as the layer computes it.
+template <typename T, typename Exact>
+int64_t decide(const float* x, int64_t K, const float* approx, const float* slack, int64_t N,
+               int64_t max_candidates, std::vector<int64_t>& cand, Exact&& exact) {
   float norm = 0.f;
   for (int64_t k = 0; k < K; ++k) norm += std::fabs(x[k]);
   norm *= 1.f + 0x1p-10f;
-  // bound_n: how far the exact float32 logit can be from approx_n (greedy_head.py)
-  auto bound = [&](int64_t n) { return norm * slack[n] + std::fabs(approx[n]) * 0x1p-20f; };
+  // bound_n: how far the exact float32 logit can be from approx_n (greedy_head.py); the last
+  // term covers subnormal products or partial sums flushed to zero, K of them at most
+  const float flushed = static_cast<float>(K) * 0x1p-125f;
+  auto bound = [&](int64_t n) {
+    return norm * slack[n] + std::fabs(approx[n]) * 0x1p-20f + flushed;
+  };
   float floor = -INFINITY;
   for (int64_t n = 0; n < N; ++n) {
     if (!std::isfinite(approx[n])) return -1;
@@ -185,21 +193,27 @@ int64_t decide(const float* x, int64_t K, const float* approx, const float* slac
       cand.push_back(n);
     }
   }
-  // Each candidate exactly as bf16_linear computes it: one float32 fused multiply-add per k,
-  // in order from zero, then rounded to T. The first of equal maxima wins, as argmax's.
+  // Each candidate exactly as the layer computes it, then rounded to T. The first of equal
+  // maxima wins, as argmax's.
   int64_t best = -1;
   float best_value = 0.f;
   for (const int64_t n : cand) {
-    float acc = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      c10::BFloat16 v;
-      v.x = w[bf16_offset(n, K, k)];
-      acc = std::fma(x[k], widen(v), acc);
-    }
-    const float value = as_output<T>(acc);
+    const float value = as_output<T>(exact(n));
     if (best < 0 || value > best_value) best = n, best_value = value;
   }
   return best;
+}
+
+// Candidate n as bf16_linear computes it from its panels: one float32 fused multiply-add per
+// k, in order from zero.
+inline float panel_sum(const float* x, int64_t K, const uint16_t* w, int64_t n) {
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    c10::BFloat16 v;
+    v.x = w[bf16_offset(n, K, k)];
+    acc = std::fma(x[k], widen(v), acc);
+  }
+  return acc;
 }
 
 at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
@@ -224,8 +238,9 @@ at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& panels, const at::
   return out;
 }
 
-// Each row's argmax of the bf16 layer whose bf16_pack panels are `weight` (no bias), decided
-// through the int8 screen; an empty tensor where some row cannot be decided that way.
+// Each row's argmax of the bf16 layer whose weight is `weight` (no bias): its bf16_pack panels,
+// or its amx_pack tiles (then x is bfloat16 with K a multiple of 32, as amx_linear reads it),
+// decided through the int8 screen; an empty tensor where some row cannot be decided that way.
 at::Tensor int8_greedy(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                        const at::Tensor& slack, const at::Tensor& weight, int64_t N,
                        int64_t max_candidates) {
@@ -233,22 +248,46 @@ at::Tensor int8_greedy(const at::Tensor& x, const at::Tensor& panels, const at::
   TORCH_CHECK(slack.scalar_type() == at::kFloat && slack.dim() == 1 && slack.size(0) == N &&
                   slack.is_contiguous(),
               "int8_greedy: slack float32 [N]");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 3 &&
-                  weight.is_contiguous() && weight.sizes() == panels.sizes(),
-              "int8_greedy: the bf16_pack panels of the layer the screen copies");
   const int64_t M = x.size(0), K = x.size(1);
+  const bool tiles = weight.dim() == 6;
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  (tiles ? weight.size(1) * 32 == K && weight.size(0) * 32 >= N &&
+                               weight.size(0) * 32 < N + 32 && x.scalar_type() == at::kBFloat16
+                         : weight.sizes() == panels.sizes()),
+              "int8_greedy: the bf16_pack panels, or the amx_pack tiles under a bfloat16 x, of "
+              "the layer the screen copies");
   at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor xc = x.contiguous();
   at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
   std::vector<int64_t> cand;
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x32.data_ptr<float>() + m * K;
     const float* am = approx.data_ptr<float>() + m * N;
-    const int64_t token =
-        x.scalar_type() == at::kBFloat16
-            ? decide<c10::BFloat16>(xm, K, am, slack.data_ptr<float>(), w, N, max_candidates,
-                                    cand)
-            : decide<float>(xm, K, am, slack.data_ptr<float>(), w, N, max_candidates, cand);
+    const float* sl = slack.data_ptr<float>();
+    int64_t token;
+    if (tiles) {
+      // AMX reads subnormal inputs as zero: such a row is left to the full head
+      for (int64_t k = 0; k < K; ++k)
+        if (xm[k] != 0.f && std::fabs(xm[k]) < FLT_MIN) return at::empty({0}, tokens.options());
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()) + m * K;
+      alignas(64) float sums[32];
+      int64_t cached = -1;
+      auto exact = [&](int64_t n) {
+        if (n / 32 != cached) {
+          cached = n / 32;
+          TORCH_CHECK(kiln_amx::pair_row(xb, K / 32, w, cached, sums),
+                      "int8_greedy: AMX tiles on a CPU or build without AMX");
+        }
+        return sums[n % 32];
+      };
+      token = decide<c10::BFloat16>(xm, K, am, sl, N, max_candidates, cand, exact);
+    } else {
+      auto exact = [&](int64_t n) { return panel_sum(xm, K, w, n); };
+      token = x.scalar_type() == at::kBFloat16
+                  ? decide<c10::BFloat16>(xm, K, am, sl, N, max_candidates, cand, exact)
+                  : decide<float>(xm, K, am, sl, N, max_candidates, cand, exact);
+    }
     if (token < 0) return at::empty({0}, tokens.options());
     tokens.data_ptr<int64_t>()[m] = token;
   }

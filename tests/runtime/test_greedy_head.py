@@ -26,20 +26,26 @@ pytestmark = pytest.mark.skipif(
 VOCAB, HIDDEN = 8192, 576
 
 
-@pytest.fixture(scope="module", autouse=True)
-def on_kilns_bf16_kernel() -> Iterator[None]:
-    """bf16 layers on kiln's kernel, where the screen applies, also on CPUs whose oneDNN
-    computes bf16 (the runtime's choice there)."""
+@pytest.fixture(scope="module", autouse=True, params=["panels", "amx"])
+def copy_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The copy of the head the screen recomputes from: kiln's panels (bf16 layers on kiln's
+    kernel, also on CPUs whose oneDNN computes bf16), or kiln's AMX tiles beside oneDNN's
+    packed weight (the runtime's choice on CPUs with AMX)."""
+    if request.param == "amx" and not native.amx_kernels_available():
+        pytest.skip("no AMX kernel on this CPU")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(linear, "PACKED_DTYPES", (torch.float32,))
-        yield
+        if request.param == "panels":
+            patch.setattr(linear, "PACKED_DTYPES", (torch.float32,))
+        else:
+            patch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
+        yield request.param
 
 
 def bf16_head(weight: torch.Tensor) -> DenseLinear:
     head = DenseLinear(
         LinearWeights(WeightScheme(), weight.bfloat16()), torch.bfloat16, torch.device("cpu")
     )
-    assert head.panels is not None  # on kiln's bf16 kernel, where the screen applies
+    assert head.panels is not None or head.amx is not None  # where the screen applies
     return head
 
 
@@ -48,9 +54,11 @@ def full_argmax(head: DenseLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def random_head() -> DenseLinear:
+def random_head(copy_kind: str) -> DenseLinear:
     torch.manual_seed(0)
-    return bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
+    head = bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
+    assert (head.amx is not None) == (copy_kind == "amx")
+    return head
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -132,8 +140,10 @@ def test_engine_greedy_tokens_are_the_same_with_the_screen_and_without(
 
 @pytest.mark.skipif(not linear.onednn_runs_bf16(), reason="oneDNN cannot run bf16 on this CPU")
 def test_beside_onednns_packed_head_only_single_rows_are_screened(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, copy_kind: str
 ) -> None:
+    if copy_kind == "amx":
+        pytest.skip("the panels' case, run once")
     # The runtime's own choice on a CPU with native bf16 but no AMX: oneDNN's packed head for
     # two rows or more, kiln's panels for one row, so only one-row steps are screened.
     monkeypatch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
@@ -158,16 +168,17 @@ def test_beside_onednns_packed_head_only_single_rows_are_screened(
     assert alone == [engine.generate([p], greedy)[0].token_ids for p in prompts]
 
 
-@pytest.mark.skipif(not native.amx_kernels_available(), reason="no AMX kernel on this CPU")
-def test_a_head_on_kilns_amx_kernel_is_not_screened(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The screen's recomputed candidates must be the full head's own logits; AMX sums a
-    # k-chunk in its own order, which the screen does not reproduce, so it stays off there.
-    monkeypatch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
-    monkeypatch.setattr(greedy_head, "MIN_VOCAB", 1)
-    head = DenseLinear(
-        LinearWeights(WeightScheme(), torch.randn(VOCAB, HIDDEN).bfloat16()),
-        torch.bfloat16,
-        torch.device("cpu"),
-    )
-    assert head.amx is not None and head.panels is None
-    assert GreedyHead.build(head) is None
+def test_on_amx_tiles_rows_with_a_subnormal_run_the_full_head(
+    random_head: DenseLinear, copy_kind: str
+) -> None:
+    if copy_kind != "amx":
+        pytest.skip("the AMX tiles' case")
+    screen = GreedyHead.build(random_head)
+    assert screen is not None and screen.max_rows == greedy_head.MAX_ROWS
+    x = torch.randn(2, HIDDEN).bfloat16()
+    tiny = x.clone()
+    tiny[0, 5] = 1e-39  # AMX reads a subnormal input as zero: the full head decides
+    assert torch.equal(screen.argmax(tiny), full_argmax(random_head, tiny))
+    assert (screen.screened, screen.fallbacks) == (0, 1)
+    assert torch.equal(screen.argmax(x), full_argmax(random_head, x))
+    assert screen.screened == 1

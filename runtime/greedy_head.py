@@ -38,6 +38,7 @@ import torch
 
 from kiln.runtime import linear
 from kiln.runtime.linear import DenseLinear, Linear
+from kiln.runtime.sampling import greedy_tokens
 
 PANEL = 64  # output columns per panel, as in bf16_linear.cpp and int8_screen.cpp
 MAX_ROWS = 4  # int8_screen's tile
@@ -136,7 +137,7 @@ class GreedyHead:
                 self.screened += 1
                 return tokens
         self.fallbacks += 1
-        return self.head(x).float().max(dim=-1).indices
+        return greedy_tokens(self.head(x))
 
     def _screened(self, x: torch.Tensor) -> torch.Tensor | None:
         tokens = torch.ops.kiln.int8_greedy(

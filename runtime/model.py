@@ -35,6 +35,7 @@ from kiln.runtime.attention import (
 from kiln.runtime.greedy_head import GreedyHead
 from kiln.runtime.linear import Linear
 from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.sampling import greedy_tokens
 
 
 def rope_inv_freq(config: ModelInfo) -> torch.Tensor:
@@ -192,5 +193,5 @@ class CausalLM:
         selected = self._rms_norm(residual.index_select(0, logits_rows), self.norm)
         if greedy and self.greedy_head is not None:
             return self.greedy_head.argmax(selected)
-        logits = self.lm_head(selected).float()
-        return logits.max(dim=-1).indices if greedy else logits
+        logits = self.lm_head(selected)
+        return greedy_tokens(logits) if greedy else logits.float()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.runtime import native
 from kiln.runtime.errors import UsageError
 
 
@@ -94,6 +95,22 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of `logits` [n, vocab] (the first maximum, the first NaN where a row
+    holds one): kiln's native pass on CPU (32 rows of a 49k vocabulary, one thread, a Xeon:
+    0.16 ms, where torch's max took 1.1 ms on the float32 logits and 0.8 vs 2.6 ms for
+    argmax on a Zen 3 EPYC), torch's max elsewhere (its indices are argmax's)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and native.available()
+    ):
+        return torch.ops.kiln.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -101,9 +118,7 @@ def sample(
 ) -> torch.Tensor:
     """Choose one token per row of `logits` [n, vocab] (float32); returns int64 [n]."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    # max's indices are argmax's (the first maximum, NaN first), and its CPU kernel is 3x
-    # faster: 0.8 vs 2.6 ms for 32 rows of a 49k vocabulary, one thread.
-    tokens = logits.max(dim=-1).indices
+    tokens = greedy_tokens(logits)
     if not sampled:
         return tokens
     rows = torch.tensor(sampled, device=logits.device)

@@ -102,3 +102,29 @@ def test_rope_refuses_a_position_past_its_tables() -> None:
     table = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="past the tables"):
         torch.ops.kiln.rope_(torch.zeros(1, 16), torch.tensor([4]), table, table, 2, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [49152, 64, 37, 1])
+def test_argmax_rows_is_torchs_first_maximum(dtype: torch.dtype, width: int) -> None:
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(5, width, generator=generator).to(dtype)
+    if width > 30:
+        x[0, 3] = x[0, width - 2] = 50  # an exact tie: the first
+        x[1, 29] = float("nan")  # a NaN wins, the first of them
+        x[1, width - 1] = float("nan")
+        x[1, 0] = float("inf")
+        x[3] = 0.0
+        x[3, 5] = -0.0  # zeros of either sign are equal: the first
+    x[2] = float("-inf")
+    x[4] = x[4].round()  # many ties
+    expected = x.max(dim=-1).indices
+    assert torch.equal(torch.ops.kiln.argmax_rows(x), expected)
+    assert torch.equal(torch.ops.kiln.argmax_rows(x.t().contiguous().t()), expected)
+
+
+def test_argmax_rows_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(RuntimeError, match="logits \\[M, N > 0\\]"):
+        torch.ops.kiln.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.kiln.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))

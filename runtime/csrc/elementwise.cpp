@@ -220,12 +220,12 @@ void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
   }
 }
 
-// Row m's argmax: a vectorised pass for the maximum (and whether a NaN is there), then blocks
-// scanned for the first element that is it (or the first NaN).
+// Row m's argmax: a vectorised pass for the maximum (and whether a NaN is there), then a scan
+// for the first element that is it (or the first NaN), a vector or a block at a time.
 template <typename T>
 int64_t argmax_row(const T* row, int64_t N) {
   float best = -INFINITY;
-  bool nan = false;
+  int nan = 0;
   int64_t n = 0;
 #if defined(__AVX512F__)
   __m512 top = _mm512_set1_ps(-INFINITY);
@@ -233,16 +233,18 @@ int64_t argmax_row(const T* row, int64_t N) {
   for (; n + 16 <= N; n += 16) {
     const __m512 v = load16(row + n);
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_max_ps(top, v);
+    top = _mm512_max_ps(top, v);  // a NaN lane may win here: the flag decides then
   }
   best = _mm512_reduce_max_ps(top);
   nan = unordered != 0;
 #endif
-  for (; n < N; ++n) {
-    const float v = widen(row[n]);
-    nan = nan || v != v;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t i = n; i < N; ++i) {
+    const float v = widen(row[i]);
+    nan |= v != v;
     best = v > best ? v : best;
   }
+  auto is_it = [&](float v) { return nan ? v != v : v == best; };
   n = 0;
 #if defined(__AVX512F__)
   const __m512 target = _mm512_set1_ps(best);
@@ -253,9 +255,15 @@ int64_t argmax_row(const T* row, int64_t N) {
     if (hit) return n + __builtin_ctz(hit);
   }
 #endif
-  for (; n < N; ++n) {
-    const float v = widen(row[n]);
-    if (nan ? v != v : v == best) return n;
+  constexpr int64_t BLOCK = 256;
+  for (int64_t b0 = n; b0 < N; b0 += BLOCK) {
+    const int64_t b1 = std::min(N, b0 + BLOCK);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = b0; i < b1; ++i) hit |= is_it(widen(row[i]));
+    if (!hit) continue;
+    for (int64_t i = b0; i < b1; ++i)
+      if (is_it(widen(row[i]))) return i;
   }
   return 0;  // unreachable: the maximum is one of the row's values
 }

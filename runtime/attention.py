@@ -106,6 +106,9 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store K and V [tokens, kv_heads, head_dim] at flat slot ids (block * size + offset)."""
+        if self.quant is None and self._native_store(k, v):
+            torch.ops.kiln.kv_store_(self.k[layer], self.v[layer], k, v, slots)
+            return
         flat = (self.num_kv_heads, -1, self.head_dim)
         for cache, values, scales in ((self.k, k, self.k_scales), (self.v, v, self.v_scales)):
             values = values.transpose(0, 1)
@@ -117,6 +120,18 @@ class PagedKVCache:
             if self.quant == "fp8":  # index_copy_ has no float8 kernel; bytes are bytes
                 target, values = target.view(torch.uint8), values.view(torch.uint8)
             target.view(flat).index_copy_(1, slots, values)
+
+    def _native_store(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether `write` copies rows with the native kernel (the same bytes as index_copy_):
+        float32 or bf16 values of the cache's dtype, on the CPU."""
+        return (
+            k.device.type == "cpu"
+            and k.dtype == v.dtype == self.dtype
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and k.stride(-1) == 1
+            and v.stride(-1) == 1
+            and native.available()
+        )
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks, in order: [kv_heads, len(block_ids) * block_size, dim]."""

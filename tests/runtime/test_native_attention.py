@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import kiln.runtime.attention as attention
 from kiln.runtime import Engine, SamplingParams, native
+from kiln.runtime.attention import PagedKVCache
 from tests.runtime.test_batch_invariance import audit_prompts
 
 # Skipped only where the build is impossible; a source that fails to compile fails here.
@@ -258,3 +259,29 @@ def test_engine_decodes_alike_with_and_without_the_fused_step(
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert x is not None and y is not None
             assert {t: p.logprob for t, p in x.items()} == {t: p.logprob for t, p in y.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_store_writes_the_bytes_index_copy_writes(dtype: torch.dtype) -> None:
+    cpu = torch.device("cpu")
+    native_cache = PagedKVCache(2, 16, 16, 3, 64, dtype, cpu)
+    torch_cache = PagedKVCache(2, 16, 16, 3, 64, dtype, cpu)
+    qkv = torch.randn(40, 15 * 64).to(dtype)  # keys and values are views of the projection
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(40, 3, 64), qkv[:, 12 * 64 :].view(40, 3, 64)
+    slots = torch.randperm(16 * 16)[:40]
+    native_cache.write(1, k, v, slots)
+    for cache, values in ((torch_cache.k, k), (torch_cache.v, v)):
+        cache[1].view(3, -1, 64).index_copy_(1, slots, values.transpose(0, 1))
+    assert torch.equal(native_cache.k[1], torch_cache.k[1])
+    assert torch.equal(native_cache.v[1], torch_cache.v[1])
+    assert not native_cache.k[0].any()  # other layers untouched
+
+
+def test_native_store_refuses_a_slot_past_the_cache_before_storing() -> None:
+    cache = PagedKVCache(1, 4, 16, 3, 64, torch.bfloat16, torch.device("cpu"))
+    k = torch.randn(2, 3, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="kv_store_: slot out of range"):
+        torch.ops.kiln.kv_store_(cache.k[0], cache.v[0], k, k, torch.tensor([3, 64]))
+    assert not cache.k[0].any()
+    with pytest.raises(RuntimeError, match="of the caches' dtype"):
+        torch.ops.kiln.kv_store_(cache.k[0], cache.v[0], k.float(), k.float(), torch.tensor([0, 1]))

@@ -31,16 +31,13 @@
 #include "amx.h"
 #include "simd.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KILN_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace {
 
 using namespace kiln_simd;
+#ifdef KILN_AMX
+using kiln_amx::permitted;
+using kiln_amx::TileConfig;
+#endif
 
 constexpr int64_t BLOCK = 16;   // output columns per weight tile
 constexpr int64_t PAIR = 32;    // output columns per accumulator (two weight tiles)
@@ -49,18 +46,6 @@ constexpr int64_t M_TILE = 16;  // rows per accumulator tile
 constexpr int64_t TILE = BLOCK * CHUNK;  // bf16 values per weight tile
 
 #ifdef KILN_AMX
-bool permitted() {
-  // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18); once per process
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0-1 rows 0-15 of the pair's two blocks, 2-3 rows 16-31; 4-5 x's rows 0-15 and 16-31;
 // 6-7 the two weight tiles. `low` and `high` rows in each half (high may be 0).
 void configure(int low, int high) {

@@ -464,7 +464,9 @@ TORCH_LIBRARY(kiln, m) {
   m.def(
       "decode_attention_(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
       "Tensor block_tables, Tensor context_lens, int heads, float scale) -> Tensor");
-  m.def("kv_store_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()");
+  m.def(
+      "kv_store_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {

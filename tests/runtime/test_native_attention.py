@@ -15,6 +15,7 @@ import kiln.runtime.attention as attention
 from kiln.runtime import Engine, SamplingParams, native
 from kiln.runtime.attention import PagedKVCache
 from tests.runtime.test_batch_invariance import audit_prompts
+from tests.tiny_models import make_tiny_model
 
 # Skipped only where the build is impossible; a source that fails to compile fails here.
 pytestmark = pytest.mark.skipif(
@@ -285,3 +286,88 @@ def test_native_store_refuses_a_slot_past_the_cache_before_storing() -> None:
     assert not cache.k[0].any()
     with pytest.raises(RuntimeError, match="of the caches' dtype"):
         torch.ops.kiln.kv_store_(cache.k[0], cache.v[0], k.float(), k.float(), torch.tensor([0, 1]))
+
+
+needs_amx = pytest.mark.skipif(
+    not native.amx_kernels_available(), reason="no AMX kernel on this CPU"
+)
+
+
+def qkv_views(tokens: int, heads: int, kv_heads: int, dim: int, seed: int) -> tuple:
+    """q, k, v as the stacked projection's views: [T, heads, D] rows at the qkv stride."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator) * 2).bfloat16()
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    return q, k, v
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    attended = F.scaled_dot_product_attention(
+        *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended[0].transpose(0, 1).reshape(tokens, heads * dim)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "dim"),
+    [(128, 9, 3, 64), (1, 9, 3, 64), (37, 4, 4, 64), (200, 8, 2, 128), (33, 6, 3, 64)],
+)
+def test_amx_prefill_attention_matches_causal_sdpa(
+    tokens: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    q, k, v = qkv_views(tokens, heads, kv_heads, dim, seed=tokens)
+    got = torch.ops.kiln.amx_prefill_attention(q, k, v, dim**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, heads * dim)
+    exact = causal_sdpa(q.double(), k.double(), v.double(), dim**-0.5)
+    flash = causal_sdpa(q, k, v, dim**-0.5)  # torch's bf16 kernel, the path it replaces
+    # float32 sums, probabilities rounded to bf16 as torch's flash kernel rounds them, one
+    # rounding of the result: within what torch's own bf16 kernel gets
+    limit = max(2 * (flash.double() - exact).abs().max().item(), 1e-3)
+    assert (got.double() - exact).abs().max().item() <= limit
+
+
+@needs_amx
+def test_amx_prefill_attention_gives_a_query_the_same_bits_in_a_longer_chunk() -> None:
+    q, k, v = qkv_views(70, 6, 2, 64, seed=1)
+    whole = torch.ops.kiln.amx_prefill_attention(q, k, v, 0.125)
+    for length in (1, 16, 17, 33, 64):
+        part = torch.ops.kiln.amx_prefill_attention(q[:length], k[:length], v[:length], 0.125)
+        assert torch.equal(part, whole[:length])
+
+
+@needs_amx
+def test_amx_prefill_attention_refuses_what_it_cannot_read() -> None:
+    q, k, v = qkv_views(8, 4, 2, 32, seed=0)
+    with pytest.raises(RuntimeError, match="head_dim a multiple of 64"):
+        torch.ops.kiln.amx_prefill_attention(q, k, v, 0.125)
+    q, k, v = qkv_views(8, 4, 2, 64, seed=0)
+    with pytest.raises(RuntimeError, match="bfloat16 on the CPU"):
+        torch.ops.kiln.amx_prefill_attention(q.float(), k.float(), v.float(), 0.125)
+
+
+@needs_amx
+def test_engine_prefill_on_amx_gives_torchs_first_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_tiny_model(tmp_path / "tiny", num_heads=2, num_kv_heads=1)  # head_dim 64
+    prompts = ["The quick brown fox jumps over the lazy dog " * k for k in (1, 3, 6)]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(attention, "AMX_PREFILL", on)
+        engine = Engine.from_pretrained(model, dtype="bfloat16", enable_prefix_caching=False)
+        runs[on] = engine.generate(prompts, params)
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a.logprobs is not None and b.logprobs is not None
+        first_a, first_b = a.logprobs[0], b.logprobs[0]
+        assert first_a is not None and first_b is not None
+        for token in set(first_a) & set(first_b):
+            assert abs(first_a[token].logprob - first_b[token].logprob) < 0.05
+        assert a.token_ids == b.token_ids

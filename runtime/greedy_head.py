@@ -71,12 +71,12 @@ class GreedyHead:
         assert head.bias is None
         self.head = head
         self.vocab = head.out_features
-        self.weight = head.amx if head.amx is not None else head.panels
-        assert self.weight is not None
+        # the full head's own copy, which the candidates are recomputed from
         if head.amx is not None:
-            weight = _unpack_amx(head.amx, self.vocab)
+            self.weight, weight = head.amx, _unpack_amx(head.amx, self.vocab)
         else:
-            weight = _unpack_bf16(self.weight, self.vocab)
+            assert head.panels is not None
+            self.weight, weight = head.panels, _unpack_bf16(head.panels, self.vocab)
         k = weight.shape[1]
         # float32 summation of K products can lose gamma_K * sum |x_k w_k| <= |x|_1 max|w|
         gamma = k * 2.0**-24 / (1 - k * 2.0**-24)

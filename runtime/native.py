@@ -87,8 +87,8 @@ def avx2_kernels_available(flags: str | None = None) -> bool:
 
 @functools.cache
 def amx_kernels_available() -> bool:
-    """Whether kiln's AMX bf16 linear kernel (amx_linear.cpp) serves this CPU: AMX-BF16 in
-    its flags, the native kernels load, and the OS lets the process use the tile unit."""
+    """Whether kiln's AMX kernels (amx_linear.cpp, amx_attention.cpp) serve this CPU: AMX-BF16
+    in its flags, the native kernels load, and the OS lets the process use the tile unit."""
     present = set(this_cpus_flags().split())
     if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= present or not available():
         return False

@@ -17,6 +17,11 @@ needs_avx2_kernels = pytest.mark.skipif(
     not native.avx2_kernels_available(),
     reason="kiln's AVX2 kernels need an x86 CPU with AVX2 and FMA, and a C++ compiler",
 )
+# Tests of kiln's AMX kernels (bf16 linear, prefill attention): skipped where they cannot run.
+needs_amx_kernels = pytest.mark.skipif(
+    not native.amx_kernels_available(),
+    reason="kiln's AMX kernels need a CPU with AMX-BF16 (and an OS that grants the tile unit)",
+)
 
 PROMPTS = [
     "Permission is hereby granted, free of charge, to any person obtaining a copy",

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import kiln.runtime.linear as linear
 from kiln.runtime import native
 from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme, float_linear
-from tests.runtime.conftest import needs_avx2_kernels
+from tests.runtime.conftest import needs_amx_kernels, needs_avx2_kernels
 
 CPU = torch.device("cpu")
 bf16_packing = pytest.mark.skipif(
@@ -86,12 +86,7 @@ def copy_of(layer: DenseLinear) -> torch.Tensor | None:
     return layer.amx if layer.amx is not None else layer.panels
 
 
-needs_amx = pytest.mark.skipif(
-    not native.amx_kernels_available(), reason="no AMX kernel on this CPU"
-)
-
-
-@needs_amx
+@needs_amx_kernels
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_kernel_is_a_float32_sum_over_bf16_weights(bias: bool) -> None:
     # 70 outputs: two pairs of 16-column blocks and a partial one; 100 inputs: three chunks of
@@ -110,7 +105,7 @@ def test_amx_kernel_is_a_float32_sum_over_bf16_weights(bias: bool) -> None:
         torch.testing.assert_close(got.double(), exact, atol=1e-3, rtol=2**-8 + 1e-5)
 
 
-@needs_amx
+@needs_amx_kernels
 def test_amx_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
     tiles = torch.ops.kiln.amx_pack(weights(64, 600, bias=False).weight.bfloat16())
     batch = torch.randn(45, 600).bfloat16()
@@ -121,7 +116,7 @@ def test_amx_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
         )
 
 
-@needs_amx
+@needs_amx_kernels
 def test_amx_kernel_refuses_a_weight_of_another_shape() -> None:
     tiles = torch.ops.kiln.amx_pack(weights(64, 96, bias=False).weight.bfloat16())
     with pytest.raises(RuntimeError, match="a weight from amx_pack with x's K columns"):

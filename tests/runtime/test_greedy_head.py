@@ -32,7 +32,7 @@ def copy_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     kernel, also on CPUs whose oneDNN computes bf16), or kiln's AMX tiles beside oneDNN's
     packed weight (the runtime's choice on CPUs with AMX)."""
     if request.param == "amx" and not native.amx_kernels_available():
-        pytest.skip("no AMX kernel on this CPU")
+        pytest.skip("kiln's AMX kernels need a CPU with AMX-BF16")
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "panels":
             patch.setattr(linear, "PACKED_DTYPES", (torch.float32,))
@@ -139,11 +139,10 @@ def test_engine_greedy_tokens_are_the_same_with_the_screen_and_without(
 
 
 @pytest.mark.skipif(not linear.onednn_runs_bf16(), reason="oneDNN cannot run bf16 on this CPU")
+@pytest.mark.parametrize("copy_kind", ["panels"], indirect=True)
 def test_beside_onednns_packed_head_only_single_rows_are_screened(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, copy_kind: str
 ) -> None:
-    if copy_kind == "amx":
-        pytest.skip("the panels' case, run once")
     # The runtime's own choice on a CPU with native bf16 but no AMX: oneDNN's packed head for
     # two rows or more, kiln's panels for one row, so only one-row steps are screened.
     monkeypatch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
@@ -168,11 +167,10 @@ def test_beside_onednns_packed_head_only_single_rows_are_screened(
     assert alone == [engine.generate([p], greedy)[0].token_ids for p in prompts]
 
 
+@pytest.mark.parametrize("copy_kind", ["amx"], indirect=True)
 def test_on_amx_tiles_rows_with_a_subnormal_run_the_full_head(
     random_head: DenseLinear, copy_kind: str
 ) -> None:
-    if copy_kind != "amx":
-        pytest.skip("the AMX tiles' case")
     screen = GreedyHead.build(random_head)
     assert screen is not None and screen.max_rows == greedy_head.MAX_ROWS
     x = torch.randn(2, HIDDEN).bfloat16()

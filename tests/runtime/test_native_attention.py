@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import kiln.runtime.attention as attention
 from kiln.runtime import Engine, SamplingParams, native
 from kiln.runtime.attention import PagedKVCache
+from tests.runtime.conftest import needs_amx_kernels
 from tests.runtime.test_batch_invariance import audit_prompts
 from tests.tiny_models import make_tiny_model
 
@@ -288,11 +289,6 @@ def test_native_store_refuses_a_slot_past_the_cache_before_storing() -> None:
         torch.ops.kiln.kv_store_(cache.k[0], cache.v[0], k.float(), k.float(), torch.tensor([0, 1]))
 
 
-needs_amx = pytest.mark.skipif(
-    not native.amx_kernels_available(), reason="no AMX kernel on this CPU"
-)
-
-
 def qkv_views(tokens: int, heads: int, kv_heads: int, dim: int, seed: int) -> tuple:
     """q, k, v as the stacked projection's views: [T, heads, D] rows at the qkv stride."""
     generator = torch.Generator().manual_seed(seed)
@@ -314,7 +310,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return attended[0].transpose(0, 1).reshape(tokens, heads * dim)
 
 
-@needs_amx
+@needs_amx_kernels
 @pytest.mark.parametrize(
     ("tokens", "heads", "kv_heads", "dim"),
     [(128, 9, 3, 64), (1, 9, 3, 64), (37, 4, 4, 64), (200, 8, 2, 128), (33, 6, 3, 64)],
@@ -333,7 +329,7 @@ def test_amx_prefill_attention_matches_causal_sdpa(
     assert (got.double() - exact).abs().max().item() <= limit
 
 
-@needs_amx
+@needs_amx_kernels
 def test_amx_prefill_attention_gives_a_query_the_same_bits_in_a_longer_chunk() -> None:
     q, k, v = qkv_views(70, 6, 2, 64, seed=1)
     whole = torch.ops.kiln.amx_prefill_attention(q, k, v, 0.125)
@@ -342,7 +338,7 @@ def test_amx_prefill_attention_gives_a_query_the_same_bits_in_a_longer_chunk() -
         assert torch.equal(part, whole[:length])
 
 
-@needs_amx
+@needs_amx_kernels
 def test_amx_prefill_attention_refuses_what_it_cannot_read() -> None:
     q, k, v = qkv_views(8, 4, 2, 32, seed=0)
     with pytest.raises(RuntimeError, match="head_dim a multiple of 64"):
@@ -352,7 +348,7 @@ def test_amx_prefill_attention_refuses_what_it_cannot_read() -> None:
         torch.ops.kiln.amx_prefill_attention(q.float(), k.float(), v.float(), 0.125)
 
 
-@needs_amx
+@needs_amx_kernels
 def test_engine_prefill_on_amx_gives_torchs_first_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

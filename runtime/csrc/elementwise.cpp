@@ -53,6 +53,31 @@ void check_norm(const at::Tensor& x, const at::Tensor& w, const char* name) {
               name, ": float32 or bfloat16 x and weight of the same dtype");
 }
 
+#if defined(__AVX512F__)
+// One row in 16 lanes: the add (rounded and stored), the sum of squares and y in two passes,
+// the row's float32 values kept in `wide` between them. The compiler's vectorisation of the
+// scalar rows above ran at ~0.7 ns an element (0.9 ms for 2048 x 576 bf16, 55 ms of a
+// 2048-token prefill); these run at a fraction of that.
+template <typename T>
+inline void norm_row16(T* row, const T* d, const T* w, T* y, float* wide, int64_t H, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 live = live16(H - i);
+    __m512 v = load16(row + i, live);
+    if (d != nullptr) v = store16(row + i, live, _mm512_add_ps(v, load16(d + i, live)));
+    _mm512_storeu_ps(wide + i, v);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 r = _mm512_set1_ps(
+      1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 live = live16(H - i);
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(wide + i), r);
+    store16(y + i, live, _mm512_mul_ps(v, load16(w + i, live)));
+  }
+}
+#endif
+
 template <typename T>
 void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, at::Tensor& y,
                double eps) {
@@ -62,9 +87,14 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
   const T* wp = w.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide(H);
+    std::vector<float> wide((H + 15) / 16 * 16);
     for (int64_t m = begin; m < end; ++m) {
       T* row = xp + m * H;
+#if defined(__AVX512F__)
+      norm_row16<T>(row, dp ? dp + m * H : nullptr, wp, yp + m * H, wide.data(), H,
+                    static_cast<float>(eps));
+      continue;
+#endif
       if (dp) {
         const T* d = dp + m * H;
 #pragma omp simd
@@ -103,27 +133,16 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at
   return y;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 inline __m512 silu16(__m512 g) {
   const __m512 decay = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), decay));
 }
 
-inline void store16(float* p, __mmask16 live, __m512 v) { _mm512_mask_storeu_ps(p, live, v); }
-inline void store16(c10::BFloat16* p, __mmask16 live, __m512 v) {
-  _mm256_mask_storeu_epi16(p, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-// A float32 vector rounded to T's precision (to nearest even) and widened back.
-inline __m512 round16(float*, __m512 v) { return v; }
-inline __m512 round16(c10::BFloat16*, __m512 v) {
-  const __m256i narrow = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16));
-}
-
 template <typename T>
 inline void silu_mul_row(const T* gate, const T* up, T* o, int64_t I) {
   for (int64_t i = 0; i < I; i += 16) {
-    const __mmask16 live = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1);
+    const __mmask16 live = live16(I - i);
     const __m512 s = round16(static_cast<T*>(nullptr), silu16(load16(gate + i, live)));
     store16(o + i, live, _mm512_mul_ps(s, load16(up + i, live)));
   }
@@ -169,6 +188,23 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+#if defined(__AVX512F__)
+// One head in 16 lanes, each half against the other (rotate_half's sign is in `s`); both
+// halves are read before either is written. The compiler's loop above, with its
+// lane-crossing select, took 0.8 ms for 2048 tokens of 12 heads of 64.
+template <typename T>
+inline void rope_head16(T* row, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 live = live16(half - i);
+    const __m512 lo = load16(row + i, live), hi = load16(row + half + i, live);
+    const __m512 lo_c = round16(row, _mm512_mul_ps(lo, load16(c + i, live)));
+    const __m512 hi_c = round16(row, _mm512_mul_ps(hi, load16(c + half + i, live)));
+    store16(row + i, live, _mm512_fmadd_ps(hi, load16(s + i, live), lo_c));
+    store16(row + half + i, live, _mm512_fmadd_ps(lo, load16(s + half + i, live), hi_c));
+  }
+}
+#endif
+
 template <typename T>
 void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const at::Tensor& sin,
                int64_t heads, int64_t dim) {
@@ -183,6 +219,10 @@ void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const
       const T* s = sp + pos[t] * dim;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = base + t * stride + h * dim;
+#if defined(__AVX512F__)
+        rope_head16<T>(row, c, s, half);
+        continue;
+#endif
         for (int64_t i = 0; i < dim; ++i) x[i] = widen(row[i]);
 #pragma omp simd
         for (int64_t i = 0; i < dim; ++i) {

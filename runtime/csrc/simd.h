@@ -3,8 +3,9 @@
 // `widen` reads a stored value as float32 (bfloat16 is the upper half of a float32);
 // `narrow<T>` stores a float32 as T, rounding to nearest even as torch does; `exp_poly` is
 // exp in vectorisable float arithmetic. With
-// AVX-512: `load16` widens 16 values (a mask reads a tail), `exp16` is exp in 16 lanes, and
-// `sum_each` reduces 16 vectors to one vector of their sums.
+// AVX-512: `load16` widens 16 values (a mask reads a tail), `store16` / `round16` narrow 16
+// lanes as `narrow` does, `exp16` is exp in 16 lanes, and `sum_each` reduces 16 vectors to
+// one vector of their sums.
 
 #pragma once
 
@@ -70,15 +71,53 @@ inline float exp_poly(float x) {
 }
 
 #if defined(__AVX512F__)
+// narrow<BFloat16> in 16 lanes, as 16 bf16 in a 256-bit vector: with AVX512-BF16 the CPU's
+// conversion (one instruction; round to nearest even, NaN kept quiet, but subnormals flushed
+// to zero, which torch keeps: |x| < 1.2e-38, never an activation of a working model),
+// otherwise narrow's integer rounding exactly (9 instructions: on the elementwise kernels'
+// hot loops, 15-25% slower; checking each vector for subnormals costs as much).
+inline __m256i narrow16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                        _mm512_and_si512(high, _mm512_set1_epi32(1)));
+  __m512i out = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  out = _mm512_mask_or_epi32(out, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), high,
+                             _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(out);
+#endif
+}
+inline __m512 widen16(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// Store v as T (narrow<T>) and return what was stored, as float32.
+inline __m512 store16(float* p, __mmask16 live, __m512 v) {
+  _mm512_mask_storeu_ps(p, live, v);
+  return v;
+}
+inline __m512 store16(c10::BFloat16* p, __mmask16 live, __m512 v) {
+  const __m256i stored = narrow16(v);
+  _mm256_mask_storeu_epi16(p, live, stored);
+  return widen16(stored);
+}
+// A float32 vector rounded to T's precision (narrow<T>) and widened back.
+inline __m512 round16(float*, __m512 v) { return v; }
+inline __m512 round16(c10::BFloat16*, __m512 v) { return widen16(narrow16(v)); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 live) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen16(_mm256_maskz_loadu_epi16(live, p));
+}
+
+// The lanes of a row's last, possibly partial, 16 elements from `left` remaining.
+inline __mmask16 live16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
 // exp(x), 16 lanes: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor

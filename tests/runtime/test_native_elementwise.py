@@ -79,8 +79,9 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_rotates_query_and_key_heads_in_place_by_position(dtype: torch.dtype) -> None:
-    heads, kv_heads, dim, positions_held = 4, 2, 16, 40
+@pytest.mark.parametrize("dim", [16, 64, 40])  # half a vector, two full ones, one and a tail
+def test_rope_rotates_query_and_key_heads_in_place(dtype: torch.dtype, dim: int) -> None:
+    heads, kv_heads, positions_held = 4, 2, 40
     generator = torch.Generator().manual_seed(3)
     qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
     angles = torch.outer(torch.arange(positions_held).float(), torch.rand(dim // 2))

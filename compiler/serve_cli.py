@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from kiln.runtime.artifact.verified import Mode
 
 REGISTRY_SCHEME = "registry://"
+# kiln serve's step budget on CPU, where a step's time grows with its tokens: a burst of
+# 128-token prompts prefilled 4 per step gets its median first token ~2x sooner than 16 per
+# step, at the same output rate under load (README, "Serving on CPU"). Offline runs (the
+# gates, `Engine.load`) keep the engine's 2048: prefill alone is 3-9% faster in big steps.
+SERVE_CPU_BATCHED_TOKENS = 512
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}  # fmt: skip
@@ -158,6 +163,14 @@ def choose_backend(kind: str, model: ServedModel, env: Any = None) -> tuple[str,
     return "native", None, "; ".join(problems)
 
 
+def serve_budget(device: str, max_num_seqs: int | None) -> int | None:
+    """kiln serve's default step budget: on CPU SERVE_CPU_BATCHED_TOKENS, or one decode for
+    each of `max_num_seqs` sequences where that is more; elsewhere the engine's."""
+    if device.split(":")[0] != "cpu":
+        return None
+    return max(SERVE_CPU_BATCHED_TOKENS, max_num_seqs or 0)
+
+
 def _engine_options(**given: Any) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
@@ -206,6 +219,13 @@ def _old_spelling(name: str) -> str:
     type=click.IntRange(min=0),
     help="Most prompt tokens one request prefills per step, so a long prompt interleaves "
     "with other requests' decodes and prefills (0: a chunk may take the whole step).",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    help=f"Tokens one step computes at most, prefill chunks and decodes together (default: "
+    f"{SERVE_CPU_BATCHED_TOKENS} on CPU, where smaller steps give a burst of prompts its first "
+    "tokens sooner; the engine's 2048 on GPU).",
 )
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
@@ -272,6 +292,7 @@ def serve(
     kv_cache_memory: str | None,
     max_model_len: int | None,
     long_prefill_tokens: int,
+    max_num_batched_tokens: int | None,
     device: str,
     dtype: str,
     num_threads: int | None,
@@ -309,6 +330,7 @@ def serve(
         kv_cache_memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_tokens or None,
+        max_num_batched_tokens=max_num_batched_tokens or serve_budget(device, max_num_seqs),
         num_threads=num_threads,
         device=device,
         dtype=dtype,
@@ -326,6 +348,7 @@ def serve(
     else:
         engine = Engine.load(model.path, **options)
         click.echo(f"dtype: {engine.model.dtype} ({engine.model.dtype_reason})", err=True)
+        click.echo(f"step budget: {engine.config.max_num_batched_tokens} tokens", err=True)
         served = NativeBackend(engine)
         max_running = engine.config.max_num_seqs
     mirror = None

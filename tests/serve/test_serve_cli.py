@@ -18,7 +18,13 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.compiler.cli import main
-from kiln.compiler.serve_cli import choose_backend, parse_size, resolve_model
+from kiln.compiler.serve_cli import (
+    SERVE_CPU_BATCHED_TOKENS,
+    choose_backend,
+    parse_size,
+    resolve_model,
+    serve_budget,
+)
 from kiln.compiler.trtllm.build import ENGINE_STAMP, BuildEnvironment, GpuInfo
 from kiln.gates.registry import Registry
 from kiln.runtime.errors import UsageError
@@ -37,6 +43,12 @@ def test_sizes() -> None:
     assert parse_size("4096") == 4096
     with pytest.raises(UsageError, match="2GiB"):
         parse_size("lots")
+
+
+def test_serve_steps_in_smaller_budgets_on_cpu_unless_told() -> None:
+    assert serve_budget("cpu", None) == SERVE_CPU_BATCHED_TOKENS == 512
+    assert serve_budget("cpu", 1000) == 1000  # one decode per sequence still fits a step
+    assert serve_budget("cuda:0", None) is None  # the engine's 2048
 
 
 def _with_engine(artifact: Path, sm: str = "sm90", trt: str = "10.13.0") -> Path:
@@ -158,6 +170,7 @@ def test_sigterm_drains_in_flight_requests(tiny_llama: Path, tmp_path: Path) -> 
         at_signal = len(frames)
         reader.join(60)
         assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+        assert proc.stderr is not None and "step budget: 512 tokens" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime import linear
-from kiln.runtime.linear import DenseLinear, Linear
+from kiln.runtime import dense
+from kiln.runtime.dense import DenseLinear
+from kiln.runtime.linear import Linear
 from kiln.runtime.sampling import greedy_tokens
 
 PANEL = 64  # output columns per panel, as in bf16_linear.cpp and int8_screen.cpp
@@ -101,7 +102,7 @@ class GreedyHead:
         self.panels = codes.view(-1, PANEL, k).transpose(1, 2).contiguous()
         # Rows it screens: those the full head runs on the same copy (panels: one beside
         # oneDNN's packed weight), so the recomputed candidates are the full head's own logits.
-        held_rows = linear.AMX_MAX_ROWS if head.amx is not None else head.panel_max_rows
+        held_rows = dense.AMX_MAX_ROWS if head.amx is not None else head.panel_max_rows
         self.max_rows = min(MAX_ROWS, held_rows)
         self.screened = 0  # steps decided by the screen (tests and benchmarks read these)
         self.fallbacks = 0

@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.runtime import native, nvfp4
+from kiln.runtime.dense import DenseLinear
 from kiln.runtime.linear import (
-    DenseLinear,
     DequantLinear,
     Linear,
     LinearWeights,

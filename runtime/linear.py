@@ -4,24 +4,19 @@
 scales, optional zero points, or FP8 values, and an optional per-input-column pre-quant
 scale); `rows`/`columns` slice it, `concat` stacks projections that share an input;
 `dequantize` and `effective_weight` are the reference meaning of every encoding. The layers
-that run them without dequantising live in kernels.py; the ones here are the unquantised
-layer, the generic fallback that dequantises on every call (used where no low-bit kernel
-fits, see kernels.py), and the wrappers that split or pre-scale a layer's input.
+that run them without dequantising live in kernels.py, the unquantised layer in dense.py;
+the ones here are the generic fallback that dequantises on every call (used where no
+low-bit kernel fits, see kernels.py) and the wrappers that split or pre-scale a layer's
+input.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import threading
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-
-from kiln.runtime import native
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,165 +199,6 @@ class Linear:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
-class DenseLinear(Linear):
-    """Unquantised weight in the compute dtype.
-
-    On CPU the weight is reordered once, at load, into oneDNN's blocked GEMM layout
-    (`mkldnn._linear_pointwise`, the kernel torch.compile's CPU weight-prepacking pass
-    emits); F.linear re-blocks it on every call.
-
-    - bfloat16 where oneDNN runs bf16 and the CPU has AMX: up to `AMX_MAX_ROWS` rows (decode
-      steps) run on kiln's AMX kernel (runtime/csrc/amx_linear.cpp), which holds a second
-      copy of the weight in tiles; more rows (prefill) on oneDNN's packed weight. oneDNN's
-      bf16 GEMM carries a fixed cost per call and reads a small projection's weight at 6-8
-      GB/s when few rows meet it, where a stream of tile loads nears the core's read
-      bandwidth (SmolLM2-135M's shapes, one thread, a 2-core Xeon with AMX: a decode step's
-      projections at 32 rows 28-32 vs 40-45 ms, at one row 19-25 vs 26-36 ms).
-    - bfloat16 where oneDNN runs bf16 without AMX (AVX512-BF16): two or more rows run on
-      the packed weight and the plain one is dropped. Measured on SmolLM2-135M's shapes,
-      one thread, a Xeon: its LM head at 1 row 8-11 vs 25 ms, at 32 rows 17 vs 23 ms;
-      gate/up at 1 row 0.29-0.36 vs 0.34 ms, at 32 rows 0.31 vs 0.80 ms. A single row
-      (single-stream decode) runs on kiln's bf16 kernel, which also holds the weight
-      (`ONE_ROW_PANELS`): oneDNN's bf16 GEMM at one row carries a fixed cost per call and
-      reads the small projections at 6-9 GB/s, where kiln's kernel streams them near the
-      core's read bandwidth (a 2-core Xeon, tests/benchmarks/runtime_linear.py: a step's
-      projections 25.4 vs 32.2 ms).
-    - Either way such a layer holds its weight twice (bf16 both times), so the few-row
-      copies of a process stay within 1/`ONE_ROW_MEMORY_SHARE` of the machine's memory;
-      layers past it (a model too large for it) hold one copy and run every row count on
-      oneDNN.
-    - bfloat16 where oneDNN does not (no AVX512-BF16 or AMX) but AVX2 and FMA are there:
-      kiln's own kernel (runtime/csrc/bf16_linear.cpp) keeps the weight bf16 in panels,
-      widens it in registers and accumulates in float32, holding the weight once. torch's
-      bf16 matmul there is a generic loop (3-5x slower than float32 from 32 rows); kiln's
-      kernel reads half float32's bytes, which is what a decode step at a few rows waits on.
-    - float32: inputs of `PACKED_MIN_ROWS` rows or more run on the packed copy (30 layers
-      at 4 rows 55 vs 88 ms, at 32 rows 152 vs 182 ms; the LM head at 32 rows 32 vs 42 ms);
-      at one row MKL's gemv on the plain weight is ~15% faster, so single-token decode keeps
-      it, stored column-major (the [N, K] view of a contiguous [K, N]: MKL's gemv then
-      streams an untransposed matrix, 30 layers 27.6 vs 29.3 ms, LM head 5.9 vs 7.6 ms per
-      token). The cost is memory: a float32 layer holds its weight twice.
-
-    Results differ from F.linear only in summation order.
-    """
-
-    PACKED_MIN_ROWS = 4
-
-    def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
-        weight = w.weight.to(device=device, dtype=dtype).contiguous()
-        self.bias = bias_of(w, dtype, device)
-        self.out_features = w.out_features
-        self.in_features = w.in_features
-        self.packed = _onednn_pack(weight)
-        self.panels: torch.Tensor | None = None
-        self.amx: torch.Tensor | None = None
-        if self.packed is None:
-            self.panels = _bf16_panels(weight)
-        elif _amx_serves(weight):
-            self.amx = _few_rows_copy(self, weight, _amx_pack)
-        else:
-            self.panels = _few_rows_copy(self, weight, _bf16_panels)
-        # Rows up to which kiln's kernel serves the layer: every row count where it holds the
-        # only copy, a single row beside oneDNN's packed weight.
-        self.panel_max_rows = 1 if self.packed is not None else torch.iinfo(torch.int64).max
-        self.packed_min_rows = self.PACKED_MIN_ROWS
-        self.weight: torch.Tensor | None = weight
-        if self.panels is not None or (self.packed is not None and dtype == torch.bfloat16):
-            self.packed_min_rows, self.weight = 0, None
-        elif self.packed is not None:
-            self.weight = weight.t().contiguous().t()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.amx is not None and rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
-            return torch.ops.kiln.amx_linear(x, self.amx, self.out_features, self.bias)
-        if self.panels is not None and rows <= self.panel_max_rows:
-            return torch.ops.kiln.bf16_linear(x, self.panels, self.out_features, self.bias)
-        if self.weight is None or (self.packed is not None and rows >= self.packed_min_rows):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def weight_bytes(self) -> int:
-        # the copy a single row reads: kiln's AMX tiles or panels, else the plain weight, else
-        # oneDNN's
-        copies = (self.amx, self.panels, self.weight, self.packed)
-        held = next(t for t in copies if t is not None)
-        return held.nbytes + (0 if self.bias is None else self.bias.nbytes)
-
-
-# kiln's bf16-weight kernel where it serves the CPU (False: torch's bf16 matmul, for comparison).
-BF16_PANELS = True
-# Beside oneDNN's packed bf16 weight, kiln's panels for single-row calls (False: oneDNN only).
-ONE_ROW_PANELS = True
-# Beside oneDNN's packed bf16 weight on CPUs with AMX, kiln's AMX tiles for calls of up to
-# AMX_MAX_ROWS rows, in place of the single-row panels (False: as on CPUs without AMX).
-AMX_LINEAR = True
-AMX_MAX_ROWS = 64
-# The few-row copies (panels or AMX tiles) of all layers in a process stay within 1/this of
-# physical memory.
-ONE_ROW_MEMORY_SHARE = 8
-_one_row_lock = threading.Lock()
-_one_row_held = [0]  # bytes of few-row copies held now
-
-
-def _few_rows_copy(
-    layer: DenseLinear,
-    weight: torch.Tensor,
-    pack: Callable[[torch.Tensor], torch.Tensor | None],
-) -> torch.Tensor | None:
-    """`pack(weight)`, kiln's copy for few-row calls of a layer that also holds oneDNN's
-    packed weight, while the process's few-row copies fit their share of memory; released
-    with the layer."""
-    if not ONE_ROW_PANELS or weight.dtype != torch.bfloat16:
-        return None
-    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ONE_ROW_MEMORY_SHARE
-    with _one_row_lock:
-        if _one_row_held[0] + weight.nbytes > budget:
-            return None
-        copy = pack(weight)
-        if copy is None:
-            return None
-        _one_row_held[0] += copy.nbytes
-    weakref.finalize(layer, _release_one_row, copy.nbytes)
-    return copy
-
-
-def _release_one_row(nbytes: int) -> None:
-    with _one_row_lock:
-        _one_row_held[0] -= nbytes
-
-
-def _amx_serves(weight: torch.Tensor) -> bool:
-    """Whether a bf16 CPU weight beside oneDNN's copy gets kiln's AMX tiles for few rows."""
-    return (
-        AMX_LINEAR
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and native.amx_kernels_available()
-    )
-
-
-def _amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.kiln.amx_pack(weight)
-
-
-def _bf16_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bf16 CPU weight in kiln's panel layout, where its kernel serves this CPU, else None."""
-    if not BF16_PANELS or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return None
-    if weight.dim() != 2:
-        return None
-    if not native.avx2_kernels_available():
-        return None
-    return torch.ops.kiln.bf16_pack(weight)
-
-
-# The row count oneDNN tunes its packed layout for; any row count runs on it.
-PACK_ROWS_HINT = 32
-PACKED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-
-
 @functools.cache
 def onednn_runs_bf16() -> bool:
     """Whether oneDNN computes bf16 GEMMs on this CPU (AVX512-BF16, AMX): elsewhere torch's
@@ -383,23 +219,6 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return F.linear(x, weight, bias)
     b = None if bias is None else bias.float()
     return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
-
-
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight reordered for oneDNN's CPU GEMM, or None where that does not apply."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in PACKED_DTYPES
-        or weight.dim() != 2
-        or not torch.backends.mkldnn.is_available()
-    ):
-        return None
-    try:
-        if weight.dtype == torch.bfloat16 and not onednn_runs_bf16():
-            return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-    except (RuntimeError, AttributeError):  # a torch build without the op: plain F.linear
-        return None
 
 
 class DequantLinear(Linear):

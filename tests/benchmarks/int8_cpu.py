@@ -23,8 +23,9 @@ from functools import partial
 import torch
 
 from kiln.runtime import kernels
+from kiln.runtime.dense import DenseLinear
 from kiln.runtime.kernels import Int8Linear, make_linear
-from kiln.runtime.linear import ActivationScheme, DenseLinear, LinearWeights, WeightScheme
+from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_linear import SHAPES, cpu_ms
 

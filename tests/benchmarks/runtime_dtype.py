@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import kiln.runtime.attention as attention
+import kiln.runtime.dense as dense
 import kiln.runtime.linear as linear
 from kiln.runtime import Engine, SamplingParams, native
 from tests.benchmarks.cpu_comparison import machine
@@ -70,16 +71,16 @@ def build(
     beside); `amx=False`: single rows on kiln's panels even where the CPU has AMX."""
     attention.NATIVE_DECODE = not before
     packed_bf16 = not before and onednn
-    linear.PACKED_DTYPES = (torch.float32, torch.bfloat16) if packed_bf16 else (torch.float32,)
-    linear.BF16_PANELS = not before
-    linear.ONE_ROW_PANELS = one_row
-    linear.AMX_LINEAR = amx
+    dense.PACKED_DTYPES = (torch.float32, torch.bfloat16) if packed_bf16 else (torch.float32,)
+    dense.BF16_PANELS = not before
+    dense.ONE_ROW_PANELS = one_row
+    dense.AMX_LINEAR = amx
     try:
         return Engine.from_pretrained(path, max_num_seqs=32, max_model_len=300, dtype=dtype)
     finally:
         attention.NATIVE_DECODE = True
-        linear.PACKED_DTYPES = (torch.float32, torch.bfloat16)
-        linear.BF16_PANELS = linear.ONE_ROW_PANELS = linear.AMX_LINEAR = True
+        dense.PACKED_DTYPES = (torch.float32, torch.bfloat16)
+        dense.BF16_PANELS = dense.ONE_ROW_PANELS = dense.AMX_LINEAR = True
 
 
 def single(engine: Engine, tokens: int) -> float:

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.runtime import native
-from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme, onednn_runs_bf16
+from kiln.runtime.dense import DenseLinear
+from kiln.runtime.linear import LinearWeights, WeightScheme, onednn_runs_bf16
 from tests.benchmarks.cpu_comparison import machine
 
 SHAPES = {  # name: (out_features, in_features, calls per decode step)

@@ -2,7 +2,7 @@
 
 The runtime is not bitwise batch-invariant: a decode step with one row runs its dense layers
 on MKL's gemv (F.linear) while a batch of four rows or more runs on oneDNN's packed GEMM
-(linear.py, DenseLinear), and the GEMM libraries block their sums by row count, so the same
+(dense.py, DenseLinear), and the GEMM libraries block their sums by row count, so the same
 row's logits differ in the last float32 bits with the batch around it. Attention is
 per-row (padding is masked, never summed), so it adds nothing. The audit states the result
 as a rate and bounds the logit drift, so a change that makes batching change the numerics

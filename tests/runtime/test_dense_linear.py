@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kiln.runtime.linear as linear
+import kiln.runtime.dense as dense
 from kiln.runtime import native
-from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme, float_linear
+from kiln.runtime.dense import DenseLinear
+from kiln.runtime.linear import LinearWeights, WeightScheme, float_linear
 from tests.runtime.conftest import needs_amx_kernels, needs_avx2_kernels
 
 CPU = torch.device("cpu")
@@ -49,7 +50,7 @@ def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_line
         assert layer.weight_bytes() == 96 * 64 * 2 + (96 * 2 if bias else 0)
     weight = w.weight.bfloat16()
     b = None if w.bias is None else w.bias.bfloat16()
-    for rows in (0, 1, 3, 4, 32, linear.AMX_MAX_ROWS + 1):
+    for rows in (0, 1, 3, 4, 32, dense.AMX_MAX_ROWS + 1):
         x = torch.randn(rows, 64).bfloat16()
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
@@ -64,10 +65,10 @@ def test_single_row_copies_stay_within_their_share_of_memory(
 ) -> None:
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
     gc.collect()
-    held = linear._one_row_held[0]
+    held = dense._one_row_held[0]
     # A budget with room for one 96 x 64 bf16 weight's copy (two panels of 64 columns, or
     # three pairs of AMX tiles), not two.
-    monkeypatch.setattr(linear, "ONE_ROW_MEMORY_SHARE", page * pages // (held + 2 * 64 * 64 * 2))
+    monkeypatch.setattr(dense, "ONE_ROW_MEMORY_SHARE", page * pages // (held + 2 * 64 * 64 * 2))
     first = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
     second = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
     assert copy_of(first) is not None
@@ -76,7 +77,7 @@ def test_single_row_copies_stay_within_their_share_of_memory(
     torch.testing.assert_close(second(x).float(), first(x).float(), atol=0.05, rtol=0.02)
     del first
     gc.collect()
-    assert linear._one_row_held[0] == held  # released with its layer
+    assert dense._one_row_held[0] == held  # released with its layer
     third = DenseLinear(weights(96, 64, bias=False), torch.bfloat16, CPU)
     assert copy_of(third) is not None
 

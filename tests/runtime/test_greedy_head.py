@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import kiln.runtime.dense as dense
 import kiln.runtime.greedy_head as greedy_head
 import kiln.runtime.linear as linear
 from kiln.runtime import Engine, SamplingParams, native
+from kiln.runtime.dense import DenseLinear
 from kiln.runtime.greedy_head import GreedyHead
-from kiln.runtime.linear import DenseLinear, LinearWeights, WeightScheme
+from kiln.runtime.linear import LinearWeights, WeightScheme
 from tests.runtime.test_batch_invariance import audit_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -35,9 +37,9 @@ def copy_kind(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip("kiln's AMX kernels need a CPU with AMX-BF16")
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "panels":
-            patch.setattr(linear, "PACKED_DTYPES", (torch.float32,))
+            patch.setattr(dense, "PACKED_DTYPES", (torch.float32,))
         else:
-            patch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
+            patch.setattr(dense, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
         yield request.param
 
 
@@ -145,8 +147,8 @@ def test_beside_onednns_packed_head_only_single_rows_are_screened(
 ) -> None:
     # The runtime's own choice on a CPU with native bf16 but no AMX: oneDNN's packed head for
     # two rows or more, kiln's panels for one row, so only one-row steps are screened.
-    monkeypatch.setattr(linear, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
-    monkeypatch.setattr(linear, "AMX_LINEAR", False)
+    monkeypatch.setattr(dense, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(dense, "AMX_LINEAR", False)
     monkeypatch.setattr(greedy_head, "MIN_VOCAB", 1)
     head = bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
     assert head.packed is not None and head.panel_max_rows == 1

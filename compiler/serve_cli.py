@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 REGISTRY_SCHEME = "registry://"
 # kiln serve's step budget on CPU, where a step's time grows with its tokens: a burst of
 # 128-token prompts prefilled 4 per step gets its median first token ~2x sooner than 16 per
-# step, at the same output rate under load (README, "Serving on CPU"). Offline runs (the
-# gates, `Engine.load`) keep the engine's 2048: prefill alone is 3-9% faster in big steps.
+# step, at the same output rate under load (README, "kiln vs vLLM-CPU and llama.cpp on one
+# CPU"). Offline runs (the gates, `Engine.load`) keep the engine's 2048: prefill alone is
+# 3-9% faster in big steps.
 SERVE_CPU_BATCHED_TOKENS = 512
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,

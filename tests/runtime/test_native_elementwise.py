@@ -55,6 +55,19 @@ def test_add_rms_norm_adds_in_place_then_normalises(dtype: torch.dtype, width: i
     torch.testing.assert_close(got, F.rms_norm(total, (width,), weight, 1e-6), **tolerance(dtype))
 
 
+def test_a_subnormal_bf16_sum_is_kept_or_flushed_where_the_build_converts_natively() -> None:
+    # kiln's AVX-512 rows round to bf16 with the CPU's conversion where it has AVX512-BF16,
+    # which flushes subnormals (|x| < 1.2e-38) that torch keeps; elsewhere they round as torch
+    residual = torch.full((2, 40), 1e-39).bfloat16()
+    delta = torch.full((2, 40), 1e-39).bfloat16()
+    total = residual + delta
+    torch.ops.kiln.add_rms_norm_(residual, delta, torch.ones(40).bfloat16(), 1e-6)
+    if "avx512_bf16" in native.this_cpus_flags().split():
+        assert torch.equal(residual, torch.zeros_like(total))
+    else:
+        assert torch.equal(residual, total)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", WIDTHS)
 def test_silu_mul_matches_silu_times_up(dtype: torch.dtype, width: int) -> None:

@@ -14,7 +14,10 @@
 //   argmax_rows:  each row's first maximum, or its first NaN (torch's max(dim=-1).indices),
 //                 read straight from bf16 logits: torch's max over 32 rows of a 49k
 //                 vocabulary takes 1.1-1.4 ms of a greedy decode step, this pass ~0.2.
-// Results match torch's up to float32 summation order (the mean) and exp's last bit.
+// Results match torch's up to float32 summation order (the mean) and exp's last bit; with
+// AVX-512 the rows run 16 lanes at a time, and where the build has AVX512-BF16 its rounding
+// to bf16 flushes subnormals (|x| < 1.2e-38) that torch keeps (simd.h, `narrow16`; the
+// residual add's stored sum included). `bf16_flushes_subnormals` says which this build does.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,7 +56,7 @@ void check_norm(const at::Tensor& x, const at::Tensor& w, const char* name) {
               name, ": float32 or bfloat16 x and weight of the same dtype");
 }
 
-#if defined(__AVX512F__)
+#if defined(KILN_AVX512)
 // One row in 16 lanes: the add (rounded and stored), the sum of squares and y in two passes,
 // the row's float32 values kept in `wide` between them. The compiler's vectorisation of the
 // scalar rows above ran at ~0.7 ns an element (0.9 ms for 2048 x 576 bf16, 55 ms of a
@@ -90,7 +93,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
     std::vector<float> wide((H + 15) / 16 * 16);
     for (int64_t m = begin; m < end; ++m) {
       T* row = xp + m * H;
-#if defined(__AVX512F__)
+#if defined(KILN_AVX512)
       norm_row16<T>(row, dp ? dp + m * H : nullptr, wp, yp + m * H, wide.data(), H,
                     static_cast<float>(eps));
       continue;
@@ -133,7 +136,7 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at
   return y;
 }
 
-#if defined(__AVX512F__)
+#if defined(KILN_AVX512)
 inline __m512 silu16(__m512 g) {
   const __m512 decay = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), decay));
@@ -188,9 +191,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-#if defined(__AVX512F__)
+#if defined(KILN_AVX512)
 // One head in 16 lanes, each half against the other (rotate_half's sign is in `s`); both
-// halves are read before either is written. The compiler's loop above, with its
+// halves are read before either is written. The compiler's scalar loop in rope_rows, with its
 // lane-crossing select, took 0.8 ms for 2048 tokens of 12 heads of 64.
 template <typename T>
 inline void rope_head16(T* row, const T* c, const T* s, int64_t half) {
@@ -219,7 +222,7 @@ void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const
       const T* s = sp + pos[t] * dim;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = base + t * stride + h * dim;
-#if defined(__AVX512F__)
+#if defined(KILN_AVX512)
         rope_head16<T>(row, c, s, half);
         continue;
 #endif
@@ -325,9 +328,18 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+bool bf16_flushes_subnormals() {
+#if defined(KILN_AVX512) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("bf16_flushes_subnormals() -> bool", &bf16_flushes_subnormals);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");

@@ -71,6 +71,23 @@ inline float exp_poly(float x) {
 }
 
 #if defined(__AVX512F__)
+inline __m512 widen16(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 live) {
+  return widen16(_mm256_maskz_loadu_epi16(live, p));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// What kiln's 16-lane rows need beside AVX512F: its 16-bit masked loads and stores (every
+// AVX-512 CPU but the Xeon Phi); without them the kernels keep their scalar loops.
+#define KILN_AVX512 1
 // narrow<BFloat16> in 16 lanes, as 16 bf16 in a 256-bit vector: with AVX512-BF16 the CPU's
 // conversion (one instruction; round to nearest even, NaN kept quiet, but subnormals flushed
 // to zero, which torch keeps: |x| < 1.2e-38, never an activation of a working model),
@@ -90,9 +107,6 @@ inline __m256i narrow16(__m512 v) {
   return _mm512_cvtepi32_epi16(out);
 #endif
 }
-inline __m512 widen16(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 // Store v as T (narrow<T>) and return what was stored, as float32.
 inline __m512 store16(float* p, __mmask16 live, __m512 v) {
   _mm512_mask_storeu_ps(p, live, v);
@@ -106,19 +120,13 @@ inline __m512 store16(c10::BFloat16* p, __mmask16 live, __m512 v) {
 // A float32 vector rounded to T's precision (narrow<T>) and widened back.
 inline __m512 round16(float*, __m512 v) { return v; }
 inline __m512 round16(c10::BFloat16*, __m512 v) { return widen16(narrow16(v)); }
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const float* p, __mmask16 live) { return _mm512_maskz_loadu_ps(live, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 live) {
-  return widen16(_mm256_maskz_loadu_epi16(live, p));
-}
-
 // The lanes of a row's last, possibly partial, 16 elements from `left` remaining.
 inline __mmask16 live16(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
+#endif
+
+#if defined(__AVX512F__)
 
 // exp(x), 16 lanes: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor
 // polynomial (relative error < 2e-7, about one float ulp); x is clamped to [-87, 88], where

@@ -224,9 +224,10 @@ def _old_spelling(name: str) -> str:
 @click.option(
     "--max-num-batched-tokens",
     type=click.IntRange(min=1),
-    help=f"Tokens one step computes at most, prefill chunks and decodes together (default: "
-    f"{SERVE_CPU_BATCHED_TOKENS} on CPU, where smaller steps give a burst of prompts its first "
-    "tokens sooner; the engine's 2048 on GPU).",
+    help=f"Native engine: tokens one step computes at most, prefill chunks and decodes "
+    f"together, at least --max-num-seqs (default: {SERVE_CPU_BATCHED_TOKENS} on CPU, or "
+    "--max-num-seqs if more: smaller steps give a burst of prompts its first tokens sooner; "
+    "the engine's 2048 on GPU).",
 )
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
@@ -312,6 +313,7 @@ def serve(
 ) -> None:
     """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
     from kiln.runtime import Engine
+    from kiln.runtime.config import EngineConfig
     from kiln.runtime.server import NativeBackend, ServerConfig, create_app
     from kiln.runtime.server import serve as run
     from kiln.runtime.server.mirror import Mirror
@@ -324,6 +326,13 @@ def serve(
     if record_path is not None:
         recorder = TrafficRecorder(
             RecordSettings(record_path, record_sample_rate, record_prompts, record_responses)
+        )
+    seqs = max_num_seqs or EngineConfig().max_num_seqs
+    if max_num_batched_tokens is not None and max_num_batched_tokens < seqs:
+        raise UsageError(
+            f"--max-num-batched-tokens {max_num_batched_tokens} is below --max-num-seqs {seqs}: "
+            "a step must fit one decode per running sequence; raise the budget or lower "
+            "--max-num-seqs"
         )
     model = resolve_model(artifact, registry_spec, verify=verify)
     options = _engine_options(

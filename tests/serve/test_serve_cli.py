@@ -51,6 +51,17 @@ def test_serve_steps_in_smaller_budgets_on_cpu_unless_told() -> None:
     assert serve_budget("cuda:0", None) is None  # the engine's 2048
 
 
+def test_a_step_budget_below_the_running_sequences_is_refused(tiny_llama: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(main, ["serve", str(tiny_llama), "--max-num-batched-tokens", "32"])
+    assert result.exit_code != 0
+    assert "--max-num-batched-tokens 32 is below --max-num-seqs 64" in result.output
+    result = runner.invoke(
+        main, ["serve", str(tiny_llama), "--max-num-batched-tokens", "100", "--max-num-seqs", "200"]
+    )
+    assert "raise the budget or lower --max-num-seqs" in result.output
+
+
 def _with_engine(artifact: Path, sm: str = "sm90", trt: str = "10.13.0") -> Path:
     """Give an artifact an engine directory stamped as built for `sm` with TensorRT `trt`."""
     engine = artifact / "engines" / "h100-sxm" / "engine"

@@ -96,8 +96,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
 #if defined(KILN_AVX512)
       norm_row16<T>(row, dp ? dp + m * H : nullptr, wp, yp + m * H, wide.data(), H,
                     static_cast<float>(eps));
-      continue;
-#endif
+#else
       if (dp) {
         const T* d = dp + m * H;
 #pragma omp simd
@@ -106,6 +105,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) wide[i] = widen(row[i]);
       norm_row<T>(wide.data(), wp, yp + m * H, H, static_cast<float>(eps));
+#endif
     }
   });
 }
@@ -216,7 +216,9 @@ void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(dim);
+#if !defined(KILN_AVX512)
+    std::vector<float> x(dim);  // the scalar loop's copy of a head
+#endif
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + pos[t] * dim;
       const T* s = sp + pos[t] * dim;
@@ -224,8 +226,7 @@ void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const
         T* row = base + t * stride + h * dim;
 #if defined(KILN_AVX512)
         rope_head16<T>(row, c, s, half);
-        continue;
-#endif
+#else
         for (int64_t i = 0; i < dim; ++i) x[i] = widen(row[i]);
 #pragma omp simd
         for (int64_t i = 0; i < dim; ++i) {
@@ -233,6 +234,7 @@ void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const
           const float scaled = widen(narrow<T>(x[i] * widen(c[i])));
           row[i] = narrow<T>(scaled + swapped * widen(s[i]));
         }
+#endif
       }
     }
   });

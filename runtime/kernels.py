@@ -14,7 +14,8 @@ AVX512-BF16) with torch 2.13, SmolLM2-135M shapes, one thread:
   a power-of-two unit per group, codes multiplied as integers. On a 2-core Zen 3 EPYC, one
   thread, 2.1-3.1x faster per layer than int4pack at one row, 1.3-2.0x at 8-32 rows, a
   W4A16 SmolLM2-135M decoding 28.5 -> 16.8 ms per token (`tests/benchmarks/int4_cpu.py`, CPU
-  time).
+  time). On CPUs with AMX, a bf16 model's layers multiply on the tile unit from 6 rows up,
+  prefill included (`int4_on_amx`, `int4_amx_linear`): 3.2-4.4x kiln's int4 kernel at 32 rows.
 - W8A16 per-channel (`Int8WeightLinear`): `aten._weight_int8pack_mm`, bf16 activations for
   the same reason; prefill-sized inputs dequantise instead (see the class).
 - W8A8 int8 (`Int8Linear`): `torch._int_mm` (VNNI) after per-token dynamic (or static
@@ -65,6 +66,23 @@ FP8_MAX = 448.0
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
+def int4_on_amx(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a bf16 model's W4A16 layers multiply on the tile unit from `Int4Linear.AMX_ROWS`
+    rows up (runtime/csrc/amx_linear.cpp's `int4_amx_linear`): CPUs where kiln's AMX kernels
+    load. Its output is rounded to bf16, so a float32 model keeps the other paths."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and native.amx_kernels_available()
+
+
+def _unpack_int4_amx(codes: torch.Tensor, rows: int) -> torch.Tensor:
+    """The unsigned codes [rows, K] (uint8, 0-15) `int4_amx_pack` stored as
+    [pairs, chunks, 2, 16, 16] (byte 2c + t of a tile row: column c at k = 2j + t in its low
+    nibble, column c + 8 in its high one)."""
+    pairs, chunks = codes.shape[0], codes.shape[1]
+    halves = torch.stack((codes & 15, codes >> 4), dim=-1)  # [..., 16 (2c + t), 2 (half)]
+    ordered = halves.view(pairs, chunks, 2, 16, 8, 2, 2)  # pair chunk block j c t half
+    return ordered.permute(0, 2, 6, 4, 1, 3, 5).reshape(pairs * 32, chunks * 32)[:rows]
+
+
 def int4_on_kiln(device: torch.device) -> bool:
     """Whether W4A16 decode runs on kiln's int4 kernel here rather than torch's int4pack:
     on every CPU where kiln's AVX2 kernels load. torch's AVX2 int4 kernel is the slow one
@@ -100,9 +118,24 @@ class Int4Linear(Linear):
     largest (values within 2^7 of it exact, smaller ones rounded to 2^-15 of it), integer
     products, float32 per group, one rounding to the model's dtype (int4pack rounds its
     output to bf16 first).
+
+    On CPUs with AMX a bf16 model's layer runs `int4_amx_linear` from `AMX_ROWS` rows up,
+    prefill included (`int4_on_amx`): each pair of 16-column blocks dequantised into bf16
+    tiles in a per-thread buffer (the weight int4_dequant computes) and multiplied on the tile
+    unit, so the codes are read at half a byte a weight and the arithmetic is amx_linear's.
+    Measured on a 2-core Xeon with AMX, one thread, SmolLM2-135M's projections streamed from
+    memory (`tests/benchmarks/int4_cpu.py`): against kiln's int4 kernel 1.02-1.29x at 6 rows,
+    3.2-4.4x at 32, 2.1-3.8x at 128 (against dequantise + oneDNN); 32 greedy streams of the
+    demo's W4A16 artifact decode in 49.7 instead of 98.5 ms a step. Below 6 rows the int4
+    kernel is level or ahead (0.85-1.17x at 5). The layer then holds the codes in the tile
+    layout instead of as nibbles (`dequantized` reads them back), so it still holds two
+    copies: the int4 kernel's and the tiles'. A sequence's rows can take either path
+    depending on how many rows the step has (as at DEQUANT_ROWS): the two differ in
+    summation order and in the tile path's bf16-rounded weight, within bf16 rounding.
     """
 
     DEQUANT_ROWS = 128
+    AMX_ROWS = 6  # from here the tile unit (`int4_on_amx`) beats kiln's int4 kernel
 
     def __init__(self, w: LinearWeights, dtype: torch.dtype, device: torch.device) -> None:
         assert w.scale is not None
@@ -118,11 +151,24 @@ class Int4Linear(Linear):
             torch.stack([scale.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous().to(device)
         )
         rows = w.out_features
-        self.nibbles = (unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)).to(torch.uint8).to(device)
         # [rows, groups, 1] for broadcasting over each group's columns in the dequant path.
         held = self.scales_and_zeros
         self.scale_rows = held[..., 0].t().float().reshape(rows, -1, 1)
         self.zero_rows = held[..., 1].t().float().reshape(rows, -1, 1)
+        # From AMX_ROWS rows up on the tile unit, prefill included; the codes are held in its
+        # layout instead of as nibbles (dequantized() reads them back).
+        self.amx: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.nibbles: torch.Tensor | None = None
+        if int4_on_amx(device, dtype):
+            self.amx = torch.ops.kiln.int4_amx_pack(
+                unsigned.to(torch.uint8),
+                self.scale_rows[..., 0].contiguous(),
+                self.zero_rows[..., 0].contiguous(),
+                self.group_size,
+            )
+        else:
+            nibbles = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+            self.nibbles = nibbles.to(torch.uint8).to(device)
         # Decode-sized inputs: kiln's kernel (codes in its panels, bf16 scales and zeros
         # beside them) where it serves this CPU, else torch's int4pack kernel.
         self.kiln_sz: torch.Tensor | None = None
@@ -149,17 +195,22 @@ class Int4Linear(Linear):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the kernel computes with (columns in kernel order), computed in
         float32 and stored as `dtype` (float32 or bfloat16)."""
-        if self.nibbles.device.type == "cpu" and native.available():
+        nibbles = self.nibbles
+        if nibbles is None:
+            assert self.amx is not None
+            unsigned = _unpack_int4_amx(self.amx[0], self.scale_rows.shape[0])
+            nibbles = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+        if nibbles.device.type == "cpu" and native.available():
             rows = self.scale_rows.shape[0]
             return torch.ops.kiln.int4_dequant(
-                self.nibbles,
+                nibbles,
                 self.scale_rows.reshape(rows, -1).contiguous(),
                 self.zero_rows.reshape(rows, -1).contiguous(),
                 self.group_size,
                 dtype,
             )
-        low, high = self.nibbles & 15, self.nibbles >> 4
-        unsigned = torch.stack((low, high), dim=-1).view(self.nibbles.shape[0], -1)
+        low, high = nibbles & 15, nibbles >> 4
+        unsigned = torch.stack((low, high), dim=-1).view(nibbles.shape[0], -1)
         grouped = unsigned.float().sub_(8).view(self.scale_rows.shape[0], -1, self.group_size)
         return grouped.mul_(self.scale_rows).add_(self.zero_rows).view(unsigned.shape).to(dtype)
 
@@ -167,9 +218,15 @@ class Int4Linear(Linear):
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         activations = x.to(torch.bfloat16)
-        if x.shape[0] >= self.DEQUANT_ROWS and self.dtype == torch.bfloat16 and onednn_runs_bf16():
+        rows = x.shape[0]
+        if self.amx is not None and rows >= self.AMX_ROWS:
+            codes, held = self.amx
+            y = torch.ops.kiln.int4_amx_linear(
+                activations, codes, held, self.out_features, self.group_size
+            )
+        elif rows >= self.DEQUANT_ROWS and self.dtype == torch.bfloat16 and onednn_runs_bf16():
             y = F.linear(activations, self.dequantized(torch.bfloat16))
-        elif x.shape[0] >= self.DEQUANT_ROWS:
+        elif rows >= self.DEQUANT_ROWS:
             y = F.linear(activations.float(), self.dequantized()).to(self.dtype)
         elif self.kiln_sz is not None:
             y = torch.ops.kiln.int4_linear(

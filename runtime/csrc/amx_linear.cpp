@@ -17,6 +17,20 @@
 // a tile) meet each k-chunk's two weight tiles. Every output sums its k-chunks in order from
 // zero, so a row's result does not depend on the other rows of the call.
 //
+// `int4_amx_linear` is the same call for a W4A16 layer's group-wise int4 weight: per pair of
+// blocks a thread dequantises the pair's codes into the tiles `amx_pack` would hold for the
+// bf16 weight w = (u - 8) * scale + zero (one float32 FMA, rounded to nearest even bf16), in
+// a buffer of its own, and runs the same tile loop over it: the result is amx_linear's on
+// that bf16 weight, bit for bit (VCVTNE2PS2BF16 flushes a weight below 2^-126 in magnitude to
+// zero where int4_dequant keeps it), while memory holds and streams half a byte a weight
+// (`int4_amx_pack`: per pair and k-chunk two 256-byte tiles of codes, byte 2c + t of row j
+// holding column c at k = 2j + t in its low nibble and column c + 8 in its high one, so one
+// widening and two nibble masks give the two float vectors VCVTNE2PS2BF16 interleaves into a
+// weight-tile row; scales and zeros as bf16 [pairs, groups, 2, 32]). Hand-written for the
+// same reason as amx_linear, and because torch's int4 kernels multiply without the tile
+// unit: at 8 to 32 rows kiln's AVX2 int4 kernel (int4_linear.cpp) ran 1.3-3x slower than
+// amx_linear on the bf16 weight.
+//
 // The tile unit needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM), asked once by
 // `amx_ready`; without AMX in the build (-march=native on a CPU without it) the ops say so.
 
@@ -27,6 +41,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "amx.h"
 #include "simd.h"
@@ -59,7 +75,6 @@ void configure(int low, int high) {
 
 struct Problem {
   const uint16_t* x;  // [M, Kp] bf16
-  const uint16_t* w;  // amx_pack layout
   const float* bias;  // float32 [N] or nullptr
   uint16_t* out;      // [M, N] bf16
   int64_t M, N, chunks;
@@ -119,25 +134,99 @@ void accumulate(const uint16_t* x, const uint16_t* pair, int64_t chunks, bool hi
   }
 }
 
-void linear(const Problem& pr) {
+// The bf16 weight tiles of pair p, from `amx_pack`: read in place.
+struct PackedTiles {
+  struct Buffer {
+    explicit Buffer(const PackedTiles&) {}
+  };
+  const uint16_t* w;
+  int64_t chunks;
+  const uint16_t* pair(int64_t p, Buffer&) const { return w + p * chunks * 2 * TILE; }
+};
+
+constexpr int64_t CODE_TILE = TILE / 2;  // bytes of int4 codes per weight tile
+
+// A group-wise int4 weight's tiles (layout: `int4_amx_pack`), dequantised pair by pair.
+struct Int4Tiles {
+  struct Buffer {
+    explicit Buffer(const Int4Tiles& source) : raw(source.chunks * 2 * TILE + 32) {}
+    uint16_t* tiles() {  // 64-byte aligned, for whole-line stores
+      const auto at = reinterpret_cast<uintptr_t>(raw.data());
+      return reinterpret_cast<uint16_t*>((at + 63) & ~uintptr_t{63});
+    }
+    std::vector<uint16_t> raw;
+  };
+  const uint8_t* codes;  // [pairs, chunks, 2, 16, 16]
+  const uint16_t* sz;    // bf16 [pairs, groups, 2, 32]
+  int64_t chunks, group;
+
+  const uint16_t* pair(int64_t p, Buffer& buffer) const {
+    const int64_t groups = chunks * CHUNK / group, per_group = group / CHUNK;
+    const uint8_t* in = codes + p * chunks * 2 * CODE_TILE;
+    uint16_t* out = buffer.tiles();
+    // lane l of a half-row vector: column l / 2 (of the block's first or second eight)
+    const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i spread_hi = _mm512_add_epi32(spread, _mm512_set1_epi32(8));
+    const __m512i low4 = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* held = sz + (p * groups + g) * 2 * PAIR;
+      for (int b = 0; b < 2; ++b) {
+        const __m512 s = load16(reinterpret_cast<const c10::BFloat16*>(held + b * BLOCK));
+        const __m512 z = load16(reinterpret_cast<const c10::BFloat16*>(held + PAIR + b * BLOCK));
+        const __m512 s_lo = _mm512_permutexvar_ps(spread, s);
+        const __m512 s_hi = _mm512_permutexvar_ps(spread_hi, s);
+        const __m512 z_lo = _mm512_permutexvar_ps(spread, z);
+        const __m512 z_hi = _mm512_permutexvar_ps(spread_hi, z);
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+          const uint8_t* rows = in + (c * 2 + b) * CODE_TILE;
+          uint16_t* tile = out + (c * 2 + b) * TILE;
+          for (int j = 0; j < 16; ++j) {
+            const __m512i u = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j * 16)));
+            // u - 8 for each nibble: exact integers in float32
+            const __m512 lo =
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(u, low4), eight));
+            const __m512 hi =
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(u, 4), eight));
+            const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, z_hi),
+                                                   _mm512_fmadd_ps(lo, s_lo, z_lo));
+            _mm512_store_si512(tile + j * 32, reinterpret_cast<__m512i>(w));
+          }
+        }
+      }
+    }
+    return out;
+  }
+};
+
+// Rows m0 .. M - 1 against pair p's weight tiles, 32 rows (four accumulator tiles) at a time.
+void pair_rows(const Problem& pr, const uint16_t* pair, int64_t p, float* acc, int& low_now,
+               int& high_now) {
+  for (int64_t m0 = 0; m0 < pr.M; m0 += 2 * M_TILE) {
+    const int rows = static_cast<int>(std::min<int64_t>(2 * M_TILE, pr.M - m0));
+    const int low = std::min<int>(M_TILE, rows), high = rows - low;
+    if (low != low_now || high != high_now) {
+      configure(low, high);
+      low_now = low;
+      high_now = high;
+    }
+    accumulate(pr.x + m0 * pr.chunks * CHUNK, pair, pr.chunks, high > 0, acc);
+    store(pr, acc, m0, rows, p);
+  }
+}
+
+// Source gives each pair's tiles: `PackedTiles`, or `Int4Tiles` (below) dequantising them
+// into the calling thread's buffer.
+template <typename Source>
+void linear(const Problem& pr, const Source& source) {
   const int64_t pairs = (pr.N + PAIR - 1) / PAIR;
   // Threads split the pairs, so each streams its own part of the weight.
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[2 * M_TILE * PAIR];
     int low_now = -1, high_now = -1;
+    typename Source::Buffer buffer(source);
     for (int64_t p = begin; p < end; ++p) {
-      const uint16_t* pair = pr.w + p * pr.chunks * 2 * TILE;
-      for (int64_t m0 = 0; m0 < pr.M; m0 += 2 * M_TILE) {
-        const int rows = static_cast<int>(std::min<int64_t>(2 * M_TILE, pr.M - m0));
-        const int low = std::min<int>(M_TILE, rows), high = rows - low;
-        if (low != low_now || high != high_now) {
-          configure(low, high);
-          low_now = low;
-          high_now = high;
-        }
-        accumulate(pr.x + m0 * pr.chunks * CHUNK, pair, pr.chunks, high > 0, acc);
-        store(pr, acc, m0, rows, p);
-      }
+      pair_rows(pr, source.pair(p, buffer), p, acc, low_now, high_now);
     }
     _tile_release();
   });
@@ -195,10 +284,75 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t chunks = packed.size(1);
   at::Tensor xc = x.contiguous();
   if (chunks * CHUNK != K) xc = at::constant_pad_nd(xc, {0, chunks * CHUNK - K});  // zero k's
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   linear(Problem{reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()),
-                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                  bias.has_value() ? b32.data_ptr<float>() : nullptr,
-                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), M, N, chunks});
+                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), M, N, chunks},
+         PackedTiles{w, chunks});
+#endif
+  return out;
+}
+
+// codes: unsigned int4 codes u [N, K] as uint8 (0-15); scale, zero: float32 [N, K / group],
+// each exact in bf16. Returns (codes, scales and zeros) in int4_amx_linear's layout (above),
+// N padded to a pair with zero scales and zeros.
+std::tuple<at::Tensor, at::Tensor> int4_amx_pack(const at::Tensor& codes, const at::Tensor& scale,
+                                                 const at::Tensor& zero, int64_t group) {
+  check_ready("int4_amx_pack");
+  TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.scalar_type() == at::kByte,
+              "int4_amx_pack: uint8 codes [N, K] on the CPU");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(group > 0 && group % CHUNK == 0 && K % group == 0,
+              "int4_amx_pack: a group size that is a multiple of 32 and divides K");
+  for (const at::Tensor* t : {&scale, &zero}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / group,
+                "int4_amx_pack: float32 scale and zero [N, K / group]");
+  }
+  const int64_t pairs = (N + PAIR - 1) / PAIR, chunks = K / CHUNK, groups = K / group;
+  at::Tensor u = at::zeros({pairs * PAIR, K}, codes.options());
+  u.narrow(0, 0, N).copy_(codes.bitwise_and(15));
+  // [pair, block, half, column, chunk, k-pair, t] -> [pair, chunk, block, k-pair, column, t, half]
+  at::Tensor ordered = u.view({pairs, 2, 2, 8, chunks, CHUNK / 2, 2})
+                           .permute({0, 4, 1, 5, 3, 6, 2})
+                           .contiguous()
+                           .view({pairs, chunks, 2, 16, 16, 2});
+  at::Tensor packed = ordered.select(5, 0).bitwise_or(ordered.select(5, 1).bitwise_left_shift(4));
+  at::Tensor held = at::zeros({pairs * PAIR, groups, 2}, scale.options());
+  held.narrow(0, 0, N).select(2, 0).copy_(scale);
+  held.narrow(0, 0, N).select(2, 1).copy_(zero);
+  // [pair, column, group, s/z] -> [pair, group, s/z, column]
+  at::Tensor sz = held.view({pairs, PAIR, groups, 2}).permute({0, 2, 3, 1}).to(at::kBFloat16);
+  TORCH_CHECK(sz.to(at::kFloat).equal(held.view({pairs, PAIR, groups, 2}).permute({0, 2, 3, 1})),
+              "int4_amx_pack: scales and zeros must be exact in bfloat16");
+  return {packed.contiguous(), sz.contiguous()};
+}
+
+at::Tensor int4_amx_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                           int64_t N, int64_t group) {
+  check_ready("int4_amx_linear");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "int4_amx_linear: x [M, K] bfloat16 on the CPU");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(group > 0 && group % CHUNK == 0 && K % group == 0,
+              "int4_amx_linear: a group size that is a multiple of 32 and divides K");
+  const int64_t chunks = K / CHUNK, pairs = (N + PAIR - 1) / PAIR;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 5 &&
+                  codes.size(0) == pairs && codes.size(1) == chunks,
+              "int4_amx_linear: codes from int4_amx_pack with x's K columns and N outputs");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 &&
+                  sz.size(0) == pairs && sz.size(1) == K / group,
+              "int4_amx_linear: scales and zeros from int4_amx_pack with the same group");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+#ifdef KILN_AMX
+  at::Tensor xc = x.contiguous();
+  linear(Problem{reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), nullptr,
+                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), M, N,
+                 chunks},
+         Int4Tiles{codes.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>()), chunks,
+                   group});
 #endif
   return out;
 }
@@ -227,9 +381,13 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("amx_ready() -> bool", &amx_ready);
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.def("int4_amx_pack(Tensor codes, Tensor scale, Tensor zero, int group) -> (Tensor, Tensor)");
+  m.def("int4_amx_linear(Tensor x, Tensor codes, Tensor sz, int N, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
+  m.impl("int4_amx_pack", &int4_amx_pack);
+  m.impl("int4_amx_linear", &int4_amx_linear);
 }

@@ -41,6 +41,7 @@ from tests.runtime.conftest import (
     assert_close_to_reference,
     hf_greedy,
     hf_model,
+    needs_amx_kernels,
     needs_avx2_kernels,
 )
 
@@ -214,6 +215,14 @@ def test_kiln_int4_kernel_multiplies_by_the_stored_weight(group: int, dtype: tor
             assert torch.equal(got, everything[:count])
 
 
+def act_order_int4_weights(rows: int, columns: int, generator: torch.Generator) -> LinearWeights:
+    """Group-64 int4 weights with zero points, act-order groups (g_idx) and a bias."""
+    w = int4_weights(rows, columns, 64, seed=rows)
+    g_idx = torch.randperm(columns, generator=generator) // 64
+    bias = torch.randn(rows, generator=generator)
+    return LinearWeights(w.scheme, w.weight, w.scale, w.zero_point, g_idx, bias=bias)
+
+
 def int4_problem(
     rows: int, columns: int, group: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -283,6 +292,80 @@ def test_int4_decode_is_kiln_wherever_its_kernels_load() -> None:
     assert not kernels.int4_on_kiln(torch.device("cuda"))
 
 
+@needs_amx_kernels
+@pytest.mark.parametrize(
+    ("rows", "columns", "group", "batch"),
+    [
+        (960, 576, 64, 1),
+        (96, 576, 64, 5),
+        (112, 256, 32, 33),
+        (48, 1536, 128, 70),
+        (64, 64, 64, 200),
+    ],
+)
+def test_int4_amx_kernel_is_amx_linear_on_the_dequantised_bf16_weight(
+    rows: int, columns: int, group: int, batch: int
+) -> None:
+    """int4_amx_linear dequantises each pair's tiles as int4_dequant computes the bf16 weight
+    and runs amx_linear's tile loop on them: the same output bit for bit, N not a multiple of
+    the 32-column pair included."""
+    ops = torch.ops.kiln
+    generator = torch.Generator().manual_seed(rows + batch)
+    codes = torch.randint(0, 16, (rows, columns), dtype=torch.uint8, generator=generator)
+    groups = columns // group
+    scale = (torch.rand(rows, groups, generator=generator) * 0.05 + 1e-3).bfloat16().float()
+    zero = (torch.randn(rows, groups, generator=generator) * 0.02).bfloat16().float()
+    nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    weight = ops.int4_dequant(nibbles, scale, zero, group, torch.bfloat16)
+    x = torch.randn(batch, columns, generator=generator).bfloat16()
+    packed, held = ops.int4_amx_pack(codes, scale, zero, group)
+    got = ops.int4_amx_linear(x, packed, held, rows, group)
+    assert torch.equal(got, ops.amx_linear(x, ops.amx_pack(weight), rows, None))
+    assert torch.equal(kernels._unpack_int4_amx(packed, rows), codes)
+
+
+@needs_amx_kernels
+def test_int4_amx_pack_refuses_what_its_layout_cannot_hold() -> None:
+    ops = torch.ops.kiln
+    codes = torch.zeros(32, 96, dtype=torch.uint8)
+    ones = torch.ones(32, 3)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int4_amx_pack(codes, torch.ones(32, 6), torch.ones(32, 6), 16)
+    with pytest.raises(RuntimeError, match="exact in bfloat16"):
+        ops.int4_amx_pack(codes, ones + 2**-12, ones, 32)
+    packed, held = ops.int4_amx_pack(codes, ones, ones, 32)
+    with pytest.raises(RuntimeError, match="x's K columns"):
+        ops.int4_amx_linear(torch.zeros(2, 64).bfloat16(), packed, held, 32, 32)
+
+
+@needs_amx_kernels
+def test_int4_bf16_layer_runs_the_tile_unit_from_amx_rows() -> None:
+    """A bf16 model's W4A16 layer on a CPU with AMX: below AMX_ROWS the int4 kernel, from it
+    (prefill included) amx_linear's product on the dequantised bf16 weight, act-order and
+    bias kept; it holds the codes in the tile layout only, and dequantises them as the
+    nibble-holding float32 layer does."""
+    generator = torch.Generator().manual_seed(7)
+    w = act_order_int4_weights(80, 256, generator)
+    layer = make_linear([w], torch.bfloat16, torch.device("cpu"))
+    float_layer = make_linear([w], torch.float32, torch.device("cpu"))
+    assert isinstance(layer, Int4Linear) and isinstance(float_layer, Int4Linear)
+    assert layer.amx is not None and layer.nibbles is None
+    assert float_layer.amx is None and float_layer.nibbles is not None
+    weight = layer.dequantized(torch.bfloat16)
+    assert torch.equal(weight, float_layer.dequantized(torch.bfloat16))
+    assert layer.perm is not None and layer.bias is not None
+    tiles = torch.ops.kiln.amx_pack(weight)
+    for batch in (1, Int4Linear.AMX_ROWS - 1, Int4Linear.AMX_ROWS, 33, Int4Linear.DEQUANT_ROWS + 5):
+        x = torch.randn(batch, 256, generator=generator).bfloat16()
+        on_tiles = torch.ops.kiln.amx_linear(x.index_select(-1, layer.perm), tiles, 80, None)
+        got = layer(x)
+        if batch >= Int4Linear.AMX_ROWS:
+            assert torch.equal(got, on_tiles + layer.bias)
+        else:
+            expected = x.float() @ dequantize(w, torch.float32).t() + w.bias
+            assert (got.float() - expected).abs().max() <= 2**-7 * float(expected.abs().max())
+
+
 @needs_avx2_kernels
 def test_int4_layer_decodes_alike_on_either_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-sized inputs on kiln's kernel and on torch's int4pack: the same bf16
@@ -290,15 +373,7 @@ def test_int4_layer_decodes_alike_on_either_kernel(monkeypatch: pytest.MonkeyPat
     rounds its output to bf16); act-order weights with a bias, float32 and bf16 models. Each
     layer counts the bytes its decode kernel reads: 0.5 a weight and 4 a column's group."""
     generator = torch.Generator().manual_seed(5)
-    w = int4_weights(128, 256, 64, seed=5)
-    w = LinearWeights(
-        w.scheme,
-        w.weight,
-        w.scale,
-        w.zero_point,
-        torch.randperm(256, generator=generator) // 64,
-        bias=torch.randn(128, generator=generator),
-    )
+    w = act_order_int4_weights(128, 256, generator)
     for dtype in (torch.float32, torch.bfloat16):
         layers = {}
         for on_kiln in (True, False):

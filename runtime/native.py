@@ -46,6 +46,7 @@ OPS = (
     "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",
     "int8_screen", "amx_ready", "amx_pack", "amx_linear", "argmax_rows", "kv_store_",
     "amx_prefill_attention", "bf16_flushes_subnormals", "int4_amx_pack", "int4_amx_linear",
+    "int8_amx_pack", "int8_amx_linear",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds).

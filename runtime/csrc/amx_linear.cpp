@@ -17,7 +17,8 @@
 // a tile) meet each k-chunk's two weight tiles. Every output sums its k-chunks in order from
 // zero, so a row's result does not depend on the other rows of the call.
 //
-// `int4_amx_linear` is the same call for a W4A16 layer's group-wise int4 weight: per pair of
+// `int4_amx_linear` (and `int8_amx_linear`, for W8A16's int8 codes, one byte a weight in the
+// tiles' own order) is the same call for a W4A16 layer's group-wise int4 weight: per pair of
 // blocks a thread dequantises the pair's codes into the tiles `amx_pack` would hold for the
 // bf16 weight w = (u - 8) * scale + zero (one float32 FMA, rounded to nearest even bf16), in
 // a buffer of its own, and runs the same tile loop over it: the result is amx_linear's on
@@ -42,6 +43,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -144,30 +146,55 @@ struct PackedTiles {
   const uint16_t* pair(int64_t p, Buffer&) const { return w + p * chunks * 2 * TILE; }
 };
 
-constexpr int64_t CODE_TILE = TILE / 2;  // bytes of int4 codes per weight tile
+// A tile row of int4 codes (`int4_amx_pack`): 16 bytes, byte 2c + t holding column c at
+// k = 2j + t in its low nibble and column c + 8 in its high one; lo / hi get u - 8 (exact).
+struct Int4Codes {
+  static constexpr int64_t ROW_BYTES = 16;
+  static void row(const uint8_t* p, __m512& lo, __m512& hi) {
+    const __m512i u =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i eight = _mm512_set1_epi32(8);
+    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(u, _mm512_set1_epi32(15)), eight));
+    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(u, 4), eight));
+  }
+};
 
-// A group-wise int4 weight's tiles (layout: `int4_amx_pack`), dequantised pair by pair.
-struct Int4Tiles {
+// A tile row of int8 codes (`int8_amx_pack`): 32 bytes in the tile's own order, byte 2c + t
+// column c at k = 2j + t, so the first 16 are columns 0-7 and the last 16 columns 8-15.
+struct Int8Codes {
+  static constexpr int64_t ROW_BYTES = 32;
+  static void row(const uint8_t* p, __m512& lo, __m512& hi) {
+    const auto* v = reinterpret_cast<const __m128i*>(p);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v + 1)));
+  }
+};
+
+// A group-wise integer weight's tiles (codes: `Codes`' layout, [pairs, chunks, 2, 16 rows]),
+// dequantised pair by pair into the calling thread's buffer: w = code * scale + zero in one
+// float32 FMA (code u - 8 for int4), rounded to nearest even bf16.
+template <typename Codes>
+struct QuantTiles {
   struct Buffer {
-    explicit Buffer(const Int4Tiles& source) : raw(source.chunks * 2 * TILE + 32) {}
+    explicit Buffer(const QuantTiles& source) : raw(source.chunks * 2 * TILE + 32) {}
     uint16_t* tiles() {  // 64-byte aligned, for whole-line stores
       const auto at = reinterpret_cast<uintptr_t>(raw.data());
       return reinterpret_cast<uint16_t*>((at + 63) & ~uintptr_t{63});
     }
     std::vector<uint16_t> raw;
   };
-  const uint8_t* codes;  // [pairs, chunks, 2, 16, 16]
-  const uint16_t* sz;    // bf16 [pairs, groups, 2, 32]
+  const uint8_t* codes;
+  const uint16_t* sz;  // bf16 [pairs, groups, 2, 32]: the pair's 32 scales, then its zeros
   int64_t chunks, group;
 
   const uint16_t* pair(int64_t p, Buffer& buffer) const {
+    constexpr int64_t TILE_BYTES = 16 * Codes::ROW_BYTES;
     const int64_t groups = chunks * CHUNK / group, per_group = group / CHUNK;
-    const uint8_t* in = codes + p * chunks * 2 * CODE_TILE;
+    const uint8_t* in = codes + p * chunks * 2 * TILE_BYTES;
     uint16_t* out = buffer.tiles();
     // lane l of a half-row vector: column l / 2 (of the block's first or second eight)
     const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i spread_hi = _mm512_add_epi32(spread, _mm512_set1_epi32(8));
-    const __m512i low4 = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* held = sz + (p * groups + g) * 2 * PAIR;
       for (int b = 0; b < 2; ++b) {
@@ -178,16 +205,11 @@ struct Int4Tiles {
         const __m512 z_lo = _mm512_permutexvar_ps(spread, z);
         const __m512 z_hi = _mm512_permutexvar_ps(spread_hi, z);
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
-          const uint8_t* rows = in + (c * 2 + b) * CODE_TILE;
+          const uint8_t* rows = in + (c * 2 + b) * TILE_BYTES;
           uint16_t* tile = out + (c * 2 + b) * TILE;
           for (int j = 0; j < 16; ++j) {
-            const __m512i u = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j * 16)));
-            // u - 8 for each nibble: exact integers in float32
-            const __m512 lo =
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(u, low4), eight));
-            const __m512 hi =
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(u, 4), eight));
+            __m512 lo, hi;
+            Codes::row(rows + j * Codes::ROW_BYTES, lo, hi);
             const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, z_hi),
                                                    _mm512_fmadd_ps(lo, s_lo, z_lo));
             _mm512_store_si512(tile + j * 32, reinterpret_cast<__m512i>(w));
@@ -215,7 +237,7 @@ void pair_rows(const Problem& pr, const uint16_t* pair, int64_t p, float* acc, i
   }
 }
 
-// Source gives each pair's tiles: `PackedTiles`, or `Int4Tiles` (below) dequantising them
+// Source gives each pair's tiles: `PackedTiles`, or `QuantTiles` (above) dequantising them
 // into the calling thread's buffer.
 template <typename Source>
 void linear(const Problem& pr, const Source& source) {
@@ -293,23 +315,44 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return out;
 }
 
+// A group size the tile layouts hold: whole k-chunks per group, whole groups per row.
+void check_group(const char* op, int64_t K, int64_t group) {
+  TORCH_CHECK(group > 0 && group % CHUNK == 0 && K % group == 0, op,
+              ": a group size that is a multiple of 32 and divides K");
+}
+
+// scale and zero (float32 [N, K / group], each exact in bf16; zero may be absent: zeros) as
+// bf16 [pairs, groups, 2, 32], N padded to a pair with zero scales and zeros.
+at::Tensor pack_scales(const char* op, const at::Tensor& scale, const at::Tensor* zero,
+                       int64_t N, int64_t groups) {
+  const int64_t pairs = (N + PAIR - 1) / PAIR;
+  at::Tensor held = at::zeros({pairs * PAIR, groups, 2}, scale.options().dtype(at::kFloat));
+  for (int64_t i = 0; i < (zero ? 2 : 1); ++i) {
+    const at::Tensor& t = i == 0 ? scale : *zero;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == N &&
+                    t.size(1) == groups,
+                op, ": float32 scale and zero [N, K / group]");
+    held.narrow(0, 0, N).select(2, i).copy_(t);
+  }
+  // [pair, column, group, s/z] -> [pair, group, s/z, column]
+  at::Tensor ordered = held.view({pairs, PAIR, groups, 2}).permute({0, 2, 3, 1});
+  at::Tensor sz = ordered.to(at::kBFloat16);
+  TORCH_CHECK(sz.to(at::kFloat).equal(ordered), op,
+              ": scales and zeros must be exact in bfloat16 (round them as the layer holds them)");
+  return sz.contiguous();
+}
+
 // codes: unsigned int4 codes u [N, K] as uint8 (0-15); scale, zero: float32 [N, K / group],
-// each exact in bf16. Returns (codes, scales and zeros) in int4_amx_linear's layout (above),
-// N padded to a pair with zero scales and zeros.
+// each exact in bf16. Returns (codes, scales and zeros) in int4_amx_linear's layout (above).
 std::tuple<at::Tensor, at::Tensor> int4_amx_pack(const at::Tensor& codes, const at::Tensor& scale,
                                                  const at::Tensor& zero, int64_t group) {
   check_ready("int4_amx_pack");
   TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.scalar_type() == at::kByte,
               "int4_amx_pack: uint8 codes [N, K] on the CPU");
   const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(group > 0 && group % CHUNK == 0 && K % group == 0,
-              "int4_amx_pack: a group size that is a multiple of 32 and divides K");
-  for (const at::Tensor* t : {&scale, &zero}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / group,
-                "int4_amx_pack: float32 scale and zero [N, K / group]");
-  }
-  const int64_t pairs = (N + PAIR - 1) / PAIR, chunks = K / CHUNK, groups = K / group;
+  check_group("int4_amx_pack", K, group);
+  at::Tensor sz = pack_scales("int4_amx_pack", scale, &zero, N, K / group);
+  const int64_t pairs = (N + PAIR - 1) / PAIR, chunks = K / CHUNK;
   at::Tensor u = at::zeros({pairs * PAIR, K}, codes.options());
   u.narrow(0, 0, N).copy_(codes.bitwise_and(15));
   // [pair, block, half, column, chunk, k-pair, t] -> [pair, chunk, block, k-pair, column, t, half]
@@ -318,43 +361,70 @@ std::tuple<at::Tensor, at::Tensor> int4_amx_pack(const at::Tensor& codes, const 
                            .contiguous()
                            .view({pairs, chunks, 2, 16, 16, 2});
   at::Tensor packed = ordered.select(5, 0).bitwise_or(ordered.select(5, 1).bitwise_left_shift(4));
-  at::Tensor held = at::zeros({pairs * PAIR, groups, 2}, scale.options());
-  held.narrow(0, 0, N).select(2, 0).copy_(scale);
-  held.narrow(0, 0, N).select(2, 1).copy_(zero);
-  // [pair, column, group, s/z] -> [pair, group, s/z, column]
-  at::Tensor sz = held.view({pairs, PAIR, groups, 2}).permute({0, 2, 3, 1}).to(at::kBFloat16);
-  TORCH_CHECK(sz.to(at::kFloat).equal(held.view({pairs, PAIR, groups, 2}).permute({0, 2, 3, 1})),
-              "int4_amx_pack: scales and zeros must be exact in bfloat16");
-  return {packed.contiguous(), sz.contiguous()};
+  return {packed.contiguous(), sz};
 }
 
-at::Tensor int4_amx_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
-                           int64_t N, int64_t group) {
-  check_ready("int4_amx_linear");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "int4_amx_linear: x [M, K] bfloat16 on the CPU");
+// codes: signed int8 codes [N, K]; scale: float32 [N, K / group], each exact in bf16 (zeros:
+// none). Returns (codes, scales and zeros) in int8_amx_linear's layout: the tile order
+// amx_pack gives a bf16 weight, one byte a weight.
+std::tuple<at::Tensor, at::Tensor> int8_amx_pack(const at::Tensor& codes, const at::Tensor& scale,
+                                                 int64_t group) {
+  check_ready("int8_amx_pack");
+  TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.scalar_type() == at::kChar,
+              "int8_amx_pack: int8 codes [N, K] on the CPU");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  check_group("int8_amx_pack", K, group);
+  at::Tensor sz = pack_scales("int8_amx_pack", scale, nullptr, N, K / group);
+  const int64_t pairs = (N + PAIR - 1) / PAIR, chunks = K / CHUNK;
+  at::Tensor padded = at::zeros({pairs * PAIR, K}, codes.options());
+  padded.narrow(0, 0, N).copy_(codes);
+  // [pair, block, column, chunk, k-pair, t] -> [pair, chunk, block, k-pair, column, t]
+  at::Tensor packed = padded.view({pairs, 2, BLOCK, chunks, CHUNK / 2, 2})
+                          .permute({0, 3, 1, 4, 2, 5})
+                          .contiguous();
+  return {packed, sz};
+}
+
+// y = x W^T on a weight from int4_amx_pack (BITS 4) or int8_amx_pack (BITS 8).
+template <int BITS>
+at::Tensor quant_amx_linear(const char* op, const at::Tensor& x, const at::Tensor& codes,
+                            const at::Tensor& sz, int64_t N, int64_t group) {
+  check_ready(op);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16, op,
+              ": x [M, K] bfloat16 on the CPU");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group > 0 && group % CHUNK == 0 && K % group == 0,
-              "int4_amx_linear: a group size that is a multiple of 32 and divides K");
+  check_group(op, K, group);
   const int64_t chunks = K / CHUNK, pairs = (N + PAIR - 1) / PAIR;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 5 &&
-                  codes.size(0) == pairs && codes.size(1) == chunks,
-              "int4_amx_linear: codes from int4_amx_pack with x's K columns and N outputs");
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 &&
+                  codes.numel() == pairs * chunks * 2 * 16 * (4 * BITS) &&
+                  codes.dim() >= 2 && codes.size(0) == pairs && codes.size(1) == chunks,
+              op, ": codes from its pack with x's K columns and N outputs");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 &&
                   sz.size(0) == pairs && sz.size(1) == K / group,
-              "int4_amx_linear: scales and zeros from int4_amx_pack with the same group");
+              op, ": scales and zeros from its pack with the same group");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
 #ifdef KILN_AMX
   at::Tensor xc = x.contiguous();
+  using Codes = std::conditional_t<BITS == 4, Int4Codes, Int8Codes>;
+  const QuantTiles<Codes> source{static_cast<const uint8_t*>(codes.data_ptr()),
+                                 reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>()),
+                                 chunks, group};
   linear(Problem{reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), nullptr,
-                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), M, N,
-                 chunks},
-         Int4Tiles{codes.data_ptr<uint8_t>(),
-                   reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>()), chunks,
-                   group});
+                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), M, N, chunks},
+         source);
 #endif
   return out;
+}
+
+at::Tensor int4_amx_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                           int64_t N, int64_t group) {
+  return quant_amx_linear<4>("int4_amx_linear", x, codes, sz, N, group);
+}
+
+at::Tensor int8_amx_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
+                           int64_t N, int64_t group) {
+  return quant_amx_linear<8>("int8_amx_linear", x, codes, sz, N, group);
 }
 
 }  // namespace
@@ -383,6 +453,8 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("amx_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
   m.def("int4_amx_pack(Tensor codes, Tensor scale, Tensor zero, int group) -> (Tensor, Tensor)");
   m.def("int4_amx_linear(Tensor x, Tensor codes, Tensor sz, int N, int group) -> Tensor");
+  m.def("int8_amx_pack(Tensor codes, Tensor scale, int group) -> (Tensor, Tensor)");
+  m.def("int8_amx_linear(Tensor x, Tensor codes, Tensor sz, int N, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
@@ -390,4 +462,6 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("amx_linear", &amx_linear);
   m.impl("int4_amx_pack", &int4_amx_pack);
   m.impl("int4_amx_linear", &int4_amx_linear);
+  m.impl("int8_amx_pack", &int8_amx_pack);
+  m.impl("int8_amx_linear", &int8_amx_linear);
 }

@@ -36,14 +36,14 @@ from tests.benchmarks.runtime_linear import SHAPES, STREAM_BYTES
 PATHS = {"torch int4pack": (False, False), "kiln int4": (True, False)}
 AMX_PATH = {"kiln int4 + AMX": (True, True)}
 GROUP = 64
-_ON_AMX = kernels.int4_on_amx
+_ON_AMX = kernels.on_amx_tiles
 
 
 def take_kiln(path: tuple[bool, bool]) -> None:
     """Layers and engines built from here on run `path`."""
     on_kiln, on_amx = path
     kernels.int4_on_kiln = lambda device: on_kiln
-    kernels.int4_on_amx = lambda device, dtype: on_amx and _ON_AMX(device, dtype)
+    kernels.on_amx_tiles = lambda device, dtype: on_amx and _ON_AMX(device, dtype)
 
 
 def int4_layer(n: int, k: int, path: tuple[bool, bool]) -> Int4Linear:

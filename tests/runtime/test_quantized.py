@@ -446,6 +446,62 @@ def test_per_channel_w8a16_kernel_and_prefill_paths_agree() -> None:
     torch.testing.assert_close(prefill, expected, rtol=0, atol=2e-2 * float(expected.abs().max()))
 
 
+@needs_amx_kernels
+@pytest.mark.parametrize(("rows", "columns", "group"), [(960, 576, 576), (100, 256, 64)])
+def test_int8_amx_kernel_is_amx_linear_on_the_dequantised_bf16_weight(
+    rows: int, columns: int, group: int
+) -> None:
+    """int8_amx_linear: codes times their bf16-exact scales rounded to bf16, amx_linear's tile
+    loop on them, bit for bit; per-channel (one group) and group-wise, N past a pair."""
+    ops = torch.ops.kiln
+    generator = torch.Generator().manual_seed(rows)
+    codes = torch.randint(-128, 128, (rows, columns), dtype=torch.int8, generator=generator)
+    scale = (torch.rand(rows, columns // group, generator=generator) * 0.01 + 1e-3).bfloat16()
+    weight = codes.float().view(rows, -1, group).mul(scale.float().unsqueeze(2)).view(rows, -1)
+    packed, held = ops.int8_amx_pack(codes, scale.float(), group)
+    for batch in (1, 7, 40):
+        x = torch.randn(batch, columns, generator=generator).bfloat16()
+        expected = ops.amx_linear(x, ops.amx_pack(weight.bfloat16()), rows, None)
+        assert torch.equal(ops.int8_amx_linear(x, packed, held, rows, group), expected)
+
+
+@needs_amx_kernels
+def test_w8a16_bf16_layers_run_the_tile_unit() -> None:
+    """A bf16 model's W8A16 layers on a CPU with AMX: per-channel from AMX_ROWS rows up (both
+    copies held), group-wise at every row count (tiles only, and only for whole groups); each
+    amx_linear's product on the bf16 weight it holds."""
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (64, 256), dtype=torch.int8, generator=generator)
+    bias = torch.randn(64, generator=generator)
+    for scheme, groups in (
+        (WeightScheme("int", 8, "channel"), 1),
+        (WeightScheme("int", 8, "group", 64), 4),
+    ):
+        scale = torch.rand(64, groups, generator=generator) * 0.01 + 0.001
+        w = LinearWeights(scheme, codes, scale, bias=bias)
+        layer = make_linear([w], torch.bfloat16, torch.device("cpu"))
+        assert isinstance(layer, (Int8WeightLinear, Int8GroupLinear)) and layer.amx is not None
+        group = 256 // groups
+        held = scale.bfloat16().float().repeat_interleave(group, dim=1)
+        tiles = torch.ops.kiln.amx_pack((codes.float() * held).bfloat16())
+        first = Int8WeightLinear.AMX_ROWS if groups == 1 else 1
+        assert isinstance(layer, Int8GroupLinear) == (groups > 1)
+        if groups > 1:
+            assert layer.codes == [] and layer.scales == []
+        for batch in (1, Int8WeightLinear.AMX_ROWS, 70):
+            x = torch.randn(batch, 256, generator=generator).bfloat16()
+            got = layer(x)
+            on_tiles = torch.ops.kiln.amx_linear(x, tiles, 64, None) + layer.bias
+            if batch >= first:
+                assert torch.equal(got, on_tiles)
+            else:
+                bound = 2**-7 * float(on_tiles.float().abs().max())
+                assert (got.float() - on_tiles.float()).abs().max() <= bound
+    narrow = LinearWeights(WeightScheme("int", 8, "group", 64), codes[:, :96], scale[:, :2])
+    layer = make_linear([narrow], torch.bfloat16, torch.device("cpu"))
+    assert isinstance(layer, Int8GroupLinear) and layer.amx is None  # a 32-wide last group
+
+
 def test_column_slices_keep_their_groups_and_refuse_to_cut_one() -> None:
     """Tensor-parallel column slices of a group-quantised weight (the TensorRT-LLM export)."""
     generator = torch.Generator().manual_seed(2)

@@ -15,7 +15,9 @@ With `--artifact` (a W4A16 artifact, e.g. the demo's) it also decodes greedy str
 path (`--streams`, 1 and 32 by default), CPU ms per decode step (a 129-token run less a
 1-token one, after the same prompts). The paths alternate within each round and the best
 round counts, so a busy neighbour moves them all; the CPU and its flags head the output, and
-the ratios (each path's time over the last path's) compare columns of one run.
+the ratios (each path's time over the last path's) compare columns of one run. A W8A16
+artifact given as --artifact is measured the same way: its first two paths are then the same
+(`_weight_int8pack_mm`), the last runs `int8_amx_linear`.
 """
 
 from __future__ import annotations

@@ -49,10 +49,14 @@ OPS = (
     "int8_amx_pack", "int8_amx_linear",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
-# the CPU's feature flags (a shared home directory on another CPU rebuilds).
+# the CPU's feature flags (a shared home directory on another CPU rebuilds). KILN_NATIVE_MARCH
+# names another target, one this CPU can run (GCC's -march: x86-64-v3 is AVX2 and FMA, what a
+# Zen 3 EPYC gets; skylake-avx512 is AVX-512 without BF16): the kernels then take that CPU's
+# paths, which is how the tests check them on a newer CPU (tests/runtime/test_native_builds.py).
 # -fno-trapping-math: the kernels never read floating-point exception flags, and without it
 # GCC keeps loops with clamps or selects (exp_poly, bf16 rounding) scalar.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
+MARCH = os.environ.get("KILN_NATIVE_MARCH", "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-trapping-math"]
 
 # What bf16_linear.cpp and int4_linear.cpp need to compile to their vector kernels under
 # -march=native (without them they build scalar loops, slower than torch's).

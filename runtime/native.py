@@ -6,7 +6,8 @@ fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), t
 W4A16 layer's one-pass int4 dequantisation for prefill and its decode kernel for CPUs
 without AVX-512, the bf16-weight linear layer for CPUs without native bf16 (and its AMX
 form for decode-sized row counts on CPUs with AMX), and the int8 screen of a greedy
-step's LM head (greedy_head.py). The build
+step's LM head (greedy_head.py), and W8A8's activation quantisation and output scaling
+(int8_act.cpp). The build
 uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency), once per
 machine and source version; the shared object is cached in torch's extensions directory
 (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no ninja) the
@@ -39,6 +40,7 @@ SOURCES = [
     CSRC / "int8_screen.cpp",
     CSRC / "amx_linear.cpp",
     CSRC / "amx_attention.cpp",
+    CSRC / "int8_act.cpp",
 ]
 HEADERS = [CSRC / "simd.h", CSRC / "amx.h"]  # included by the sources: part of the build key
 OPS = (
@@ -46,7 +48,7 @@ OPS = (
     "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",
     "int8_screen", "amx_ready", "amx_pack", "amx_linear", "argmax_rows", "kv_store_",
     "amx_prefill_attention", "bf16_flushes_subnormals", "int4_amx_pack", "int4_amx_linear",
-    "int8_amx_pack", "int8_amx_linear",
+    "int8_amx_pack", "int8_amx_linear", "int8_quantize", "int8_rescale",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds). KILN_NATIVE_MARCH

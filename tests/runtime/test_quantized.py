@@ -525,6 +525,40 @@ def test_int8_gemm_is_native_only_with_vnni() -> None:
 
 
 @needs_avx2_kernels
+@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize(
+    ("strategy", "dynamic"), [("token", True), ("tensor", True), ("tensor", False)]
+)
+def test_w8a8_native_quantising_and_scaling_give_torchs_bits(
+    strategy: str, dynamic: bool, vnni: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8_quantize and int8_rescale (runtime/csrc/int8_act.cpp) against the same layer's
+    torch arithmetic: the same bits for per-token, per-tensor and static scales, float32 and
+    bf16 models, on `_int_mm` and on the bf16 panels, rows of zeros included."""
+    generator = torch.Generator().manual_seed(11)
+    act = ActivationScheme(dynamic=dynamic, strategy=strategy)
+    w = LinearWeights(
+        WeightScheme("int", 8, "channel", activations=act),
+        torch.randint(-128, 128, (96, 160), dtype=torch.int8, generator=generator),
+        torch.rand(96, 1, generator=generator) * 0.01 + 0.001,
+        input_scale=None if dynamic else torch.tensor(0.02),
+        bias=torch.randn(96, generator=generator),
+    )
+    monkeypatch.setattr(kernels, "int8_gemm_native", lambda: vnni)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = make_linear([w], dtype, torch.device("cpu"))
+        assert isinstance(layer, Int8Linear) and (layer.panels is None) == vnni
+        for rows in (1, 7, 40):
+            x = (torch.randn(rows, 160, generator=generator) * 3).to(dtype)
+            x[0, :9] = 0
+            x[rows // 2] = 0
+            native_y = layer(x)
+            with monkeypatch.context() as torch_only:
+                torch_only.setattr(native, "available", lambda: False)
+                assert torch.equal(native_y, layer(x))
+
+
+@needs_avx2_kernels
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_w8a8_without_vnni_multiplies_the_same_integers(
     dynamic: bool, monkeypatch: pytest.MonkeyPatch

@@ -348,17 +348,19 @@ class Int8GroupLinear(Linear):
         self.bounds = [(a, min(a + size, columns)) for a in range(0, columns, size)]
         # Where the tile unit serves the layer it takes every call (it is ahead from one
         # row), and the codes are held in its layout only; its layout holds whole groups.
-        held = w.scale.to(torch.bfloat16).float()
-        self.amx = int8_tiles(w, held, device, dtype) if columns % size == 0 else None
+        self.amx = None
+        if columns % size == 0:
+            self.amx = int8_tiles(w, w.scale.to(torch.bfloat16).float(), device, dtype)
         self.codes: list[torch.Tensor] = []
         self.scales: list[torch.Tensor] = []
+        self.scale_f32: torch.Tensor | None = None
         if self.amx is None:
             self.codes = [w.weight[:, a:b].contiguous().to(device) for a, b in self.bounds]
             self.scales = [
                 w.scale[:, g].to(device=device, dtype=torch.bfloat16).contiguous()
                 for g in range(len(self.bounds))
             ]
-        self.scale_f32 = w.scale.float().to(device)
+            self.scale_f32 = w.scale.float().to(device)
         self.bias = bias_of(w, dtype, device)
         self.dtype = dtype
         self.out_features = w.out_features
@@ -388,11 +390,10 @@ class Int8GroupLinear(Linear):
             y = int8_tiles_linear(x.to(torch.bfloat16), self.amx, self.out_features)
             return y if self.bias is None else y + self.bias
         if x.shape[0] > self.LOOP_MAX_ROWS:
+            assert self.scale_f32 is not None
+            scale = self.scale_f32
             weight = torch.cat(
-                [
-                    codes.float().mul_(self.scale_f32[:, g : g + 1])
-                    for g, codes in enumerate(self.codes)
-                ],
+                [codes.float().mul_(scale[:, g : g + 1]) for g, codes in enumerate(self.codes)],
                 dim=1,
             ).to(self.dtype)
             return float_linear(x, weight, self.bias)
@@ -470,6 +471,8 @@ class Int8Linear(Linear):
         self.bias = bias_of(w, dtype, device)
         self.dtype = dtype
         self.out_features = w.out_features
+        # quantising and scaling on int8_act.cpp's native passes (decided once, not per call)
+        self.native = device.type == "cpu" and dtype in NATIVE_INT8_DTYPES and native.available()
 
     @staticmethod
     def supports(w: LinearWeights, device: torch.device) -> bool:
@@ -488,7 +491,7 @@ class Int8Linear(Linear):
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and self.dtype in NATIVE_INT8_DTYPES and native.available():
+        if self.native:
             return self._native(x)
         x = x.float()
         if self.act.dynamic:

@@ -140,10 +140,15 @@ def build(sources: list[Path], name: str) -> None:
         lines = str(error).splitlines()
         errors = [line for line in lines if "error" in line.lower()] or lines
         shown = "\n".join(errors[:MAX_ERROR_LINES])
+        fix = "fix the source (this is a bug in kiln)"
+        if MARCH != "native":
+            fix = (
+                f"KILN_NATIVE_MARCH={MARCH} may be what GCC refused: unset it, or name a "
+                "-march GCC knows and this CPU can run (e.g. x86-64-v3)"
+            )
         raise NativeBuildError(
             f"{', '.join(str(p) for p in sources)}: the native CPU kernel failed to build:\n"
-            f"{shown}\nfix the source (this is a bug in kiln), or set KILN_NATIVE=0 to serve "
-            "with the pure-torch path"
+            f"{shown}\n{fix}, or set KILN_NATIVE=0 to serve with the pure-torch path"
         ) from error
 
 

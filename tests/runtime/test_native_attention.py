@@ -157,6 +157,21 @@ def test_a_source_that_does_not_compile_raises_naming_it(
     assert "KILN_NATIVE=0" in message
 
 
+def test_a_march_gcc_refuses_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(native, "MARCH", "no-such-cpu")
+    monkeypatch.setattr(native, "CFLAGS", ["-O1", "-march=no-such-cpu"])
+    source = tmp_path / "fine_kernel.cpp"
+    source.write_text("int kiln_fine_kernel() { return 0; }\n")
+    with pytest.raises(native.NativeBuildError) as caught:
+        native.build([source], "kiln_native_march_test")
+    message = str(caught.value)
+    assert "KILN_NATIVE_MARCH=no-such-cpu" in message and "unset it" in message
+    assert "bug in kiln" not in message
+
+
 def torch_decode_step(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,

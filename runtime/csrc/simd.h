@@ -5,7 +5,8 @@
 // exp in vectorisable float arithmetic. With
 // AVX-512: `load16` widens 16 values (a mask reads a tail), `store16` / `round16` narrow 16
 // lanes as `narrow` does, `exp16` is exp in 16 lanes, and `sum_each` reduces 16 vectors to
-// one vector of their sums.
+// one vector of their sums. With AVX2 and FMA: `load8`, `store8`, `round8` and `exp8`, the
+// same in 8 lanes, for the kernels' paths without AVX-512.
 
 #pragma once
 
@@ -16,7 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -51,19 +52,23 @@ inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
 // 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial
 // (relative error < 2e-7, about one float ulp); x is clamped to [-87, 88], where float32
 // neither under- nor overflows.
+// exp's constants, shared by its scalar, 8- and 16-lane forms: the clamp, log2(e), ln 2 split
+// in a part exact in float32 and the rest, and the Taylor coefficients after the leading
+// 1/720 in Horner order (p = p * r + c for each).
+constexpr float EXP_LOW = -87.f, EXP_HIGH = 88.f, LOG2E = 1.4426950408889634f;
+constexpr float LN2_HIGH = 0.693145751953125f, LN2_LOW = 1.4286068203094172e-06f;
+constexpr float EXP_FIRST = 1.f / 720.f;
+constexpr float EXP_TAYLOR[] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+
 inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
+  x = std::min(std::max(x, EXP_LOW), EXP_HIGH);
   // Round to nearest even by adding and removing 1.5 * 2^23 (|x * log2 e| < 2^22): unlike
   // nearbyint, plain arithmetic that every vectoriser takes.
-  const float k = (x * 1.4426950408889634f + 12582912.f) - 12582912.f;
-  const float r = x - k * 0.693145751953125f - k * 1.4286068203094172e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const float k = (x * LOG2E + 12582912.f) - 12582912.f;
+  const float r = x - k * LN2_HIGH - k * LN2_LOW;
+  float p = EXP_FIRST;
+#pragma GCC unroll 6
+  for (const float c : EXP_TAYLOR) p = p * r + c;
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -126,24 +131,73 @@ inline __mmask16 live16(int64_t left) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The 8-lane forms of the helpers above, for CPUs with AVX2 and FMA but no AVX-512 (a Zen 3
+// EPYC): `load8` widens 8 values, `store8` / `round8` narrow 8 lanes exactly as `narrow`
+// does (integer rounding, NaN kept quiet, subnormals kept), `exp8` is exp_poly in 8 lanes.
+#define KILN_AVX2 1
+inline __m256 widen8(__m128i raw) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m128i narrow8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i high = _mm256_srli_epi32(bits, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                        _mm256_and_si256(high, _mm256_set1_epi32(1)));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  // eight 32-bit values below 2^16 to 16 bits: packed within each 128-bit half, whose first
+  // 64 bits then join
+  const __m256i both = _mm256_blendv_epi8(rounded, quiet, nan);
+  const __m256i packed = _mm256_packus_epi32(both, both);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+inline __m256 store8(float* p, __m256 v) {
+  _mm256_storeu_ps(p, v);
+  return v;
+}
+inline __m256 store8(c10::BFloat16* p, __m256 v) {
+  const __m128i stored = narrow8(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), stored);
+  return widen8(stored);
+}
+inline __m256 round8(float*, __m256 v) { return v; }
+inline __m256 round8(c10::BFloat16*, __m256 v) { return widen8(narrow8(v)); }
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LOW)), _mm256_set1_ps(EXP_HIGH));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_LOW),
+                                    _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HIGH), x));
+  __m256 p = _mm256_set1_ps(EXP_FIRST);
+#pragma GCC unroll 6
+  for (const float c : EXP_TAYLOR) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  // 2^k for k in [-126, 127] (x is clamped), exact: its exponent bits
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 #if defined(__AVX512F__)
 
 // exp(x), 16 lanes: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor
 // polynomial (relative error < 2e-7, about one float ulp); x is clamped to [-87, 88], where
 // float32 neither under- nor overflows.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOW)), _mm512_set1_ps(EXP_HIGH));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.4286068203094172e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_LOW),
+                                    _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_HIGH), x));
+  __m512 p = _mm512_set1_ps(EXP_FIRST);
+#pragma GCC unroll 6
+  for (const float c : EXP_TAYLOR) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, k);
 }
 

@@ -75,11 +75,12 @@ def test_silu_mul_matches_silu_times_up(dtype: torch.dtype, width: int) -> None:
     generator = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(7, 2 * width, generator=generator) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped ends and zero
+    gate_up[1, 1] = gate_up[2, width - 1] = float("nan")  # in a vector and in the tail
     expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
     got = torch.ops.kiln.silu_mul(gate_up)
     assert got.shape == (7, width) and got.dtype == dtype
     torch.testing.assert_close(
-        got, expected, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 0.01
+        got, expected, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 0.01, equal_nan=True
     )
 
 

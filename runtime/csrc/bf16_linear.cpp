@@ -17,9 +17,10 @@
 // widens NB sub-panels' 16 values and does MR*NB*2 fused multiply-adds (AVX2: 8 lanes), the
 // accumulators living in registers. With 2-8 rows every row tile meets a block of k's of a
 // panel while it sits in L1, so each panel streams from memory once, in order; with more,
-// blocks of rows meet each sub-panel in turn. x is float32 or bfloat16 (widened once per
-// call); the result has x's dtype. Every output is the same sequential float32 sum over k
-// whatever the tile, so a row's result does not depend on the other rows of the call.
+// blocks of rows meet each sub-panel in turn, a block of k's at a time. x is float32 or
+// bfloat16 (widened once per call); the result has x's dtype. Every output is the same
+// sequential float32 sum over k whatever the tile, so a row's result does not depend on the
+// other rows of the call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +47,12 @@ constexpr int64_t SUBS = PANEL / LANES;
 constexpr int64_t M_BLOCK = 48;  // rows whose inputs stay in L2 while the panels pass by
 constexpr int64_t K_BLOCK = 64;  // k's of a panel (8 KB) in L1 while every row tile reads them
 constexpr int64_t FEW_ROWS = 8;  // up to this many rows, blocks of k (measured: faster to 8)
+// k's per block with more rows: every row's whole K (SmolLM2's 576 to 1,536) spilled the row
+// tiles' inputs to L2, and a step's projections at 128-512 rows ran 1.2-1.25x slower than
+// MKL's float32 GEMM on the widened weight; in blocks of 128, 1.12-1.14x (x86-64-v3 build,
+// one thread, a Xeon; 64 and 256 measured alike). Results are unchanged: each output is still
+// one fused multiply-add per k, in order.
+constexpr int64_t MANY_K = 128;
 // A single row asks for the weight this many bytes ahead of the k it multiplies: the hardware
 // prefetchers alone left a step's projections at 31-32 ms where this gives 26-27 (SmolLM2-135M,
 // one thread, a 2-core Xeon with AVX-512; 2-8 KB ahead measured alike).
@@ -201,12 +208,15 @@ void linear(const Problem<T>& pr) {
           }
         } else {
           // Six rows per tile keep the FMA units busy; the block of rows meets each
-          // sub-panel, all of its k's, while it sits in L1.
+          // sub-panel a block of MANY_K k's at a time, so that block's inputs (48 rows x
+          // MANY_K floats) stay in L1 beside the sub-panel's values while every row tile
+          // reads them; the accumulators wait in `acc` between blocks.
           for (int64_t sub = 0; sub < SUBS; ++sub)
-            for (int64_t m0 = m_block; m0 < m_end; m0 += 6)
-              sub_rows(pr.x + m0 * pr.K, pr.K, panel + sub * LANES,
-                       std::min<int64_t>(6, m_end - m0), 0, pr.K,
-                       acc + (m0 - m_block) * PANEL + sub * LANES, true);
+            for (int64_t k0 = 0; k0 < pr.K; k0 += MANY_K)
+              for (int64_t m0 = m_block; m0 < m_end; m0 += 6)
+                sub_rows(pr.x + m0 * pr.K, pr.K, panel + sub * LANES,
+                         std::min<int64_t>(6, m_end - m0), k0, std::min(pr.K, k0 + MANY_K),
+                         acc + (m0 - m_block) * PANEL + sub * LANES, k0 == 0);
         }
         // Either way each output is one fused multiply-add per k, in order: the same bits
         // as a single row's.

@@ -3,21 +3,22 @@ kiln's bf16 kernel.
 
     PYTHONPATH=. python tests/benchmarks/runtime_linear.py --rows 1,32,128
 
-One thread, CPU time (time.process_time: on a shared host it moves far less than wall
-time). For each projection shape (q/k/v stacked, o, gate/up stacked, down, the tied LM
-head) and row count: where oneDNN computes bf16 (AVX512-BF16, AMX), the weight reordered
-once into oneDNN's blocked layout for 32 rows (what `DenseLinear` runs there from 2 rows, or
-past 128 rows with AMX) and for a 1-row batch; F.linear on the plain
-weight (oneDNN re-blocks it on every call); and, where kiln's native kernels load, kiln's
-bf16 kernel on its panels (runtime/csrc/bf16_linear.cpp: the runtime's choice on AVX2 CPUs
-without native bf16; on CPUs with it, the column says whether it would beat oneDNN there),
-and where the CPU has AMX, kiln's AMX kernel (amx_linear.cpp).
-Layers cycle through enough copies of their weight (256 MB: more than a server CPU's
-last-level cache) that one call never finds the previous call's weight in the caches, as
-in a decode step that streams every layer. Also printed: the single-thread read bandwidth
-(a float32 sum of 256 MB) and the fixed cost of one `DenseLinear` call (a 16 x 32 weight),
-which bound what a single-token step can reach. Ratios compare columns of one run; the
-figures only compare within one run.
+One thread, CPU time (time.process_time: on a shared host it moves far less than wall time).
+For each projection shape (q/k/v stacked, o, gate/up stacked, down, the tied LM head) and row
+count: F.linear in float32 (float32 input, the weight widened: what `--dtype float32` runs,
+and the bar kiln's bf16 kernel meets on CPUs without native bf16); where oneDNN computes bf16
+(AVX512-BF16, AMX), the weight reordered once into oneDNN's blocked layout for 32 rows (what
+`DenseLinear` runs there from 2 rows, or past 128 rows with AMX) and for a 1-row batch;
+F.linear on the plain weight (oneDNN re-blocks it on every call); and, where kiln's native
+kernels load, kiln's bf16 kernel on its panels (runtime/csrc/bf16_linear.cpp: the runtime's
+choice on AVX2 CPUs without native bf16; on CPUs with it, the column says whether it would
+beat oneDNN there), and where the CPU has AMX, kiln's AMX kernel (amx_linear.cpp). Layers
+cycle through enough copies of their weight (256 MB: more than a server CPU's last-level
+cache) that one call never finds the previous call's weight in the caches, as in a decode step
+that streams every layer. Also printed: the single-thread read bandwidth (a float32 sum of 256
+MB) and the fixed cost of one `DenseLinear` call (a 16 x 32 weight), which bound what a
+single-token step can reach. Ratios compare columns of one run; the figures only compare
+within one run.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ SHAPES = {  # name: (out_features, in_features, calls per decode step)
     "lm_head": (49152, 576, 1),
 }
 STREAM_BYTES = 256 * 2**20
+
+
+FLOAT32 = "float32 F.linear"  # reads twice the bytes of the bf16 variants
 
 
 def cpu_ms(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
@@ -114,17 +118,24 @@ def main() -> None:
                 packed_call(torch.ops.mkldnn._reorder_linear_weight(w, 1)) for w in copies
             ]
         variants["plain F.linear"] = [plain_call(w) for w in copies]
+        # float32 on the widened weight: what --dtype float32 runs (twice the bytes)
+        variants[FLOAT32] = [plain_call(w.float()) for w in copies[: len(copies) // 2]]
         if native.avx2_kernels_available():
             variants["kiln kernel"] = [kiln_call(torch.ops.kiln.bf16_pack(w), n) for w in copies]
         if native.amx_kernels_available():
             variants["kiln AMX"] = [amx_call(torch.ops.kiln.amx_pack(w), n) for w in copies]
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            times = {v: cpu_ms(cycling(layers, x), args.calls) for v, layers in variants.items()}
+            inputs = {FLOAT32: x.float()}
+            times = {
+                v: cpu_ms(cycling(layers, inputs.get(v, x)), args.calls)
+                for v, layers in variants.items()
+            }
             for v, ms in times.items():
                 step[(v, m)] = step.get((v, m), 0.0) + ms * per_step
+            read = {v: weight.nbytes * (2 if v == FLOAT32 else 1) for v in times}
             cells = "  ".join(
-                f"{v} {ms:.3f} ms ({weight.nbytes / ms / 1e6:.1f} GB/s)" for v, ms in times.items()
+                f"{v} {ms:.3f} ms ({read[v] / ms / 1e6:.1f} GB/s)" for v, ms in times.items()
             )
             print(f"{name:8s} {n}x{k} rows={m:4d}: {cells}", flush=True)
     print("\nall projections of one step (30 layers + LM head):")

@@ -161,13 +161,13 @@ def test_bf16_kernel_is_a_float32_sum_over_bf16_weights(x_dtype: torch.dtype, bi
 @pytest.mark.parametrize("k", [128, 600])  # 600: several blocks of k and a partial one
 def test_bf16_kernel_gives_a_row_the_same_bits_in_any_batch(k: int) -> None:
     panels = torch.ops.kiln.bf16_pack(weights(64, k, bias=False).weight.bfloat16())
-    batch = torch.randn(37, k).bfloat16()
+    batch = torch.randn(53, k).bfloat16()  # a block of 48 rows and a partial one
     together = torch.ops.kiln.bf16_linear(batch, panels, 64, None)
-    for rows in (2, 3, 4, 6, 7):
+    for rows in (2, 3, 4, 6, 7, 37):
         assert torch.equal(
             torch.ops.kiln.bf16_linear(batch[:rows], panels, 64, None), together[:rows]
         )
-    for row in (0, 5, 36):
+    for row in (0, 5, 36, 52):
         alone = torch.ops.kiln.bf16_linear(batch[row : row + 1], panels, 64, None)
         assert torch.equal(alone[0], together[row])
 

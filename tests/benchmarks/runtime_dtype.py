@@ -26,6 +26,7 @@ what the runtime did before its AMX kernel).
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import statistics
 import tempfile
@@ -109,10 +110,16 @@ def batch(engine: Engine, concurrency: int = 32, tokens: int = 6) -> float:
     return statistics.median(steps) * 1000
 
 
+_prompts = itertools.count()
+
+
 def prefill(engine: Engine, tokens: int = 128) -> float:
-    """CPU ms of one `tokens`-token prompt's prefill (and its first token)."""
+    """CPU ms of one `tokens`-token prompt's prefill (and its first token). Each call's prompt
+    is new to the engine: a repeated one is served from the prefix cache, all but its last
+    block."""
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    engine.add_request(list(range(3000, 3000 + tokens)), params)
+    start = 3000 + next(_prompts) * tokens
+    engine.add_request(list(range(start, start + tokens)), params)
     began = time.process_time()
     while engine.has_unfinished_requests():
         engine.step()

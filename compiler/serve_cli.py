@@ -98,7 +98,8 @@ def resolve_model(
         log.info("%s", checked.describe())
         for engine in checked.built_later:
             log.warning("%s: %s was built after publication; its files lie outside the digest "
-                        "and are not verified", path, engine)  # fmt: skip
+                        "and are not verified: record them with `kiln inspect --record-engines "
+                        "%s`", path, engine, path)  # fmt: skip
         return ServedModel(original, path.resolve(), manifest.name, manifest.digest, True)
     if expect is not None:
         raise UsageError(

@@ -5,10 +5,12 @@ every other file, so a tampered engine is caught, and the artifact keeps its dig
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
+from kiln.compiler.serve_cli import resolve_model
 from kiln.runtime import artifact
 from kiln.runtime.artifact.verified import verify_artifact
 from kiln.runtime.errors import ArtifactError
@@ -55,6 +57,22 @@ def test_a_recorded_engine_is_verified_and_a_tampered_one_is_refused(tmp_path: P
     assert problem.startswith(f"{ENGINE}/rank0.engine: sha256")
     with pytest.raises(ArtifactError, match=r"rank0\.engine"):
         verify_artifact(root, action="serve it")
+
+
+def test_serving_an_unrecorded_engine_warns_with_the_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = built_later(build_artifact(tmp_path / "arts"))
+    with caplog.at_level(logging.WARNING):
+        resolve_model(str(root), None)
+    assert f"{ENGINE} was built after publication" in caplog.text
+    assert f"kiln inspect --record-engines {root}" in caplog.text
+
+    artifact.record_engines(root)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        resolve_model(str(root), None)
+    assert "built after publication" not in caplog.text
 
 
 def test_an_artifact_without_later_engines_writes_no_engines_section(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.kv_cache import PrefixCacheStats
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln-bench"
 
@@ -102,7 +103,11 @@ def ours_concurrent(
 ) -> tuple[float, float]:
     """(output tok/s, TTFT p50 seconds) for a client that keeps `concurrency` requests in
     flight, sending the next as one finishes (as `vllm bench serve --max-concurrency` and
-    llama-server's slots do): TTFT runs from sending, so it holds no client-side queueing."""
+    llama-server's slots do): TTFT runs from sending, so it holds no client-side queueing.
+    The engine's prefix cache is emptied first: every level meets the prompts as a fresh
+    server would, as transformers does (the levels share their prompts)."""
+    engine.kv.pool.reset_prefix_cache()
+    engine.kv.stats = PrefixCacheStats()
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     pending = list(prompts)
     sent: dict[str, float] = {}
@@ -211,6 +216,8 @@ def main() -> None:
     ours: dict[int, tuple[float, float]] = {}
     for c in levels:
         ours[c] = ours_concurrent(engine, workload[c], new, c)
+        hits = engine.kv.stats
+        print(f"c={c}: prefix cache {hits.hits} hits of {hits.queries} queries", flush=True)
 
     print(
         f"dtype {args.dtype}  kv {args.kv_cache_dtype}  threads {args.threads}  "

@@ -153,7 +153,8 @@ inline void run_tile(const Problem& pr, T* y, int64_t p, int64_t c0, int64_t m0)
   const int64_t n0 = p * PANEL + c0 * CHUNK;
   const int64_t width = std::min<int64_t>(CHUNK * NB, pr.N - n0);
   for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < width; ++c) y[(m0 + r) * pr.N + n0 + c] = narrow<T>(acc[r * CHUNK * NB + c]);
+    for (int64_t c = 0; c < width; ++c)
+      y[(m0 + r) * pr.N + n0 + c] = narrow<T>(acc[r * CHUNK * NB + c]);
 }
 
 template <typename T>

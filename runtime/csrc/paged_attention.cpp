@@ -7,7 +7,8 @@
 // each key and value row once, for all the query heads that share it (grouped-query).
 //
 // Layout (runtime/attention.py): caches [kv_heads, num_blocks, block_size, head_dim] float32 or
-// bfloat16 (widened to float32 as each row is read); q [batch, heads, head_dim] float32 with query heads h * group .. h * group + group - 1 on KV head h;
+// bfloat16 (widened to float32 as each row is read); q [batch, heads, head_dim] float32 with
+// query heads h * group .. h * group + group - 1 on KV head h;
 // block_tables [batch, width] int64; context_lens [batch] int64 (>= 1 and <= width * block_size).
 // `decode_attention_` is the whole of a decode-only step's attention for one layer: it stores
 // each row's key and value (from the stacked qkv projection, in the caches' dtype, as

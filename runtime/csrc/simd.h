@@ -48,10 +48,6 @@ inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
   return out;
 }
 
-// exp(x) in plain float arithmetic that the compiler vectorises (`#pragma omp simd` loops):
-// 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial
-// (relative error < 2e-7, about one float ulp); x is clamped to [-87, 88], where float32
-// neither under- nor overflows.
 // exp's constants, shared by its scalar, 8- and 16-lane forms: the clamp, log2(e), ln 2 split
 // in a part exact in float32 and the rest, and the Taylor coefficients after the leading
 // 1/720 in Horner order (p = p * r + c for each).
@@ -60,6 +56,10 @@ constexpr float LN2_HIGH = 0.693145751953125f, LN2_LOW = 1.4286068203094172e-06f
 constexpr float EXP_FIRST = 1.f / 720.f;
 constexpr float EXP_TAYLOR[] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
 
+// exp(x) in plain float arithmetic that the compiler vectorises (`#pragma omp simd` loops):
+// 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial
+// (relative error < 2e-7, about one float ulp); x is clamped to [-87, 88], where float32
+// neither under- nor overflows.
 inline float exp_poly(float x) {
   x = std::min(std::max(x, EXP_LOW), EXP_HIGH);
   // Round to nearest even by adding and removing 1.5 * 2^23 (|x * log2 e| < 2^22): unlike

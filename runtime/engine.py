@@ -248,6 +248,16 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, so the next requests are computed in full (as a
+        fresh engine would); the cache's counters in `stats()` keep counting."""
+        if self.has_unfinished_requests():
+            raise UsageError(
+                "reset_prefix_cache: requests are still running; let them finish or abort "
+                "them first"
+            )
+        self.kv.pool.reset_prefix_cache()
+
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from kiln.runtime import Engine, SamplingParams
-from kiln.runtime.kv_cache import PrefixCacheStats
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln-bench"
 
@@ -106,8 +105,7 @@ def ours_concurrent(
     llama-server's slots do): TTFT runs from sending, so it holds no client-side queueing.
     The engine's prefix cache is emptied first: every level meets the prompts as a fresh
     server would, as transformers does (the levels share their prompts)."""
-    engine.kv.pool.reset_prefix_cache()
-    engine.kv.stats = PrefixCacheStats()
+    engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     pending = list(prompts)
     sent: dict[str, float] = {}
@@ -215,9 +213,12 @@ def main() -> None:
 
     ours: dict[int, tuple[float, float]] = {}
     for c in levels:
+        before = engine.stats()
         ours[c] = ours_concurrent(engine, workload[c], new, c)
-        hits = engine.kv.stats
-        print(f"c={c}: prefix cache {hits.hits} hits of {hits.queries} queries", flush=True)
+        after = engine.stats()
+        hits = after.prefix_cache_hits - before.prefix_cache_hits
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        print(f"c={c}: prefix cache hits {hits} of {queries} prompt tokens", flush=True)
 
     print(
         f"dtype {args.dtype}  kv {args.kv_cache_dtype}  threads {args.threads}  "

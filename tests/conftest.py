@@ -25,6 +25,19 @@ os.environ.setdefault(
 )
 
 
+# `make test` splits the suite over two workers (pytest-xdist), each test sent to whichever
+# is free: the slow tests (`slow(minutes=...)`, measured on a 2-core machine) are collected
+# first, longest first, so they start at once on both workers and the short ones fill in
+# around them instead of both workers waiting on a long one at the end.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def minutes(item: pytest.Item) -> float:
+        slow = item.get_closest_marker("slow")
+        return 0.0 if slow is None else float(slow.kwargs.get("minutes", 1.0))
+
+    items.sort(key=lambda item: -minutes(item))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_kiln_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep kiln's per-user caches (file digests, GGUF metadata) out of the real home."""
@@ -51,11 +64,17 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_float(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded SmolLM2-135M-Instruct as a float checkpoint, materialised once per session
     (its Q4_1 GGUF dequantised through transformers: ~50 s on a 2-core EPYC)."""
+    from filelock import FileLock
+
     from kiln.compiler import sources
 
-    root = tmp_path_factory.mktemp("smollm2-float")
-    ref = sources.parse_source("builtin:smollm2-135m-instruct", base_dir=root)
-    return sources.materialize(ref, root / "sources")
+    # One copy for all of a run's workers: they share their base temporary folder's parent.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    with FileLock(root / "smollm2-float.lock"):
+        ref = sources.parse_source("builtin:smollm2-135m-instruct", base_dir=root)
+        return sources.materialize(ref, root / "smollm2-float")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 from kiln.runtime import artifact
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2.5)  # the GPTQ compile in its fixture
 def test_gptq_w4a16_keeps_smollm2_perplexity_within_20_percent(
     smollm2_gptq_artifact: Path,
 ) -> None:

@@ -539,7 +539,7 @@ def test_gguf_materialises_to_the_float_weights_it_was_written_from(
     assert sources.materialize(ref, tmp_path / "cache") == entry
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=0.7)
 def test_smollm2_materialises_to_a_float_checkpoint_that_answers(
     smollm2_float: Path, tmp_path: Path
 ) -> None:

@@ -106,7 +106,7 @@ def calibration_candidates(source: Path, w8a8: Path, root: Path) -> dict[str, tu
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=6.5)
 def test_the_default_gate_passes_good_quantisation_and_fails_planted_damage(
     smollm2_float: Path, tmp_path: Path
 ) -> None:

@@ -12,7 +12,7 @@ from kiln.gates.lm_eval_adapter import KilnLM
 from kiln.gates.tasks import run_tasks
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=0.5)
 def test_smollm2_scores_clearly_above_chance(smollm2_float: Path) -> None:
     torch.set_num_threads(2)
     results = run_tasks(KilnLM(pretrained=str(smollm2_float)), ["kiln_mc", "kiln_qa", "kiln_ppl"])

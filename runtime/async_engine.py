@@ -35,23 +35,27 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()  # one step loop, however many loops call start
         self._stopping = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the background step loop (idempotent)."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
-            self._thread.start()
+        """Start the background step loop (idempotent, and safe from several threads: the
+        first caller starts it; a second thread stepping the same engine would corrupt it)."""
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+                self._thread.start()
 
     def shutdown(self) -> None:
         """Stop the loop after its current step; unfinished requests stay unfinished."""
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        with self._start_lock:
+            self._stopping = True
+            self._wake.set()
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
 
     async def generate(
         self,

@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -205,23 +206,49 @@ def test_async_serves_callers_on_several_event_loops(tiny_llama: Path) -> None:
     engine = Engine.from_pretrained(tiny_llama)
     expected = engine.generate(PROMPTS[:4], GREEDY)
     server = AsyncEngine(engine)
-    got: dict[int, list[int]] = {}
 
-    async def collect(i: int) -> None:
-        got[i] = [t async for d in server.generate(PROMPTS[i], GREEDY) for t in d.token_ids]
+    async def collect(i: int) -> list[int]:
+        return [t async for d in server.generate(PROMPTS[i], GREEDY) for t in d.token_ids]
 
-    async def two(i: int) -> None:
-        await asyncio.gather(collect(i), collect(i + 1))
+    async def two(i: int) -> list[list[int]]:
+        return list(await asyncio.gather(collect(i), collect(i + 1)))
 
-    threads = [threading.Thread(target=asyncio.run, args=(two(i),)) for i in (0, 2)]
+    start = threading.Barrier(2)  # both loops submit at once: each calls start()
+
+    def serve(i: int) -> list[list[int]]:
+        start.wait()
+        return asyncio.run(two(i))
+
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        assert [got.get(i) for i in range(4)] == [out.token_ids for out in expected]
+        with ThreadPoolExecutor(2) as pool:
+            got = [out for part in pool.map(serve, (0, 2), timeout=120) for out in part]
+        assert got == [out.token_ids for out in expected]
     finally:
         server.shutdown()
+
+
+def test_async_start_from_several_threads_runs_one_step_loop(tiny_llama: Path) -> None:
+    """Two step loops on one engine would corrupt it: racing callers start exactly one."""
+
+    def step_loops() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "kiln-engine"}
+
+    before = step_loops()  # another test's server, left running in this worker
+    for _ in range(20):
+        server = AsyncEngine(Engine.from_pretrained(tiny_llama))
+        barrier = threading.Barrier(4)
+
+        def start(server: AsyncEngine = server, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            server.start()
+
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda _: start(), range(4)))
+            assert len(step_loops() - before) == 1
+        finally:
+            server.shutdown()
+        assert not step_loops() - before
 
 
 def test_async_failed_step_fails_every_stream_and_frees_blocks(tiny_llama: Path) -> None:

@@ -34,15 +34,17 @@ class DenseLinear(Linear):
       GB/s when few rows meet it, where a stream of tile loads nears the core's read
       bandwidth (SmolLM2-135M's shapes, one thread, a 2-core Xeon with AMX: a decode step's
       projections at 32 rows 28-32 vs 40-45 ms, at one row 19-25 vs 26-36 ms).
-    - bfloat16 where oneDNN runs bf16 without AMX (AVX512-BF16): two or more rows run on
-      the packed weight and the plain one is dropped. Measured on SmolLM2-135M's shapes,
-      one thread, a Xeon: its LM head at 1 row 8-11 vs 25 ms, at 32 rows 17 vs 23 ms;
-      gate/up at 1 row 0.29-0.36 vs 0.34 ms, at 32 rows 0.31 vs 0.80 ms. A single row
-      (single-stream decode) runs on kiln's bf16 kernel, which also holds the weight
-      (`ONE_ROW_PANELS`): oneDNN's bf16 GEMM at one row carries a fixed cost per call and
-      reads the small projections at 6-9 GB/s, where kiln's kernel streams them near the
-      core's read bandwidth (a 2-core Xeon, tests/benchmarks/runtime_linear.py: a step's
-      projections 25.4 vs 32.2 ms).
+    - bfloat16 where oneDNN runs bf16 without AMX (AVX512-BF16): up to `DPBF16_MAX_ROWS`
+      rows run on kiln's AVX512-BF16 kernel (runtime/csrc/dpbf16_linear.cpp), which holds a
+      second copy of the weight in pairs of k; more rows on oneDNN's packed weight. oneDNN's
+      bf16 GEMM leaves the dot-product units a quarter idle at a decode step's row counts and
+      carries a fixed cost per call (SmolLM2-135M's shapes, one thread, a 2-core Zen 4 EPYC,
+      tests/benchmarks/runtime_linear.py: a step's projections at 32 rows 43.8 vs 49.9 ms, at
+      8 rows 15.7 vs 21.7, at 2 rows 10.0 vs 23.0, at one row 11.3 vs 20.6). A layer as wide as
+      a vocabulary (`VOCAB_MIN_OUT` outputs: the LM head) keeps kiln's bf16 panels for a
+      single row instead, the copy the greedy head's int8 screen recomputes its candidates
+      from (greedy_head.py); two or more rows run on oneDNN's packed weight. Where the kiln
+      kernels do not load, every row count runs on oneDNN.
     - Either way such a layer holds its weight twice (bf16 both times), so the few-row
       copies of a process stay within 1/`ONE_ROW_MEMORY_SHARE` of the machine's memory;
       layers past it (a model too large for it) hold one copy and run every row count on
@@ -72,10 +74,13 @@ class DenseLinear(Linear):
         self.packed = _onednn_pack(weight)
         self.panels: torch.Tensor | None = None
         self.amx: torch.Tensor | None = None
+        self.pairs: torch.Tensor | None = None
         if self.packed is None:
             self.panels = _bf16_panels(weight)
         elif _amx_serves(weight):
             self.amx = _few_rows_copy(self, weight, _amx_pack)
+        elif _dpbf16_serves(weight):
+            self.pairs = _few_rows_copy(self, weight, _dpbf16_pack)
         else:
             self.panels = _few_rows_copy(self, weight, _bf16_panels)
         # Rows up to which kiln's kernel serves the layer: every row count where it holds the
@@ -92,6 +97,8 @@ class DenseLinear(Linear):
         rows = x.shape[0]
         if self.amx is not None and rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
             return torch.ops.kiln.amx_linear(x, self.amx, self.out_features, self.bias)
+        if self.pairs is not None and rows <= DPBF16_MAX_ROWS and x.dtype == torch.bfloat16:
+            return torch.ops.kiln.dpbf16_linear(x, self.pairs, self.out_features, self.bias)
         if self.panels is not None and rows <= self.panel_max_rows:
             return torch.ops.kiln.bf16_linear(x, self.panels, self.out_features, self.bias)
         if self.weight is None or (self.packed is not None and rows >= self.packed_min_rows):
@@ -99,9 +106,9 @@ class DenseLinear(Linear):
         return F.linear(x, self.weight, self.bias)
 
     def weight_bytes(self) -> int:
-        # the copy a single row reads: kiln's AMX tiles or panels, else the plain weight, else
-        # oneDNN's
-        copies = (self.amx, self.panels, self.weight, self.packed)
+        # the copy a single row reads: kiln's AMX tiles, pairs or panels, else the plain
+        # weight, else oneDNN's
+        copies = (self.amx, self.pairs, self.panels, self.weight, self.packed)
         held = next(t for t in copies if t is not None)
         return held.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
@@ -114,6 +121,13 @@ ONE_ROW_PANELS = True
 # AMX_MAX_ROWS rows, in place of the single-row panels (False: as on CPUs without AMX).
 AMX_LINEAR = True
 AMX_MAX_ROWS = 64
+# Beside oneDNN's packed bf16 weight on CPUs with AVX512-BF16 but no AMX, kiln's pairs for
+# calls of up to DPBF16_MAX_ROWS rows, in place of the single-row panels (False: as before).
+DPBF16_LINEAR = True
+DPBF16_MAX_ROWS = 64
+# Outputs from which a layer is a vocabulary projection: it keeps the panels the greedy head's
+# screen recomputes from (greedy_head.MIN_VOCAB).
+VOCAB_MIN_OUT = 4096
 # The few-row copies (panels or AMX tiles) of all layers in a process stay within 1/this of
 # physical memory.
 ONE_ROW_MEMORY_SHARE = 8
@@ -157,6 +171,21 @@ def _amx_serves(weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and native.amx_kernels_available()
     )
+
+
+def _dpbf16_serves(weight: torch.Tensor) -> bool:
+    """Whether a bf16 CPU weight beside oneDNN's copy gets kiln's pairs for few rows."""
+    return (
+        DPBF16_LINEAR
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.shape[0] < VOCAB_MIN_OUT
+        and native.dpbf16_kernels_available()
+    )
+
+
+def _dpbf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.kiln.dpbf16_pack(weight)
 
 
 def _amx_pack(weight: torch.Tensor) -> torch.Tensor:

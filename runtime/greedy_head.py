@@ -44,7 +44,7 @@ from kiln.runtime.sampling import greedy_tokens
 PANEL = 64  # output columns per panel, as in bf16_linear.cpp and int8_screen.cpp
 MAX_ROWS = 4  # int8_screen's tile
 MAX_CANDIDATES = 512  # beyond this, the full head is cheaper than the recomputation
-MIN_VOCAB = 4096  # below it the head is too small to be worth a second copy
+MIN_VOCAB = dense.VOCAB_MIN_OUT  # below it the head is too small to be worth a second copy
 MAX_K = 8192  # the bound's margins assume K * 2^-24 well under 2^-10
 # Enabled where it applies (False: every greedy step runs the full head, for comparison).
 ENABLED = True

@@ -36,6 +36,7 @@ SOURCES = [
     CSRC / "elementwise.cpp",
     CSRC / "int4_dequant.cpp",
     CSRC / "bf16_linear.cpp",
+    CSRC / "dpbf16_linear.cpp",
     CSRC / "int4_linear.cpp",
     CSRC / "int8_screen.cpp",
     CSRC / "amx_linear.cpp",
@@ -48,7 +49,8 @@ OPS = (
     "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",
     "int8_screen", "amx_ready", "amx_pack", "amx_linear", "argmax_rows", "kv_store_",
     "amx_prefill_attention", "bf16_flushes_subnormals", "int4_amx_pack", "int4_amx_linear",
-    "int8_amx_pack", "int8_amx_linear", "int8_quantize", "int8_rescale",
+    "int8_amx_pack", "int8_amx_linear", "int8_quantize", "int8_rescale", "dpbf16_ready",
+    "dpbf16_pack", "dpbf16_linear",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds). KILN_NATIVE_MARCH
@@ -100,6 +102,15 @@ def amx_kernels_available() -> bool:
     if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= present or not available():
         return False
     return bool(torch.ops.kiln.amx_ready())
+
+
+@functools.cache
+def dpbf16_kernels_available() -> bool:
+    """Whether kiln's AVX512-BF16 linear kernel (dpbf16_linear.cpp) serves this CPU: the
+    flag is there and the native kernels load built for it."""
+    if "avx512_bf16" not in this_cpus_flags().split() or not available():
+        return False
+    return bool(torch.ops.kiln.dpbf16_ready())
 
 
 @functools.cache

@@ -12,7 +12,9 @@ and the bar kiln's bf16 kernel meets on CPUs without native bf16); where oneDNN 
 F.linear on the plain weight (oneDNN re-blocks it on every call); and, where kiln's native
 kernels load, kiln's bf16 kernel on its panels (runtime/csrc/bf16_linear.cpp: the runtime's
 choice on AVX2 CPUs without native bf16; on CPUs with it, the column says whether it would
-beat oneDNN there), and where the CPU has AMX, kiln's AMX kernel (amx_linear.cpp). Layers
+beat oneDNN there); where the CPU has AVX512-BF16, kiln's kernel on its pairs of k
+(dpbf16_linear.cpp: the runtime's choice for few rows there without AMX); and where the CPU
+has AMX, kiln's AMX kernel (amx_linear.cpp). Layers
 cycle through enough copies of their weight (256 MB: more than a server CPU's last-level
 cache) that one call never finds the previous call's weight in the caches, as in a decode step
 that streams every layer. Also printed: the single-thread read bandwidth (a float32 sum of 256
@@ -85,6 +87,10 @@ def kiln_call(panels: torch.Tensor, n: int) -> Callable[[torch.Tensor], torch.Te
     return lambda x: torch.ops.kiln.bf16_linear(x, panels, n, None)
 
 
+def dpbf16_call(pairs: torch.Tensor, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: torch.ops.kiln.dpbf16_linear(x, pairs, n, None)
+
+
 def amx_call(tiles: torch.Tensor, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.ops.kiln.amx_linear(x, tiles, n, None)
 
@@ -122,6 +128,10 @@ def main() -> None:
         variants[FLOAT32] = [plain_call(w.float()) for w in copies[: len(copies) // 2]]
         if native.avx2_kernels_available():
             variants["kiln kernel"] = [kiln_call(torch.ops.kiln.bf16_pack(w), n) for w in copies]
+        if native.dpbf16_kernels_available():
+            variants["kiln AVX512-BF16"] = [
+                dpbf16_call(torch.ops.kiln.dpbf16_pack(w), n) for w in copies
+            ]
         if native.amx_kernels_available():
             variants["kiln AMX"] = [amx_call(torch.ops.kiln.amx_pack(w), n) for w in copies]
         for m in rows:

@@ -17,6 +17,11 @@ needs_avx2_kernels = pytest.mark.skipif(
     not native.avx2_kernels_available(),
     reason="kiln's AVX2 kernels need an x86 CPU with AVX2 and FMA, and a C++ compiler",
 )
+# Tests of kiln's AVX512-BF16 linear kernel: skipped where the CPU lacks the instruction.
+needs_dpbf16_kernels = pytest.mark.skipif(
+    not native.dpbf16_kernels_available(),
+    reason="kiln's AVX512-BF16 kernel needs a CPU with AVX512-BF16, and a C++ compiler",
+)
 # Tests of kiln's AMX kernels (bf16 linear, prefill attention): skipped where they cannot run.
 needs_amx_kernels = pytest.mark.skipif(
     not native.amx_kernels_available(),

@@ -15,7 +15,7 @@ import kiln.runtime.dense as dense
 from kiln.runtime import native
 from kiln.runtime.dense import DenseLinear
 from kiln.runtime.linear import LinearWeights, WeightScheme, float_linear
-from tests.runtime.conftest import needs_amx_kernels, needs_avx2_kernels
+from tests.runtime.conftest import needs_amx_kernels, needs_avx2_kernels, needs_dpbf16_kernels
 
 CPU = torch.device("cpu")
 bf16_packing = pytest.mark.skipif(
@@ -42,6 +42,9 @@ def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_line
     if native.amx_kernels_available():  # few rows on kiln's AMX kernel, its tiles beside
         assert layer.amx is not None and layer.panels is None
         assert layer.weight_bytes() == layer.amx.nbytes + (96 * 2 if bias else 0)
+    elif native.dpbf16_kernels_available():  # few rows on kiln's AVX512-BF16 kernel
+        assert layer.pairs is not None and layer.panels is None
+        assert layer.weight_bytes() == layer.pairs.nbytes + (96 * 2 if bias else 0)
     elif native.avx2_kernels_available():  # single rows on kiln's kernel, its panels beside
         assert layer.panels is not None and layer.panel_max_rows == 1
         assert layer.weight_bytes() == layer.panels.nbytes + (96 * 2 if bias else 0)
@@ -50,7 +53,7 @@ def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_line
         assert layer.weight_bytes() == 96 * 64 * 2 + (96 * 2 if bias else 0)
     weight = w.weight.bfloat16()
     b = None if w.bias is None else w.bias.bfloat16()
-    for rows in (0, 1, 3, 4, 32, dense.AMX_MAX_ROWS + 1):
+    for rows in (0, 1, 3, 4, 32, dense.AMX_MAX_ROWS + 1, dense.DPBF16_MAX_ROWS + 1):
         x = torch.randn(rows, 64).bfloat16()
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
@@ -83,8 +86,9 @@ def test_single_row_copies_stay_within_their_share_of_memory(
 
 
 def copy_of(layer: DenseLinear) -> torch.Tensor | None:
-    """The few-row copy a bf16 layer holds beside oneDNN's (AMX tiles or panels), if any."""
-    return layer.amx if layer.amx is not None else layer.panels
+    """The few-row copy a bf16 layer holds beside oneDNN's (AMX tiles, pairs or panels), if
+    any."""
+    return next((c for c in (layer.amx, layer.pairs) if c is not None), layer.panels)
 
 
 @needs_amx_kernels
@@ -124,6 +128,47 @@ def test_amx_kernel_refuses_a_weight_of_another_shape() -> None:
         torch.ops.kiln.amx_linear(torch.randn(2, 128).bfloat16(), tiles, 64, None)
     with pytest.raises(RuntimeError, match="x \\[M, K\\] bfloat16"):
         torch.ops.kiln.amx_linear(torch.randn(2, 96), tiles, 64, None)
+
+
+@needs_dpbf16_kernels
+@pytest.mark.parametrize("bias", [False, True])
+def test_dpbf16_kernel_is_a_float32_sum_over_bf16_pairs(bias: bool) -> None:
+    # 70 outputs: a panel of 64 and a partial one; K = 101 (odd: the last pair padded) and
+    # 1,601 (more than one block of k pairs); rows cover tiles of 5 and every remainder.
+    for k in (101, 1601):
+        w = weights(70, k, bias)
+        weight = w.weight.bfloat16()
+        b = None if w.bias is None else w.bias.bfloat16()
+        pairs = torch.ops.kiln.dpbf16_pack(weight)
+        assert pairs.dtype == torch.bfloat16 and pairs.shape == (2, (k + 1) // 2, 64, 2)
+        for rows in (0, 1, 2, 3, 4, 5, 6, 9, 33, 70):
+            x = torch.randn(rows, k).bfloat16()
+            got = torch.ops.kiln.dpbf16_linear(x, pairs, 70, b)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, 70)
+            exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+            # float32 accumulation, then one rounding to bf16 (half an ulp: 2**-8 of the value)
+            scale = 1e-3 * (k / 100) ** 0.5
+            torch.testing.assert_close(got.double(), exact, atol=scale, rtol=2**-8 + 1e-5)
+
+
+@needs_dpbf16_kernels
+def test_dpbf16_kernel_gives_a_row_the_same_bits_in_any_batch() -> None:
+    pairs = torch.ops.kiln.dpbf16_pack(weights(130, 1601, bias=False).weight.bfloat16())
+    batch = torch.randn(37, 1601).bfloat16()
+    together = torch.ops.kiln.dpbf16_linear(batch, pairs, 130, None)
+    for rows in (1, 2, 4, 5, 6, 11, 36):
+        assert torch.equal(
+            torch.ops.kiln.dpbf16_linear(batch[:rows], pairs, 130, None), together[:rows]
+        )
+
+
+@needs_dpbf16_kernels
+def test_dpbf16_kernel_refuses_a_weight_of_another_shape() -> None:
+    pairs = torch.ops.kiln.dpbf16_pack(weights(64, 96, bias=False).weight.bfloat16())
+    with pytest.raises(RuntimeError, match="a weight from dpbf16_pack with x's K columns"):
+        torch.ops.kiln.dpbf16_linear(torch.randn(2, 128).bfloat16(), pairs, 64, None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] bfloat16"):
+        torch.ops.kiln.dpbf16_linear(torch.randn(2, 96), pairs, 64, None)
 
 
 def test_float32_layer_keeps_the_one_row_gemv_weight() -> None:

@@ -150,6 +150,7 @@ def test_beside_onednns_packed_head_only_single_rows_are_screened(
     monkeypatch.setattr(dense, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
     monkeypatch.setattr(dense, "AMX_LINEAR", False)
     monkeypatch.setattr(greedy_head, "MIN_VOCAB", 1)
+    monkeypatch.setattr(dense, "VOCAB_MIN_OUT", 1)  # the tiny head keeps a head's panels
     head = bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
     assert head.packed is not None and head.panel_max_rows == 1
     screen = GreedyHead.build(head)

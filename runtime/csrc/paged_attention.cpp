@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -150,6 +151,30 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
   float* sc = scores.data();
   const __m512 scale = _mm512_set1_ps(pr.scale);
   alignas(64) float wide[16 * DIM];  // 16 keys widened once, read by every query head
+  // Scores as dot products of bf16 pairs (VDPBF16PS) where the CPU has them, the cache is
+  // bf16 and the group's queries are bf16 values (a bf16 model's always are): the keys are
+  // then read as stored, without widening, at half the multiply-adds. Products of bf16 values
+  // are exact in float32; only the summation order differs from the widened path. Batch 32,
+  // context 215, blocks scattered, one thread, a Zen 4 EPYC: 0.46 -> 0.31 ms per layer (in
+  // cache 0.38 -> 0.23: the widened path was bound by its arithmetic there).
+  bool pairs = false;
+#if defined(__AVX512BF16__)
+  constexpr int NP = DIM / 32;
+  __m512bh qb[GROUP][NP > 0 ? NP : 1];
+  if constexpr (std::is_same_v<T, c10::BFloat16> && DIM % 32 == 0) {
+    __mmask16 inexact = 0;
+    for (int g = 0; g < GROUP; ++g)
+      for (int i = 0; i < NP; ++i) {
+        const __m512 lo = _mm512_loadu_ps(query + g * DIM + 32 * i);
+        const __m512 hi = _mm512_loadu_ps(query + g * DIM + 32 * i + 16);
+        const __m512i low_bits = _mm512_set1_epi32(0xFFFF);
+        inexact |= _mm512_test_epi32_mask(_mm512_castps_si512(lo), low_bits) |
+                   _mm512_test_epi32_mask(_mm512_castps_si512(hi), low_bits);
+        qb[g][i] = _mm512_cvtne2ps_pbh(hi, lo);
+      }
+    pairs = inexact == 0;
+  }
+#endif
   for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
     const int64_t block = pr.tables[b * pr.width + slot];
     const T* rows = pr.k + ((h * pr.num_blocks + block) * bs) * DIM;
@@ -158,9 +183,10 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
     prefetch_block(pr, pr.v, block, h, DIM, 2);  // read after the softmax: into L2
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
-      for (int64_t j = 0; j < m; ++j)
-        for (int i = 0; i < NV; ++i)
-          _mm512_store_ps(wide + j * DIM + 16 * i, load16(rows + (j0 + j) * DIM + 16 * i));
+      if (!pairs)
+        for (int64_t j = 0; j < m; ++j)
+          for (int i = 0; i < NV; ++i)
+            _mm512_store_ps(wide + j * DIM + 16 * i, load16(rows + (j0 + j) * DIM + 16 * i));
       const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
       for (int g = 0; g < GROUP; ++g) {
         const float* qg = query + g * DIM;
@@ -170,6 +196,19 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
             part[j] = _mm512_setzero_ps();
             continue;
           }
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16> && DIM % 32 == 0) {
+            if (pairs) {
+              const T* key = rows + (j0 + j) * DIM;
+              __m512 s = _mm512_setzero_ps();
+              for (int i = 0; i < NP; ++i)
+                s = _mm512_dpbf16_ps(
+                    s, qb[g][i], reinterpret_cast<__m512bh>(_mm512_loadu_si512(key + 32 * i)));
+              part[j] = s;
+              continue;
+            }
+          }
+#endif
           __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_load_ps(wide + j * DIM));
           for (int i = 1; i < NV; ++i)
             s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i),

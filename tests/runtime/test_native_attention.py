@@ -73,10 +73,13 @@ def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, dim: int) -> 
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, scale))
 
 
+@pytest.mark.parametrize("bf16_query", [False, True])
 @pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 2, 80)])
 def test_kernel_reads_a_bfloat16_cache_as_its_float32_values(
-    kv_heads: int, group: int, dim: int
+    kv_heads: int, group: int, dim: int, bf16_query: bool
 ) -> None:
+    """bf16_query: the queries of a bf16 model, whose scores run on bf16 dot products where
+    the CPU has them (AVX512-BF16)."""
     generator = torch.Generator().manual_seed(7)
     shape = (kv_heads, 32, 16, dim)
     k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
@@ -84,6 +87,8 @@ def test_kernel_reads_a_bfloat16_cache_as_its_float32_values(
     tables = torch.randperm(32, generator=generator)[:12].view(3, 4)
     lens = torch.tensor([1, 23, 64])
     q = torch.randn(3, kv_heads * group, dim, generator=generator)
+    if bf16_query:
+        q = q.bfloat16().float()
     got = torch.ops.kiln.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
     assert got.dtype == torch.float32
     expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.1)

@@ -128,7 +128,7 @@ DPBF16_MAX_ROWS = 64
 # Outputs from which a layer is a vocabulary projection: it keeps the panels the greedy head's
 # screen recomputes from (greedy_head.MIN_VOCAB).
 VOCAB_MIN_OUT = 4096
-# The few-row copies (panels or AMX tiles) of all layers in a process stay within 1/this of
+# The few-row copies (panels, pairs or AMX tiles) of all layers in a process stay within 1/this of
 # physical memory.
 ONE_ROW_MEMORY_SHARE = 8
 _one_row_lock = threading.Lock()

@@ -141,7 +141,10 @@ at::Tensor dpbf16_pack(const at::Tensor& weight) {
 
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(dpbf16_ready(), "dpbf16_linear: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(dpbf16_ready(),
+              "dpbf16_linear: kiln's native kernels were built without AVX512-BF16 (a CPU "
+              "without it, or KILN_NATIVE_MARCH naming one); ask "
+              "kiln.runtime.native.dpbf16_kernels_available() first, as DenseLinear does");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "dpbf16_linear: x [M, K] bfloat16 on the CPU");
   const int64_t M = x.size(0), K = x.size(1), KP = (K + 1) / 2;

@@ -162,12 +162,12 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
   constexpr int NP = DIM / 32;
   __m512bh qb[GROUP][NP > 0 ? NP : 1];
   if constexpr (std::is_same_v<T, c10::BFloat16> && DIM % 32 == 0) {
+    const __m512i low_bits = _mm512_set1_epi32(0xFFFF);  // zero in a bf16 value's float32
     __mmask16 inexact = 0;
     for (int g = 0; g < GROUP; ++g)
       for (int i = 0; i < NP; ++i) {
         const __m512 lo = _mm512_loadu_ps(query + g * DIM + 32 * i);
         const __m512 hi = _mm512_loadu_ps(query + g * DIM + 32 * i + 16);
-        const __m512i low_bits = _mm512_set1_epi32(0xFFFF);
         inexact |= _mm512_test_epi32_mask(_mm512_castps_si512(lo), low_bits) |
                    _mm512_test_epi32_mask(_mm512_castps_si512(hi), low_bits);
         qb[g][i] = _mm512_cvtne2ps_pbh(hi, lo);

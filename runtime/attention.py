@@ -25,7 +25,9 @@ exactly what the cache holds, as on the serving GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +37,8 @@ from kiln.runtime import native
 FP8_MAX = 448.0
 # Tests turn this off to run the pure-torch decode path on a machine that has the kernel.
 NATIVE_DECODE = True
-# Whole-context prefill chunks on kiln's AMX kernel where it serves (False: torch's SDPA).
-AMX_PREFILL = True
+# Whole-context prefill chunks on kiln's kernel where it serves (False: torch's SDPA).
+NATIVE_PREFILL = True
 
 
 @dataclass(slots=True)
@@ -178,20 +180,26 @@ def native_decode(cache: PagedKVCache) -> bool:
     )
 
 
-def amx_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a prefill chunk that is its sequence's whole context attends with kiln's AMX
-    kernel (runtime/csrc/amx_attention.cpp): bf16 on a CPU with AMX, head_dim a multiple of
-    64, heads and dims contiguous (the qkv projection's views). SmolLM2-135M's 128-token chunk,
-    one thread, a 2-core Xeon: 95 vs 187 us per layer on torch's flash kernel. Elsewhere, and
-    for chunks that continue a cached context, torch's SDPA."""
-    return (
-        AMX_PREFILL
+def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[..., Any] | None:
+    """kiln's kernel for a prefill chunk that is its sequence's whole context
+    (runtime/csrc/prefill_attention.cpp), where it serves: bf16, head_dim a multiple of 64,
+    heads and dims contiguous (the qkv projection's views), on a CPU with AMX (its tiles) or
+    with AVX512-BF16 (its dot products). SmolLM2-135M's 128-token chunk, one thread, against
+    torch's flash kernel: a 2-core Xeon with AMX 95 vs 187 us per layer, a 2-core Zen 4 EPYC
+    214 vs 649 us. Elsewhere, and for chunks that continue a cached context, torch's SDPA."""
+    if not (
+        NATIVE_PREFILL
         and q.dtype == k.dtype == v.dtype == torch.bfloat16
         and q.device.type == "cpu"
         and q.shape[-1] % 64 == 0
         and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
-        and native.amx_kernels_available()
-    )
+    ):
+        return None
+    if native.amx_kernels_available():
+        return torch.ops.kiln.amx_prefill_attention
+    if native.dpbf16_kernels_available():
+        return torch.ops.kiln.dpbf16_prefill_attention
+    return None
 
 
 def fused_decode(meta: AttentionMetadata, rows: int, dtype: torch.dtype) -> bool:
@@ -277,11 +285,11 @@ def paged_attention(
     out = torch.empty_like(q)
     if decoded is not None:
         out[: meta.num_decodes] = decoded.view(-1, heads, dim)
-    amx = amx_prefill(q, k, v)
+    whole_context = native_prefill(q, k, v)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        if chunk.bias is None and cache.quant is None and amx:
-            attended = torch.ops.kiln.amx_prefill_attention(q[rows], k[rows], v[rows], scale)
+        if chunk.bias is None and cache.quant is None and whole_context is not None:
+            attended = whole_context(q[rows], k[rows], v[rows], scale)
             out[rows] = attended.view(chunk.length, heads, dim)
             continue
         if chunk.bias is None and cache.quant is None:

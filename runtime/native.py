@@ -4,11 +4,11 @@ Hand-written where no installable library does the job on a CPU box (see each so
 header): single-token attention read straight from the paged KV cache, the decoder's
 fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), the
 W4A16 layer's one-pass int4 dequantisation for prefill and its decode kernel for CPUs
-without AVX-512, the bf16-weight linear layer for CPUs without native bf16 (and its AMX
-form for decode-sized row counts on CPUs with AMX), and the int8 screen of a greedy
-step's LM head (greedy_head.py), and W8A8's activation quantisation and output scaling
-(int8_act.cpp). The build
-uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency), once per
+without AVX-512, the bf16-weight linear layer for CPUs without native bf16 (and its AMX and
+AVX512-BF16 forms for decode-sized row counts on CPUs with those), a whole prompt chunk's
+causal attention in bf16 on AMX or AVX512-BF16, the int8 screen of a greedy step's LM head
+(greedy_head.py), and W8A8's activation quantisation and output scaling (int8_act.cpp). The
+build uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency), once per
 machine and source version; the shared object is cached in torch's extensions directory
 (TORCH_EXTENSIONS_DIR). Where the build is impossible (no C++ compiler, or no ninja) the
 runtime logs why once and keeps its pure-torch path; KILN_NATIVE=0 turns the kernels off.
@@ -40,7 +40,7 @@ SOURCES = [
     CSRC / "int4_linear.cpp",
     CSRC / "int8_screen.cpp",
     CSRC / "amx_linear.cpp",
-    CSRC / "amx_attention.cpp",
+    CSRC / "prefill_attention.cpp",
     CSRC / "int8_act.cpp",
 ]
 HEADERS = [CSRC / "simd.h", CSRC / "amx.h"]  # included by the sources: part of the build key
@@ -50,7 +50,7 @@ OPS = (
     "int8_screen", "amx_ready", "amx_pack", "amx_linear", "argmax_rows", "kv_store_",
     "amx_prefill_attention", "bf16_flushes_subnormals", "int4_amx_pack", "int4_amx_linear",
     "int8_amx_pack", "int8_amx_linear", "int8_quantize", "int8_rescale", "dpbf16_ready",
-    "dpbf16_pack", "dpbf16_linear",
+    "dpbf16_pack", "dpbf16_linear", "dpbf16_prefill_attention",
 )  # fmt: skip
 # -march=native: the build is for the machine that runs it, so the cache key includes
 # the CPU's feature flags (a shared home directory on another CPU rebuilds). KILN_NATIVE_MARCH
@@ -96,8 +96,9 @@ def avx2_kernels_available(flags: str | None = None) -> bool:
 
 @functools.cache
 def amx_kernels_available() -> bool:
-    """Whether kiln's AMX kernels (amx_linear.cpp, amx_attention.cpp) serve this CPU: AMX-BF16
-    in its flags, the native kernels load, and the OS lets the process use the tile unit."""
+    """Whether kiln's AMX kernels (amx_linear.cpp, prefill_attention.cpp's tiles) serve this
+    CPU: AMX-BF16 in its flags, the native kernels load, and the OS lets the process use the
+    tile unit."""
     present = set(this_cpus_flags().split())
     if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= present or not available():
         return False
@@ -106,8 +107,8 @@ def amx_kernels_available() -> bool:
 
 @functools.cache
 def dpbf16_kernels_available() -> bool:
-    """Whether kiln's AVX512-BF16 linear kernel (dpbf16_linear.cpp) serves this CPU: the
-    flag is there and the native kernels load built for it."""
+    """Whether kiln's AVX512-BF16 kernels (dpbf16_linear.cpp, prefill_attention.cpp's dot
+    products) serve this CPU: the flag is there and the native kernels load built for it."""
     if "avx512_bf16" not in this_cpus_flags().split() or not available():
         return False
     return bool(torch.ops.kiln.dpbf16_ready())

@@ -1,4 +1,4 @@
-// kiln runtime: what the AMX kernels (amx_linear.cpp, amx_attention.cpp) share with each other
+// kiln runtime: what the AMX kernels (amx_linear.cpp, prefill_attention.cpp) share with each other
 // and with the other native kernels. KILN_AMX is defined where the build targets AMX-BF16
 // (-march=native on a CPU with it).
 

@@ -1,6 +1,7 @@
-"""The native decode-attention kernel (runtime/csrc/paged_attention.cpp) against the
-pure-torch path it replaces on CPU: random paged caches, every specialised shape and the
-generic one, and whole-engine greedy decoding with the kernel on and off."""
+"""The native attention kernels against the torch paths they replace on CPU: decode
+(runtime/csrc/paged_attention.cpp) on random paged caches, every specialised shape and the
+generic one; whole prompt chunks (prefill_attention.cpp) on AMX and AVX512-BF16; and
+whole-engine greedy decoding with each kernel on and off."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 import kiln.runtime.attention as attention
 from kiln.runtime import Engine, SamplingParams, native
 from kiln.runtime.attention import PagedKVCache
-from tests.runtime.conftest import needs_amx_kernels
+from tests.runtime.conftest import needs_amx_kernels, needs_dpbf16_kernels
 from tests.runtime.test_batch_invariance import audit_prompts
 from tests.tiny_models import make_tiny_model
 
@@ -330,16 +331,23 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return attended[0].transpose(0, 1).reshape(tokens, heads * dim)
 
 
-@needs_amx_kernels
+# kiln's whole-chunk prefill attention on each unit it runs on (prefill_attention.cpp)
+UNITS = [
+    pytest.param("amx_prefill_attention", marks=needs_amx_kernels, id="amx"),
+    pytest.param("dpbf16_prefill_attention", marks=needs_dpbf16_kernels, id="dpbf16"),
+]
+
+
+@pytest.mark.parametrize("op", UNITS)
 @pytest.mark.parametrize(
     ("tokens", "heads", "kv_heads", "dim"),
     [(128, 9, 3, 64), (1, 9, 3, 64), (37, 4, 4, 64), (200, 8, 2, 128), (33, 6, 3, 64)],
 )
-def test_amx_prefill_attention_matches_causal_sdpa(
-    tokens: int, heads: int, kv_heads: int, dim: int
+def test_prefill_attention_matches_causal_sdpa(
+    op: str, tokens: int, heads: int, kv_heads: int, dim: int
 ) -> None:
     q, k, v = qkv_views(tokens, heads, kv_heads, dim, seed=tokens)
-    got = torch.ops.kiln.amx_prefill_attention(q, k, v, dim**-0.5)
+    got = getattr(torch.ops.kiln, op)(q, k, v, dim**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, heads * dim)
     exact = causal_sdpa(q.double(), k.double(), v.double(), dim**-0.5)
     flash = causal_sdpa(q, k, v, dim**-0.5)  # torch's bf16 kernel, the path it replaces
@@ -349,35 +357,42 @@ def test_amx_prefill_attention_matches_causal_sdpa(
     assert (got.double() - exact).abs().max().item() <= limit
 
 
-@needs_amx_kernels
-def test_amx_prefill_attention_gives_a_query_the_same_bits_in_a_longer_chunk() -> None:
+@pytest.mark.parametrize("op", UNITS)
+def test_prefill_attention_gives_a_query_the_same_bits_in_a_longer_chunk(op: str) -> None:
+    attend = getattr(torch.ops.kiln, op)
     q, k, v = qkv_views(70, 6, 2, 64, seed=1)
-    whole = torch.ops.kiln.amx_prefill_attention(q, k, v, 0.125)
+    whole = attend(q, k, v, 0.125)
     for length in (1, 16, 17, 33, 64):
-        part = torch.ops.kiln.amx_prefill_attention(q[:length], k[:length], v[:length], 0.125)
+        part = attend(q[:length], k[:length], v[:length], 0.125)
         assert torch.equal(part, whole[:length])
 
 
-@needs_amx_kernels
-def test_amx_prefill_attention_refuses_what_it_cannot_read() -> None:
+@pytest.mark.parametrize("op", UNITS)
+def test_prefill_attention_refuses_what_it_cannot_read(op: str) -> None:
+    attend = getattr(torch.ops.kiln, op)
     q, k, v = qkv_views(8, 4, 2, 32, seed=0)
-    with pytest.raises(RuntimeError, match="head_dim a multiple of 64"):
-        torch.ops.kiln.amx_prefill_attention(q, k, v, 0.125)
+    with pytest.raises(RuntimeError, match=f"{op}: .*head_dim a multiple of 64"):
+        attend(q, k, v, 0.125)
     q, k, v = qkv_views(8, 4, 2, 64, seed=0)
     with pytest.raises(RuntimeError, match="bfloat16 on the CPU"):
-        torch.ops.kiln.amx_prefill_attention(q.float(), k.float(), v.float(), 0.125)
+        attend(q.float(), k.float(), v.float(), 0.125)
 
 
-@needs_amx_kernels
-def test_engine_prefill_on_amx_gives_torchs_first_tokens(
+@pytest.mark.skipif(
+    not (native.amx_kernels_available() or native.dpbf16_kernels_available()),
+    reason="kiln's prefill attention needs a CPU with AMX-BF16 or AVX512-BF16",
+)
+def test_engine_prefill_on_kilns_kernel_gives_torchs_first_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = make_tiny_model(tmp_path / "tiny", num_heads=2, num_kv_heads=1)  # head_dim 64
     prompts = ["The quick brown fox jumps over the lazy dog " * k for k in (1, 3, 6)]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    q, k, v = qkv_views(4, 2, 1, 64, seed=0)
+    assert attention.native_prefill(q, k, v) is not None
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(attention, "AMX_PREFILL", on)
+        monkeypatch.setattr(attention, "NATIVE_PREFILL", on)
         engine = Engine.from_pretrained(model, dtype="bfloat16", enable_prefix_caching=False)
         runs[on] = engine.generate(prompts, params)
     for a, b in zip(runs[True], runs[False], strict=True):

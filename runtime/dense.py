@@ -1,8 +1,9 @@
 """DenseLinear: the unquantised layer, and the copies of its weight it keeps on CPU.
 
 The weight is held once in oneDNN's blocked layout where oneDNN runs its dtype, and beside
-it, for calls of a few rows, in kiln's AMX tiles or bf16 panels (runtime/csrc/); which copy
-serves which row count, and why, is DenseLinear's docstring. The module-level switches turn
+it, for calls of a few rows, in kiln's AMX tiles, pairs or bf16 panels (runtime/csrc/), in
+huge pages (allocator.in_huge_pages); which copy serves which row count, and why, is
+DenseLinear's docstring. The module-level switches turn
 each copy off for the benchmarks that compare them (tests/benchmarks/runtime_dtype.py).
 """
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.runtime import native
+from kiln.runtime.allocator import in_huge_pages
 from kiln.runtime.linear import Linear, LinearWeights, bias_of, onednn_runs_bf16
 
 
@@ -185,11 +187,11 @@ def _dpbf16_serves(weight: torch.Tensor) -> bool:
 
 
 def _dpbf16_pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.kiln.dpbf16_pack(weight)
+    return in_huge_pages(torch.ops.kiln.dpbf16_pack(weight))
 
 
 def _amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.kiln.amx_pack(weight)
+    return in_huge_pages(torch.ops.kiln.amx_pack(weight))
 
 
 def _bf16_panels(weight: torch.Tensor) -> torch.Tensor | None:
@@ -200,7 +202,7 @@ def _bf16_panels(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if not native.avx2_kernels_available():
         return None
-    return torch.ops.kiln.bf16_pack(weight)
+    return in_huge_pages(torch.ops.kiln.bf16_pack(weight))
 
 
 # The row count oneDNN tunes its packed layout for; any row count runs on it.

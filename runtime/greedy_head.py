@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from kiln.runtime import dense
+from kiln.runtime.allocator import in_huge_pages
 from kiln.runtime.dense import DenseLinear
 from kiln.runtime.linear import Linear
 from kiln.runtime.sampling import greedy_tokens
@@ -99,7 +100,7 @@ class GreedyHead:
             self.slack[begin:end] = ((error + 4 * gamma * peak) * (1 + 2.0**-20)).float()
             self.scale[begin:end] = scale.float()
             codes[begin:end] = q.to(torch.int8)
-        self.panels = codes.view(-1, PANEL, k).transpose(1, 2).contiguous()
+        self.panels = in_huge_pages(codes.view(-1, PANEL, k).transpose(1, 2).contiguous())
         # Rows it screens: those the full head runs on the same copy (panels: one beside
         # oneDNN's packed weight), so the recomputed candidates are the full head's own logits.
         held_rows = dense.AMX_MAX_ROWS if head.amx is not None else head.panel_max_rows

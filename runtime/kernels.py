@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.runtime import native, nvfp4
+from kiln.runtime.allocator import in_huge_pages
 from kiln.runtime.dense import DenseLinear
 from kiln.runtime.linear import (
     DequantLinear,
@@ -176,9 +177,10 @@ class Int4Linear(Linear):
         # beside them) where it serves this CPU, else torch's int4pack kernel.
         self.kiln_sz: torch.Tensor | None = None
         if int4_on_kiln(device):
-            self.packed, self.kiln_sz = torch.ops.kiln.int4_pack(
+            packed, self.kiln_sz = torch.ops.kiln.int4_pack(
                 unsigned.to(torch.uint8), self.scale_rows[..., 0], self.zero_rows[..., 0]
             )
+            self.packed = in_huge_pages(packed)  # what a decode step streams
             self.scales_and_zeros = None  # int4pack's layout, which nothing reads here
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2).to(device)

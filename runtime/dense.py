@@ -42,10 +42,10 @@ class DenseLinear(Linear):
       bf16 GEMM leaves the dot-product units a quarter idle at a decode step's row counts and
       carries a fixed cost per call (SmolLM2-135M's shapes, one thread, a 2-core Zen 4 EPYC,
       tests/benchmarks/runtime_linear.py: a step's projections at 32 rows 43.8 vs 49.9 ms, at
-      8 rows 15.7 vs 21.7, at 2 rows 10.0 vs 23.0, at one row 11.3 vs 20.6). A layer as wide as
-      a vocabulary (`VOCAB_MIN_OUT` outputs: the LM head) keeps kiln's bf16 panels for a
-      single row instead, the copy the greedy head's int8 screen recomputes its candidates
-      from (greedy_head.py); two or more rows run on oneDNN's packed weight. Where the kiln
+      8 rows 15.7 vs 21.7, at 2 rows 10.0 vs 23.0, at one row 11.3 vs 20.6). The LM head too:
+      a whole decode step with it on the pairs vs on oneDNN, two engines stepped in turn
+      (medians of 80), at 32 rows 60.6 vs 62.7 ms, at 8 rows 20.6 vs 21.9; the greedy head's
+      int8 screen recomputes its candidates from the pairs (greedy_head.py). Where the kiln
       kernels do not load, every row count runs on oneDNN.
     - Either way such a layer holds its weight twice (bf16 both times), so the few-row
       copies of a process stay within 1/`ONE_ROW_MEMORY_SHARE` of the machine's memory;
@@ -127,9 +127,6 @@ AMX_MAX_ROWS = 64
 # calls of up to DPBF16_MAX_ROWS rows, in place of the single-row panels (False: as before).
 DPBF16_LINEAR = True
 DPBF16_MAX_ROWS = 64
-# Outputs from which a layer is a vocabulary projection: it keeps the panels the greedy head's
-# screen recomputes from (greedy_head.MIN_VOCAB).
-VOCAB_MIN_OUT = 4096
 # The few-row copies (panels, pairs or AMX tiles) of all layers in a process stay within 1/this of
 # physical memory.
 ONE_ROW_MEMORY_SHARE = 8
@@ -181,7 +178,6 @@ def _dpbf16_serves(weight: torch.Tensor) -> bool:
         DPBF16_LINEAR
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and weight.shape[0] < VOCAB_MIN_OUT
         and native.dpbf16_kernels_available()
     )
 

@@ -15,8 +15,9 @@ about a third of them (half of a W4A16 step's). `GreedyHead` keeps an int8 copy 
    rounded exact logit of the token that attains that floor;
 4. the candidates' logits are recomputed by the bf16 layer's own kernel (kiln's panels: the
    same sequential float32 sum over k for any tile; kiln's AMX tiles: the same tile sums of
-   the candidate's 32 columns as any call's; either way bit-identical to the full head's),
-   and the argmax over them, ties to the lowest index, is the full head's argmax.
+   the candidate's 32 columns as any call's; kiln's AVX512-BF16 pairs: the same VDPBF16PS per
+   pair of k, in order, on the candidate's 16 columns; each way bit-identical to the full
+   head's), and the argmax over them, ties to the lowest index, is the full head's argmax.
 
 Where the screen cannot decide cheaply (a non-finite input or logit, or more than
 `MAX_CANDIDATES` candidates), the full head runs. The engine asks for it only on steps whose
@@ -28,8 +29,9 @@ the sequential sum), and 2 gamma_K covers any order rounding to nearest or towar
 
 Hand-written: no library screens a vocabulary projection with a bound. Applies to a bf16
 head that holds kiln's panels (`DenseLinear` on CPUs with AVX2: the only copy without native
-bf16, the single-row copy beside oneDNN's with it) or kiln's AMX tiles (CPUs with AMX, where
-rows up to `MAX_ROWS` are screened); elsewhere the head runs whole.
+bf16), kiln's AMX tiles (CPUs with AMX) or kiln's pairs (CPUs with AVX512-BF16 but no AMX;
+an even K): rows up to `MAX_ROWS` are screened, the full head runs on the same copy up to
+its few-row limit. Elsewhere the head runs whole.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from kiln.runtime.sampling import greedy_tokens
 PANEL = 64  # output columns per panel, as in bf16_linear.cpp and int8_screen.cpp
 MAX_ROWS = 4  # int8_screen's tile
 MAX_CANDIDATES = 512  # beyond this, the full head is cheaper than the recomputation
-MIN_VOCAB = dense.VOCAB_MIN_OUT  # below it the head is too small to be worth a second copy
+MIN_VOCAB = 4096  # below it the head is too small to be worth a second copy
 MAX_K = 8192  # the bound's margins assume K * 2^-24 well under 2^-10
 # Enabled where it applies (False: every greedy step runs the full head, for comparison).
 ENABLED = True
@@ -55,6 +57,12 @@ def _unpack_bf16(panels: torch.Tensor, rows: int) -> torch.Tensor:
     """The [rows, K] weight `bf16_pack` stored as [P, K, 64] (columns interleaved per 16)."""
     count, k = panels.shape[0], panels.shape[1]
     return panels.view(count, k, 4, 8, 2).permute(0, 2, 4, 3, 1).reshape(count * PANEL, k)[:rows]
+
+
+def _unpack_pairs(pairs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The [rows, K] weight `dpbf16_pack` stored as [P, K / 2, 64, 2] (K even)."""
+    count, half = pairs.shape[0], pairs.shape[1]
+    return pairs.permute(0, 2, 1, 3).reshape(count * PANEL, half * 2)[:rows]
 
 
 def _unpack_amx(tiles: torch.Tensor, rows: int) -> torch.Tensor:
@@ -76,6 +84,8 @@ class GreedyHead:
         # the full head's own copy, which the candidates are recomputed from
         if head.amx is not None:
             self.weight, weight = head.amx, _unpack_amx(head.amx, self.vocab)
+        elif head.pairs is not None:
+            self.weight, weight = head.pairs, _unpack_pairs(head.pairs, self.vocab)
         else:
             assert head.panels is not None
             self.weight, weight = head.panels, _unpack_bf16(head.panels, self.vocab)
@@ -103,7 +113,12 @@ class GreedyHead:
         self.panels = in_huge_pages(codes.view(-1, PANEL, k).transpose(1, 2).contiguous())
         # Rows it screens: those the full head runs on the same copy (panels: one beside
         # oneDNN's packed weight), so the recomputed candidates are the full head's own logits.
-        held_rows = dense.AMX_MAX_ROWS if head.amx is not None else head.panel_max_rows
+        if head.amx is not None:
+            held_rows = dense.AMX_MAX_ROWS
+        elif head.pairs is not None:
+            held_rows = dense.DPBF16_MAX_ROWS
+        else:
+            held_rows = head.panel_max_rows
         self.max_rows = min(MAX_ROWS, held_rows)
         self.screened = 0  # steps decided by the screen (tests and benchmarks read these)
         self.fallbacks = 0
@@ -123,9 +138,10 @@ class GreedyHead:
     def applies(head: Linear) -> bool:
         if not ENABLED or not isinstance(head, DenseLinear) or head.bias is not None:
             return False
-        # on AMX tiles the screen reads x as they do: K needs no padding
+        # on AMX tiles or pairs the screen reads x as they do: K needs no padding
         amx = head.amx is not None and head.in_features % 32 == 0
-        held = amx or head.panels is not None
+        pairs = head.pairs is not None and head.in_features % 2 == 0  # K as pairs, unpadded
+        held = amx or pairs or head.panels is not None
         return held and head.out_features >= MIN_VOCAB and head.in_features <= MAX_K
 
     def weight_bytes(self) -> int:

@@ -43,7 +43,8 @@ SOURCES = [
     CSRC / "prefill_attention.cpp",
     CSRC / "int8_act.cpp",
 ]
-HEADERS = [CSRC / "simd.h", CSRC / "amx.h"]  # included by the sources: part of the build key
+# included by the sources: part of the build key
+HEADERS = [CSRC / "simd.h", CSRC / "amx.h", CSRC / "dpbf16.h"]
 OPS = (
     "paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_", "int4_dequant",
     "bf16_pack", "bf16_linear", "int4_pack", "int4_linear", "decode_attention_",

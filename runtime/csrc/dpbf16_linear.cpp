@@ -28,12 +28,7 @@
 #include <optional>
 #include <vector>
 
-#include "simd.h"
-
-#if defined(KILN_AVX512) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define KILN_DPBF16 1
-#endif
+#include "dpbf16.h"
 
 namespace {
 
@@ -178,6 +173,28 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 }  // namespace
+
+namespace kiln_dpbf16 {
+
+bool column_sums(const uint16_t* x, int64_t KP, const uint16_t* packed, int64_t g, float* out) {
+#if defined(KILN_DPBF16)
+  const uint16_t* w = packed + (g / 4) * KP * 2 * PANEL + (g % 4) * 32;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p, w += 2 * PANEL) {
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * p, sizeof(pair));
+    const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(w)), xb);
+  }
+  _mm512_storeu_ps(out, acc);
+  return true;
+#else
+  (void)x, (void)KP, (void)packed, (void)g, (void)out;
+  return false;
+#endif
+}
+
+}  // namespace kiln_dpbf16
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("dpbf16_ready() -> bool", &dpbf16_ready);

@@ -15,7 +15,8 @@
 // multiplied in float32; the summation order is not the bf16 kernel's, which the screen's
 // bound allows for.
 // The candidates are then recomputed from the layer's own weight with its own arithmetic:
-// bf16_linear's from its panels, or amx_linear's from its tiles (kiln_amx::pair_row).
+// bf16_linear's from its panels, amx_linear's from its tiles (kiln_amx::pair_row), or
+// dpbf16_linear's from its pairs (kiln_dpbf16::column_sums).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "dpbf16.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -204,6 +206,27 @@ int64_t decide(const float* x, int64_t K, const float* approx, const float* slac
   return best;
 }
 
+// exact(n) for a kernel that computes W columns at a time: fill(g, sums) gives columns
+// [W g, W g + W); the last group is kept, as candidates come in increasing order.
+template <int W, typename Fill>
+struct GroupSums {
+  Fill fill;
+  alignas(64) float sums[W] = {};
+  int64_t cached = -1;
+  float operator()(int64_t n) {
+    if (n / W != cached) {
+      cached = n / W;
+      fill(cached, sums);
+    }
+    return sums[n % W];
+  }
+};
+
+template <int W, typename Fill>
+GroupSums<W, Fill> group_sums(Fill fill) {
+  return GroupSums<W, Fill>{fill};
+}
+
 // Candidate n as bf16_linear computes it from its panels: one float32 fused multiply-add per
 // k, in order from zero.
 inline float panel_sum(const float* x, int64_t K, const uint16_t* w, int64_t n) {
@@ -239,8 +262,9 @@ at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& panels, const at::
 }
 
 // Each row's argmax of the bf16 layer whose weight is `weight` (no bias): its bf16_pack panels,
-// or its amx_pack tiles (then x is bfloat16 with K a multiple of 32, as amx_linear reads it),
-// decided through the int8 screen; an empty tensor where some row cannot be decided that way.
+// its amx_pack tiles (then x is bfloat16 with K a multiple of 32, as amx_linear reads it) or
+// its dpbf16_pack pairs (then x is bfloat16 with an even K), decided through the int8 screen;
+// an empty tensor where some row cannot be decided that way.
 at::Tensor int8_greedy(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                        const at::Tensor& slack, const at::Tensor& weight, int64_t N,
                        int64_t max_candidates) {
@@ -249,13 +273,16 @@ at::Tensor int8_greedy(const at::Tensor& x, const at::Tensor& panels, const at::
                   slack.is_contiguous(),
               "int8_greedy: slack float32 [N]");
   const int64_t M = x.size(0), K = x.size(1);
-  const bool tiles = weight.dim() == 6;
+  const bool tiles = weight.dim() == 6, pairs = weight.dim() == 4;
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
-                  (tiles ? weight.size(1) * 32 == K && weight.size(0) * 32 >= N &&
-                               weight.size(0) * 32 < N + 32 && x.scalar_type() == at::kBFloat16
-                         : weight.sizes() == panels.sizes()),
-              "int8_greedy: the bf16_pack panels, or the amx_pack tiles under a bfloat16 x, of "
-              "the layer the screen copies");
+                  (tiles    ? weight.size(1) * 32 == K && weight.size(0) * 32 >= N &&
+                               weight.size(0) * 32 < N + 32 && bf16_x
+                   : pairs ? weight.size(1) * 2 == K && weight.size(2) == PANEL &&
+                                 weight.size(0) == panels.size(0) && bf16_x
+                           : weight.sizes() == panels.sizes()),
+              "int8_greedy: the bf16_pack panels, or the amx_pack tiles or dpbf16_pack pairs "
+              "under a bfloat16 x (K even), of the layer the screen copies");
   at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor xc = x.contiguous();
   at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
@@ -266,25 +293,28 @@ at::Tensor int8_greedy(const at::Tensor& x, const at::Tensor& panels, const at::
     const float* am = approx.data_ptr<float>() + m * N;
     const float* sl = slack.data_ptr<float>();
     int64_t token;
-    if (tiles) {
-      // AMX reads subnormal inputs as zero: such a row is left to the full head
+    if (tiles || pairs) {
+      // AMX and VDPBF16PS read subnormal inputs as zero: such a row is left to the full head
       for (int64_t k = 0; k < K; ++k)
         if (xm[k] != 0.f && std::fabs(xm[k]) < FLT_MIN) return at::empty({0}, tokens.options());
-      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()) + m * K;
-      alignas(64) float sums[32];
-      int64_t cached = -1;
-      auto exact = [&](int64_t n) {
-        if (n / 32 != cached) {
-          cached = n / 32;
-          TORCH_CHECK(kiln_amx::pair_row(xb, K / 32, w, cached, sums),
-                      "int8_greedy: AMX tiles on a CPU or build without AMX");
-        }
-        return sums[n % 32];
-      };
+    }
+    const uint16_t* xb =
+        bf16_x ? reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()) + m * K : nullptr;
+    if (pairs) {
+      auto exact = group_sums<16>([&](int64_t g, float* sums) {
+        TORCH_CHECK(kiln_dpbf16::column_sums(xb, K / 2, w, g, sums),
+                    "int8_greedy: dpbf16 pairs on a CPU or build without AVX512-BF16");
+      });
+      token = decide<c10::BFloat16>(xm, K, am, sl, N, max_candidates, cand, exact);
+    } else if (tiles) {
+      auto exact = group_sums<32>([&](int64_t g, float* sums) {
+        TORCH_CHECK(kiln_amx::pair_row(xb, K / 32, w, g, sums),
+                    "int8_greedy: AMX tiles on a CPU or build without AMX");
+      });
       token = decide<c10::BFloat16>(xm, K, am, sl, N, max_candidates, cand, exact);
     } else {
       auto exact = [&](int64_t n) { return panel_sum(xm, K, w, n); };
-      token = x.scalar_type() == at::kBFloat16
+      token = bf16_x
                   ? decide<c10::BFloat16>(xm, K, am, sl, N, max_candidates, cand, exact)
                   : decide<float>(xm, K, am, sl, N, max_candidates, cand, exact);
     }

@@ -36,12 +36,8 @@
 #include <vector>
 
 #include "amx.h"
+#include "dpbf16.h"
 #include "simd.h"
-
-#if defined(KILN_AVX512) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define KILN_DPBF16 1
-#endif
 
 namespace {
 

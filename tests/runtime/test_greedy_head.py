@@ -28,18 +28,22 @@ pytestmark = pytest.mark.skipif(
 VOCAB, HIDDEN = 8192, 576
 
 
-@pytest.fixture(scope="module", autouse=True, params=["panels", "amx"])
+@pytest.fixture(scope="module", autouse=True, params=["panels", "amx", "pairs"])
 def copy_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """The copy of the head the screen recomputes from: kiln's panels (bf16 layers on kiln's
-    kernel, also on CPUs whose oneDNN computes bf16), or kiln's AMX tiles beside oneDNN's
-    packed weight (the runtime's choice on CPUs with AMX)."""
+    kernel, also on CPUs whose oneDNN computes bf16), kiln's AMX tiles beside oneDNN's packed
+    weight (the runtime's choice on CPUs with AMX), or kiln's AVX512-BF16 pairs beside it
+    (the runtime's choice on CPUs with AVX512-BF16 but no AMX)."""
     if request.param == "amx" and not native.amx_kernels_available():
         pytest.skip("kiln's AMX kernels need a CPU with AMX-BF16")
+    if request.param == "pairs" and not native.dpbf16_kernels_available():
+        pytest.skip("kiln's AVX512-BF16 kernels need a CPU with AVX512-BF16")
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "panels":
             patch.setattr(dense, "PACKED_DTYPES", (torch.float32,))
         else:
             patch.setattr(dense, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
+            patch.setattr(dense, "AMX_LINEAR", request.param == "amx")
         yield request.param
 
 
@@ -47,7 +51,8 @@ def bf16_head(weight: torch.Tensor) -> DenseLinear:
     head = DenseLinear(
         LinearWeights(WeightScheme(), weight.bfloat16()), torch.bfloat16, torch.device("cpu")
     )
-    assert head.panels is not None or head.amx is not None  # where the screen applies
+    # where the screen applies
+    assert head.panels is not None or head.amx is not None or head.pairs is not None
     return head
 
 
@@ -60,6 +65,7 @@ def random_head(copy_kind: str) -> DenseLinear:
     torch.manual_seed(0)
     head = bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
     assert (head.amx is not None) == (copy_kind == "amx")
+    assert (head.pairs is not None) == (copy_kind == "pairs")
     return head
 
 
@@ -145,12 +151,13 @@ def test_engine_greedy_tokens_are_the_same_with_the_screen_and_without(
 def test_beside_onednns_packed_head_only_single_rows_are_screened(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, copy_kind: str
 ) -> None:
-    # The runtime's own choice on a CPU with native bf16 but no AMX: oneDNN's packed head for
-    # two rows or more, kiln's panels for one row, so only one-row steps are screened.
+    # Where oneDNN runs bf16 and neither kiln's AMX nor its AVX512-BF16 kernel serves: oneDNN's
+    # packed head for two rows or more, kiln's panels for one row, so only one-row steps are
+    # screened.
     monkeypatch.setattr(dense, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
     monkeypatch.setattr(dense, "AMX_LINEAR", False)
+    monkeypatch.setattr(dense, "DPBF16_LINEAR", False)
     monkeypatch.setattr(greedy_head, "MIN_VOCAB", 1)
-    monkeypatch.setattr(dense, "VOCAB_MIN_OUT", 1)  # the tiny head keeps a head's panels
     head = bf16_head(torch.randn(VOCAB, HIDDEN) * 0.05)
     assert head.packed is not None and head.panel_max_rows == 1
     screen = GreedyHead.build(head)
@@ -170,15 +177,15 @@ def test_beside_onednns_packed_head_only_single_rows_are_screened(
     assert alone == [engine.generate([p], greedy)[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("copy_kind", ["amx"], indirect=True)
-def test_on_amx_tiles_rows_with_a_subnormal_run_the_full_head(
+@pytest.mark.parametrize("copy_kind", ["amx", "pairs"], indirect=True)
+def test_on_amx_tiles_or_pairs_rows_with_a_subnormal_run_the_full_head(
     random_head: DenseLinear, copy_kind: str
 ) -> None:
     screen = GreedyHead.build(random_head)
     assert screen is not None and screen.max_rows == greedy_head.MAX_ROWS
     x = torch.randn(2, HIDDEN).bfloat16()
     tiny = x.clone()
-    tiny[0, 5] = 1e-39  # AMX reads a subnormal input as zero: the full head decides
+    tiny[0, 5] = 1e-39  # AMX and VDPBF16PS read a subnormal input as zero: the full head decides
     assert torch.equal(screen.argmax(tiny), full_argmax(random_head, tiny))
     assert (screen.screened, screen.fallbacks) == (0, 1)
     assert torch.equal(screen.argmax(x), full_argmax(random_head, x))

@@ -14,7 +14,9 @@
 // each row's key and value (from the stacked qkv projection, in the caches' dtype, as
 // PagedKVCache.write does) before attending, and returns the model's dtype.
 // Every (sequence, KV head) is computed alone, so a sequence's result does not depend on what
-// else is in the batch. Softmax is the usual max-subtracted one, accumulated in float32.
+// else is in the batch. Softmax is the usual max-subtracted one, accumulated in float32; on
+// bf16 dot products (a bf16 model on a CPU with AVX512-BF16) the probabilities are rounded to
+// bf16 before they weigh the values, as torch's flash kernel rounds them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -134,6 +136,89 @@ void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int6
 }
 
 #if defined(__AVX512F__)
+// Room for the bf16 probabilities after a (sequence, KV head)'s float32 scores, `len` each
+// and a zero after the last.
+inline int64_t pair_room(int64_t len) { return (len + 32) / 2; }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The weighted values of a bf16 cache as dot products of bf16 pairs (VDPBF16PS): the group's
+// probabilities (float32 exps in sc, their float32 sums in total) are rounded to bf16 once, as
+// torch's flash kernel rounds them for its second product, and each pair of consecutive
+// values is interleaved in registers (the 16-bit unpacks, which leave the dims in an order
+// the end undoes) and multiplied with the pair of their probabilities, for every query head
+// of the group: half the multiply-adds of the widened path, no widening. Batch 32, context
+// 240, blocks scattered, one thread, a Zen 4 EPYC: 0.35 -> 0.31 ms per layer (in cache 0.25 ->
+// 0.20).
+template <int DIM, int GROUP>
+void weigh_pairs(const Problem<c10::BFloat16>& pr, int64_t b, int64_t h, int64_t len,
+                 const float* sc, const float* total, float* room) {
+  constexpr int NP = DIM / 32;
+  const int64_t stride = 2 * pair_room(len);
+  uint16_t* probs = reinterpret_cast<uint16_t*>(room);
+  auto lanes = [](int64_t left, int64_t width) -> uint64_t {
+    return left >= width ? (uint64_t{1} << width) - 1 : left <= 0 ? 0 : (uint64_t{1} << left) - 1;
+  };
+  for (int g = 0; g < GROUP; ++g) {
+    const float* row = sc + g * len;
+    uint16_t* to = probs + g * stride;
+    for (int64_t t = 0; t < len; t += 32) {
+      const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(lanes(len - t, 16)), row + t);
+      const __m512 hi =
+          _mm512_maskz_loadu_ps(static_cast<__mmask16>(lanes(len - t - 16, 16)), row + t + 16);
+      const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_mask_storeu_epi16(to + t, static_cast<__mmask32>(lanes(len - t, 32)),
+                               reinterpret_cast<__m512i>(both));
+    }
+    to[len] = 0;
+  }
+  alignas(64) static const uint16_t zeros[DIM] = {};
+  __m512 lo[GROUP][NP], hi[GROUP][NP];
+  for (int g = 0; g < GROUP; ++g)
+    for (int i = 0; i < NP; ++i) lo[g][i] = hi[g][i] = _mm512_setzero_ps();
+  const int64_t bs = pr.block_size;
+  for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
+    const int64_t block = pr.tables[b * pr.width + slot];
+    const uint16_t* rows = reinterpret_cast<const uint16_t*>(pr.v) +
+                           ((h * pr.num_blocks + block) * bs) * DIM;
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t j = 0; j < n; j += 2) {
+      const uint16_t* first = rows + j * DIM;
+      const uint16_t* second = j + 1 < n ? first + DIM : zeros;
+      __m512i low[NP], high[NP];
+      for (int i = 0; i < NP; ++i) {
+        const __m512i a = _mm512_loadu_si512(first + 32 * i);
+        const __m512i c = _mm512_loadu_si512(second + 32 * i);
+        low[i] = _mm512_unpacklo_epi16(a, c);
+        high[i] = _mm512_unpackhi_epi16(a, c);
+      }
+      for (int g = 0; g < GROUP; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, probs + g * stride + t0 + j, sizeof(pair));
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        for (int i = 0; i < NP; ++i) {
+          lo[g][i] = _mm512_dpbf16_ps(lo[g][i], reinterpret_cast<__m512bh>(low[i]), p);
+          hi[g][i] = _mm512_dpbf16_ps(hi[g][i], reinterpret_cast<__m512bh>(high[i]), p);
+        }
+      }
+    }
+  }
+  // lane j of 128-bit lane k holds dim 8k + j (lo) or 8k + 4 + j (hi) of its 32
+  const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i last16 =
+      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int g = 0; g < GROUP; ++g) {
+    float* target = pr.out + (b * pr.heads + h * GROUP + g) * DIM;
+    const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+    for (int i = 0; i < NP; ++i) {
+      const __m512 a = _mm512_permutex2var_ps(lo[g][i], first16, hi[g][i]);
+      const __m512 c = _mm512_permutex2var_ps(lo[g][i], last16, hi[g][i]);
+      _mm512_storeu_ps(target + 32 * i, _mm512_mul_ps(a, inv));
+      _mm512_storeu_ps(target + 32 * i + 16, _mm512_mul_ps(c, inv));
+    }
+  }
+}
+#endif
+
 // The same computation in AVX-512, for the specialised shapes (head_dim a multiple of 16):
 // each run of 16 keys is widened to float32 once into a stack buffer, scored for every query
 // head of the group at once (one partial-sum vector per key, then one transposing reduction
@@ -147,7 +232,7 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
   constexpr int NV = DIM / 16;
   const int64_t len = pr.lens[b], bs = pr.block_size;
   const float* query = pr.q + (b * pr.heads + h * GROUP) * DIM;
-  scores.resize(GROUP * len + 16);
+  scores.resize(GROUP * len + 16 + GROUP * pair_room(len));
   float* sc = scores.data();
   const __m512 scale = _mm512_set1_ps(pr.scale);
   alignas(64) float wide[16 * DIM];  // 16 keys widened once, read by every query head
@@ -237,6 +322,14 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
     }
     total[g] = _mm512_reduce_add_ps(sum);
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && DIM % 32 == 0) {
+    if (pairs) {
+      weigh_pairs<DIM, GROUP>(pr, b, h, len, sc, total, sc + GROUP * len + 16);
+      return;
+    }
+  }
+#endif
   __m512 acc[GROUP][NV];
   for (int g = 0; g < GROUP; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();

@@ -39,8 +39,14 @@ def reference(
     tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    bf16_probabilities: bool = False,
 ) -> torch.Tensor:
-    """Per sequence: gather its blocks, cut to its length, SDPA with grouped heads."""
+    """Per sequence: gather its blocks, cut to its length, SDPA with grouped heads. With
+    `bf16_probabilities`, in float64 with each max-subtracted exp rounded to bf16 before it
+    weighs the values (their unrounded sum divides), as kiln's kernel does on bf16 dot
+    products."""
+    if bf16_probabilities:
+        return _bf16_probability_reference(q, k_cache, v_cache, tables, lens, scale)
     out = []
     for b in range(q.shape[0]):
         keys = k_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])]
@@ -53,6 +59,28 @@ def reference(
             scale=scale,
         )
         out.append(attended.squeeze(1))
+    return torch.stack(out)
+
+
+def _bf16_probability_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = []
+    group = q.shape[1] // k_cache.shape[0]
+    for b in range(q.shape[0]):
+        keys = k_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])].double()
+        values = v_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])].double()
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        scores = torch.einsum("hd,htd->ht", q[b].double(), keys) * scale
+        exps = torch.exp(scores - scores.amax(dim=1, keepdim=True))
+        weights = exps.bfloat16().double()
+        attended = torch.einsum("ht,htd->hd", weights, values) / exps.sum(dim=1, keepdim=True)
+        out.append(attended.float())
     return torch.stack(out)
 
 
@@ -75,12 +103,12 @@ def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, dim: int) -> 
 
 
 @pytest.mark.parametrize("bf16_query", [False, True])
-@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 2, 80)])
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 2, 80), (1, 8, 128)])
 def test_kernel_reads_a_bfloat16_cache_as_its_float32_values(
     kv_heads: int, group: int, dim: int, bf16_query: bool
 ) -> None:
-    """bf16_query: the queries of a bf16 model, whose scores run on bf16 dot products where
-    the CPU has them (AVX512-BF16)."""
+    """bf16_query: the queries of a bf16 model, whose scores and weighted values run on bf16
+    dot products where the CPU has them (AVX512-BF16)."""
     generator = torch.Generator().manual_seed(7)
     shape = (kv_heads, 32, 16, dim)
     k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
@@ -92,7 +120,10 @@ def test_kernel_reads_a_bfloat16_cache_as_its_float32_values(
         q = q.bfloat16().float()
     got = torch.ops.kiln.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
     assert got.dtype == torch.float32
-    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.1)
+    # bf16 queries on a bf16 cache where the CPU has AVX512-BF16 (and dims in pairs of 32):
+    # the probabilities are rounded to bf16, as torch's flash kernel rounds them
+    rounded = bf16_query and dim % 32 == 0 and native.dpbf16_kernels_available()
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.1, rounded)
     torch.testing.assert_close(got, expected)
 
 

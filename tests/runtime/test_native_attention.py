@@ -45,13 +45,19 @@ def reference(
     `bf16_probabilities`, in float64 with each max-subtracted exp rounded to bf16 before it
     weighs the values (their unrounded sum divides), as kiln's kernel does on bf16 dot
     products."""
-    if bf16_probabilities:
-        return _bf16_probability_reference(q, k_cache, v_cache, tables, lens, scale)
     out = []
     for b in range(q.shape[0]):
         keys = k_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])]
         values = v_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])]
         group = q.shape[1] // k_cache.shape[0]
+        if bf16_probabilities:
+            keys = keys.double().repeat_interleave(group, 0)
+            values = values.double().repeat_interleave(group, 0)
+            scores = torch.einsum("hd,htd->ht", q[b].double(), keys) * scale
+            exps = torch.exp(scores - scores.amax(dim=1, keepdim=True))
+            weighed = torch.einsum("ht,htd->hd", exps.bfloat16().double(), values)
+            out.append((weighed / exps.sum(dim=1, keepdim=True)).float())
+            continue
         attended = F.scaled_dot_product_attention(
             q[b].unsqueeze(1),
             keys.repeat_interleave(group, 0),
@@ -59,28 +65,6 @@ def reference(
             scale=scale,
         )
         out.append(attended.squeeze(1))
-    return torch.stack(out)
-
-
-def _bf16_probability_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    tables: torch.Tensor,
-    lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    out = []
-    group = q.shape[1] // k_cache.shape[0]
-    for b in range(q.shape[0]):
-        keys = k_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])].double()
-        values = v_cache[:, tables[b]].flatten(1, 2)[:, : int(lens[b])].double()
-        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        scores = torch.einsum("hd,htd->ht", q[b].double(), keys) * scale
-        exps = torch.exp(scores - scores.amax(dim=1, keepdim=True))
-        weights = exps.bfloat16().double()
-        attended = torch.einsum("ht,htd->hd", weights, values) / exps.sum(dim=1, keepdim=True)
-        out.append(attended.float())
     return torch.stack(out)
 
 

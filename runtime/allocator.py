@@ -18,20 +18,22 @@ no-op on other C libraries.
 dense layer, the greedy head's int8 codes, W4A16's packed codes) in memory the kernel backs
 with transparent huge pages (2 MiB), where glibc's heap would give them 4 KiB pages: a
 32-row step of SmolLM2-135M reads ~200 MB of weights, ~50,000 pages, a TLB miss each.
-Copies go one after another into 64 MiB chunks asked for with `madvise(MADV_HUGEPAGE)`
-before anything is written; a chunk is freed when no copy in it is left (the copies are
-views of it, and the arena holds none). Measured on a 2-core Zen 4 EPYC (one thread): a
-gate/up projection at 32 rows read from memory 0.58 vs 0.62 ms; SmolLM2-135M's decode step,
-two engines stepped in turn (medians of 80), at 32 rows 60.3 vs 63.0 ms, at one row 12.5
-vs 13.9 ms. Copies under `HUGE_MIN_BYTES` (a tiny model's) stay where they are; where
-madvise is refused (no THP, another OS) the chunks are plain memory. Hand-written too: torch's
-allocator has no huge-page option on the CPU.
+Copies go one after another into 64 MiB anonymous mappings asked for with
+`madvise(MADV_HUGEPAGE)` before anything is written; a chunk is unmapped when no copy in it
+is left (the copies are views of it, and the arena holds none). Measured on a 2-core Zen 4
+EPYC (one thread): a gate/up projection at 32 rows read from memory 0.58 vs 0.62 ms;
+SmolLM2-135M's decode step, two engines stepped in turn (medians of 80), at 32 rows 60.3 vs
+63.0 ms, at one row 12.5 vs 13.9 ms. Copies under `HUGE_MIN_BYTES` (a tiny model's) stay
+where they are; where madvise is refused (no THP, another OS) the chunks are plain memory.
+Hand-written too: torch's allocator has no huge-page option on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import mmap
 import sys
 import threading
 import weakref
@@ -75,7 +77,6 @@ HUGE_PAGE = 2 << 20
 CHUNK = 64 << 20
 HUGE_MIN_BYTES = 1 << 20
 ALIGN = 64  # each copy starts on a cache line
-MADV_HUGEPAGE = 14
 
 _arena_lock = threading.Lock()
 # The latest copy, whose memory is the chunk being filled (weakly: a chunk lives only as long
@@ -107,24 +108,21 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
 
 
 def _new_chunk(size: int) -> tuple[torch.Tensor, int]:
-    """A fresh allocation of at least `size` bytes from a huge-page boundary, asked to be
-    backed by huge pages before anything touches it (an allocation this large is a fresh
-    mmap), as bytes, and the offset of that boundary in it."""
+    """A fresh anonymous mapping of at least `size` bytes from a huge-page boundary, asked to
+    be backed by huge pages before anything touches it, as bytes, and the offset of that
+    boundary in it. Its own mapping, not malloc's: glibc serves even a large block from a
+    free heap chunk when it has one, whose pages are already 4 KiB ones."""
     size = -(-size // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    if not hasattr(mmap, "MAP_PRIVATE"):  # not a Unix: plain memory
+        raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+        return raw, -raw.data_ptr() % HUGE_PAGE
+    # private: a shared anonymous mapping is shmem, whose huge pages are another setting
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
+    area = mmap.mmap(-1, size + HUGE_PAGE, flags=flags)  # unmapped with the last tensor on it
+    raw = torch.frombuffer(area, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
-    _madvise_huge(raw.data_ptr() + offset, size)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            area.madvise(advice, offset, size)
     return raw, offset
-
-
-def _madvise_huge(address: int, size: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise(address, size, MADV_HUGEPAGE) == 0

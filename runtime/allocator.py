@@ -91,7 +91,7 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     global _latest, _used
     if not HUGE_PAGES or t.device.type != "cpu" or not t.is_contiguous():
         return t
-    if t.nbytes < HUGE_MIN_BYTES:
+    if t.nbytes < HUGE_MIN_BYTES:  # a tiny model's: not worth a chunk's huge pages
         return t
     size = -(-t.nbytes // ALIGN) * ALIGN
     with _arena_lock:

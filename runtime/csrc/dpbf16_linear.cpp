@@ -13,7 +13,8 @@
 // R rows (5 at most) x the panel's 64 columns: per pair 4 weight loads, R broadcasts of x's pair
 // and 4 R dot products into 4 R float32 accumulators held in registers. K goes in blocks of
 // K_PAIRS pairs (the panel's block stays in L2 while every row tile reads it), and the
-// accumulators wait in a float32 buffer between blocks (stored and reloaded exactly). Every
+// accumulators wait in a float32 buffer between blocks (stored and reloaded exactly). The
+// next panel is asked for while this one computes (see `linear`). Every
 // output is the same sequence of vdpbf16ps over k pairs whatever the tile, so a row's result
 // does not depend on the other rows of the call; it differs from oneDNN's only in the order
 // of those dot products.
@@ -35,6 +36,7 @@ namespace {
 constexpr int64_t PANEL = 64;     // output columns per panel: four vectors of 16
 constexpr int64_t MAX_R = 5;      // rows per tile: 20 accumulators, 4 weights, a broadcast
 constexpr int64_t K_PAIRS = 768;  // pairs of k per block: 192 KB of a panel
+constexpr int64_t SPREAD_MIN_ROWS = 20;  // from here the next panel's lines are spread over tiles
 
 bool dpbf16_ready() {
 #if defined(KILN_DPBF16)
@@ -48,10 +50,13 @@ bool dpbf16_ready() {
 // acc[r][0..63] (+)= sum over pairs [p0, p1) of x[r]'s pair . W's pair, for R rows of x (row
 // stride ldx bf16, an even K) against one panel; `first` starts from zero.
 // `next` (or null): the panel the call reads after this one, whose pairs [p0, p1) are asked
-// into L2 alongside.
+// into L2 alongside. `ask` (or null): `asks` cache lines from there on, asked into L1 and L2
+// evenly over the pairs (this tile's share of the next panel).
 template <int R>
 inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t p0, int64_t p1,
-                 float* acc_io, bool first, const uint16_t* next) {
+                 float* acc_io, bool first, const uint16_t* next, const char* ask,
+                 int64_t asks) {
+  int64_t due = 0, left = asks;  // due: asks owed times the pair count, one made per count
   __m512 acc[R][4];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -64,6 +69,10 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t 
       const char* later = reinterpret_cast<const char*>(next + p * 2 * PANEL);
 #pragma GCC unroll 4
       for (int line = 0; line < 4; ++line) _mm_prefetch(later + 64 * line, _MM_HINT_T1);
+    }
+    if (ask != nullptr) {
+      for (due += asks; due >= p1 - p0 && left > 0; due -= p1 - p0, --left, ask += 64)
+        _mm_prefetch(ask, _MM_HINT_T0);
     }
     __m512bh wv[4];
 #pragma GCC unroll 4
@@ -84,13 +93,14 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t 
 }
 
 inline void rows_tile(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* panel,
-                      int64_t p0, int64_t p1, float* acc, bool first, const uint16_t* next) {
+                      int64_t p0, int64_t p1, float* acc, bool first, const uint16_t* next,
+                      const char* ask, int64_t asks) {
   switch (rows) {
-    case 1: tile<1>(x, ldx, panel, p0, p1, acc, first, next); break;
-    case 2: tile<2>(x, ldx, panel, p0, p1, acc, first, next); break;
-    case 3: tile<3>(x, ldx, panel, p0, p1, acc, first, next); break;
-    case 4: tile<4>(x, ldx, panel, p0, p1, acc, first, next); break;
-    default: tile<MAX_R>(x, ldx, panel, p0, p1, acc, first, next); break;
+    case 1: tile<1>(x, ldx, panel, p0, p1, acc, first, next, ask, asks); break;
+    case 2: tile<2>(x, ldx, panel, p0, p1, acc, first, next, ask, asks); break;
+    case 3: tile<3>(x, ldx, panel, p0, p1, acc, first, next, ask, asks); break;
+    case 4: tile<4>(x, ldx, panel, p0, p1, acc, first, next, ask, asks); break;
+    default: tile<MAX_R>(x, ldx, panel, p0, p1, acc, first, next, ask, asks); break;
   }
 }
 
@@ -104,18 +114,32 @@ void linear(const uint16_t* x, int64_t M, int64_t KP, const uint16_t* packed, co
     std::vector<float> acc(M * PANEL);
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* panel = packed + p * KP * 2 * PANEL;
-      // A single row streams the weight: the next panel is asked into L2 while this one is
-      // read, a pair's four lines at a time (30 layers' projections of SmolLM2-135M, one
-      // thread, a 2-core Zen 4 EPYC: 12.2-12.7 ms vs 14.7-15.7 with the hardware's prefetch
-      // and a prefetch 2 KB ahead in the panel, 13.3-13.7 with the hardware's alone). Two
-      // or more rows gained nothing from it, and lost up to a fifth from prefetches within
-      // the panel.
-      const uint16_t* next = M == 1 && p + 1 < end ? panel + KP * 2 * PANEL : nullptr;
+      // The next panel is asked for while this one computes. A single row streams the
+      // weight: a pair's four lines of the next panel into L2 with each pair of this one (30
+      // layers' projections of SmolLM2-135M, one thread, a 2-core Zen 4 EPYC: 12.2-12.7 ms vs
+      // 14.7-15.7 with the hardware's prefetch and a prefetch 2 KB ahead in the panel,
+      // 13.3-13.7 with the hardware's alone). From SPREAD_MIN_ROWS rows the first row tile
+      // alone would wait on memory while the others compute from L2, so every tile asks
+      // for its share of the next panel, paced over its pairs (weights of 40 layers read in
+      // turn, so each comes from memory, same EPYC, 32 rows, medians: gate/up 0.577 ->
+      // 0.548 ms, down 0.313 -> 0.279, q/k/v 0.197 -> 0.179; from cache 0.525, 0.263,
+      // 0.168 either way; a 32-row decode step in the engine 64.9 -> 63.0 ms). Between 2 and
+      // 19 rows every way of asking tried (in the panel, in bursts, spread) was neutral or
+      // up to a fifth slower.
+      const bool more = p + 1 < end;
+      const uint16_t* next = M == 1 && more ? panel + KP * 2 * PANEL : nullptr;
+      const bool spread = M >= SPREAD_MIN_ROWS && more;
+      const int64_t tiles = (M + MAX_R - 1) / MAX_R;
       for (int64_t p0 = 0; p0 < KP; p0 += K_PAIRS) {
         const int64_t p1 = std::min(KP, p0 + K_PAIRS);
-        for (int64_t m = 0; m < M; m += MAX_R)
+        const char* block = reinterpret_cast<const char*>(panel + (KP + p0) * 2 * PANEL);
+        const int64_t lines = spread ? (p1 - p0) * 4 : 0;  // of the next panel's block
+        for (int64_t m = 0, t = 0; m < M; m += MAX_R, ++t) {
+          const int64_t first_line = lines * t / tiles, last_line = lines * (t + 1) / tiles;
           rows_tile(std::min(MAX_R, M - m), x + m * ldx, ldx, panel, p0, p1,
-                    acc.data() + m * PANEL, p0 == 0, next);
+                    acc.data() + m * PANEL, p0 == 0, next,
+                    spread ? block + 64 * first_line : nullptr, last_line - first_line);
+        }
       }
       const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
       for (int64_t m = 0; m < M; ++m) {

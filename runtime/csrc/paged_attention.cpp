@@ -48,36 +48,68 @@ struct Problem {
   float scale;
 };
 
+constexpr int64_t PIECE = 16;  // rows: the unit in which Ahead asks for the caches
+
+// The runs of up to PIECE rows of the caches that a thread's items read, in the order they
+// read them (an item's keys, then its values), each asked into L2 AHEAD runs before its turn:
+// `next()` as a run's reading starts asks for the run AHEAD further on. A sequence's blocks
+// lie anywhere in the cache, 16 rows (2 KB of bf16 keys) each: too short a run for the
+// hardware prefetchers, and a decode step's caches come from memory (30 layers' worth pass
+// through the cache between a layer's steps). Asking one block ahead into L1 (this kernel's
+// way before) left the time of SmolLM2-135M's 30 layers at batch 32, context ~220, blocks as
+// the engine had placed them, at 19-21 ms where the same calls from cache take 7; asking
+// whole items ahead in one burst changed nothing. A plain read of those blocks moves 11.5 GB/s
+// unasked, 12 asked into L1, 17-18 asked into L2 4-16 runs ahead (one thread, a 2-core Zen 4
+// EPYC).
+template <typename T>
+class Ahead {
+ public:
+  static constexpr int64_t AHEAD = 16;
+
+  Ahead(const Problem<T>& pr, int64_t begin, int64_t end, int64_t dim)
+      : bytes_(std::min(PIECE, pr.block_size) * dim * static_cast<int64_t>(sizeof(T))) {
+    const int64_t bs = pr.block_size;
+    int64_t count = 0;
+    for (int64_t item = begin; item < end; ++item)
+      count += 2 * ((pr.lens[item / pr.kv_heads] + bs - 1) / bs) * ((bs + PIECE - 1) / PIECE);
+    runs_.reserve(count);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / pr.kv_heads, h = item % pr.kv_heads, len = pr.lens[b];
+      for (const T* cache : {pr.k, pr.v})  // as for_each_row and its kin walk them
+        for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
+          const T* rows = cache + ((h * pr.num_blocks + pr.tables[b * pr.width + slot]) * bs) * dim;
+          for (int64_t j = 0; j < std::min(bs, len - t0); j += PIECE)
+            runs_.push_back(reinterpret_cast<const char*>(rows + j * dim));
+        }
+    }
+    for (int64_t i = 0; i < AHEAD; ++i) ask();
+  }
+  void next() { ask(); }
+
+ private:
+  void ask() {
+    if (at_ >= runs_.size()) return;
+    const char* run = runs_[at_++];
+    for (int64_t at = 0; at < bytes_; at += 64) __builtin_prefetch(run + at, 0, 2);  // into L2
+  }
+  const int64_t bytes_;
+  std::vector<const char*> runs_;
+  size_t at_ = 0;
+};
+
 // Calls row(t, pointer) for positions t = 0 .. len - 1 of sequence b's KV head h in `cache`,
-// walking its block table.
+// walking its block table, with ahead.next() as each run of PIECE rows starts.
 template <typename T, typename Row>
 inline void for_each_row(const Problem<T>& pr, const T* cache, int64_t b, int64_t h, int64_t len,
-                         int64_t dim, Row&& row) {
+                         int64_t dim, Ahead<T>& ahead, Row&& row) {
   const int64_t bs = pr.block_size;
   for (int64_t t0 = 0, slot = 0; t0 < len; t0 += bs, ++slot) {
     const int64_t block = pr.tables[b * pr.width + slot];
     const T* rows = cache + ((h * pr.num_blocks + block) * bs) * dim;
     const int64_t n = std::min(bs, len - t0);
-    for (int64_t j = 0; j < n; ++j) row(t0 + j, rows + j * dim);
-  }
-}
-
-// Asks for KV head h's rows of `block` in `cache` ahead of their use (`locality` as
-// __builtin_prefetch's: 3 into L1, 2 into L2). A sequence's blocks lie anywhere in the cache,
-// 16 rows (2 KB of bf16 keys) each: too short a run for the hardware prefetchers, which left
-// the AVX-512 path at 0.63-0.67 ms per layer where this gives 0.44-0.45 (SmolLM2-135M's shapes,
-// batch 32, context 114-176, blocks scattered over the cache, one thread, a 2-core Xeon).
-template <typename T>
-inline void prefetch_block(const Problem<T>& pr, const T* cache, int64_t block, int64_t h,
-                           int64_t dim, int locality) {
-  const char* start =
-      reinterpret_cast<const char*>(cache + ((h * pr.num_blocks + block) * pr.block_size) * dim);
-  const int64_t bytes = pr.block_size * dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t at = 0; at < bytes; at += 64) {
-    if (locality == 3) {
-      __builtin_prefetch(start + at, 0, 3);
-    } else {
-      __builtin_prefetch(start + at, 0, 2);
+    for (int64_t j = 0; j < n; ++j) {
+      if (j % PIECE == 0) ahead.next();
+      row(t0 + j, rows + j * dim);
     }
   }
 }
@@ -87,14 +119,14 @@ inline void prefetch_block(const Problem<T>& pr, const T* cache, int64_t block, 
 // registers); 0 means "read it from the problem" (any other shape).
 template <typename T, int DIM, int GROUP>
 void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int64_t group_rt,
-                std::vector<float>& scores, std::vector<float>& acc_rt) {
+                std::vector<float>& scores, std::vector<float>& acc_rt, Ahead<T>& ahead) {
   const int64_t dim = DIM ? DIM : dim_rt;
   const int64_t group = GROUP ? GROUP : group_rt;
   const int64_t len = pr.lens[b];
   const float* __restrict query = pr.q + (b * pr.heads + h * group) * dim;
   scores.resize(group * len);
   float* __restrict sc = scores.data();
-  for_each_row(pr, pr.k, b, h, len, dim, [&](int64_t t, const T* __restrict key) {
+  for_each_row(pr, pr.k, b, h, len, dim, ahead, [&](int64_t t, const T* __restrict key) {
     for (int64_t g = 0; g < group; ++g) {
       const float* __restrict qg = query + g * dim;
       float dot = 0.f;
@@ -119,7 +151,7 @@ void attend_one(const Problem<T>& pr, int64_t b, int64_t h, int64_t dim_rt, int6
   float acc_fixed[(DIM && GROUP) ? DIM * GROUP : 1];
   float* __restrict acc = (DIM && GROUP) ? acc_fixed : acc_rt.data();
   for (int64_t i = 0; i < group * dim; ++i) acc[i] = 0.f;
-  for_each_row(pr, pr.v, b, h, len, dim, [&](int64_t t, const T* __restrict value) {
+  for_each_row(pr, pr.v, b, h, len, dim, ahead, [&](int64_t t, const T* __restrict value) {
     for (int64_t g = 0; g < group; ++g) {
       const float p = sc[g * len + t];
       float* __restrict a = acc + g * dim;
@@ -151,7 +183,7 @@ inline int64_t pair_room(int64_t len) { return (len + 32) / 2; }
 // 0.20).
 template <int DIM, int GROUP>
 void weigh_pairs(const Problem<c10::BFloat16>& pr, int64_t b, int64_t h, int64_t len,
-                 const float* sc, const float* total, float* room) {
+                 const float* sc, const float* total, float* room, Ahead<c10::BFloat16>& ahead) {
   constexpr int NP = DIM / 32;
   const int64_t stride = 2 * pair_room(len);
   uint16_t* probs = reinterpret_cast<uint16_t*>(room);
@@ -182,6 +214,7 @@ void weigh_pairs(const Problem<c10::BFloat16>& pr, int64_t b, int64_t h, int64_t
                            ((h * pr.num_blocks + block) * bs) * DIM;
     const int64_t n = std::min(bs, len - t0);
     for (int64_t j = 0; j < n; j += 2) {
+      if (j % PIECE == 0) ahead.next();
       const uint16_t* first = rows + j * DIM;
       const uint16_t* second = j + 1 < n ? first + DIM : zeros;
       __m512i low[NP], high[NP];
@@ -228,7 +261,7 @@ void weigh_pairs(const Problem<c10::BFloat16>& pr, int64_t b, int64_t h, int64_t
 // summation order differs from the scalar path.
 template <typename T, int DIM, int GROUP>
 void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
-                   std::vector<float>& scores, std::vector<float>&) {
+                   std::vector<float>& scores, std::vector<float>&, Ahead<T>& ahead) {
   constexpr int NV = DIM / 16;
   const int64_t len = pr.lens[b], bs = pr.block_size;
   const float* query = pr.q + (b * pr.heads + h * GROUP) * DIM;
@@ -264,10 +297,9 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
     const int64_t block = pr.tables[b * pr.width + slot];
     const T* rows = pr.k + ((h * pr.num_blocks + block) * bs) * DIM;
     const int64_t n = std::min(bs, len - t0);
-    if (t0 + bs < len) prefetch_block(pr, pr.k, pr.tables[b * pr.width + slot + 1], h, DIM, 3);
-    prefetch_block(pr, pr.v, block, h, DIM, 2);  // read after the softmax: into L2
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - j0);
+    for (int64_t j0 = 0; j0 < n; j0 += PIECE) {
+      ahead.next();
+      const int64_t m = std::min<int64_t>(PIECE, n - j0);
       if (!pairs)
         for (int64_t j = 0; j < m; ++j)
           for (int i = 0; i < NV; ++i)
@@ -325,7 +357,7 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && DIM % 32 == 0) {
     if (pairs) {
-      weigh_pairs<DIM, GROUP>(pr, b, h, len, sc, total, sc + GROUP * len + 16);
+      weigh_pairs<DIM, GROUP>(pr, b, h, len, sc, total, sc + GROUP * len + 16, ahead);
       return;
     }
   }
@@ -333,7 +365,7 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
   __m512 acc[GROUP][NV];
   for (int g = 0; g < GROUP; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
-  for_each_row(pr, pr.v, b, h, len, DIM, [&](int64_t t, const T* value) {
+  for_each_row(pr, pr.v, b, h, len, DIM, ahead, [&](int64_t t, const T* value) {
     __m512 vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = load16(value + 16 * i);
     for (int g = 0; g < GROUP; ++g) {
@@ -354,7 +386,7 @@ void attend_avx512(const Problem<T>& pr, int64_t b, int64_t h, int64_t, int64_t,
 
 template <typename T>
 using Attend = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t,
-                        std::vector<float>&, std::vector<float>&);
+                        std::vector<float>&, std::vector<float>&, Ahead<T>&);
 
 template <typename T, int DIM>
 Attend<T> pick_group(int64_t group) {
@@ -393,13 +425,9 @@ void run(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * dim);
-    for (int64_t item = begin; item < end; ++item) {
-      if (item + 1 < end) {  // the next pair's first keys while this one computes
-        const int64_t next_b = (item + 1) / kv_heads;
-        prefetch_block(pr, pr.k, pr.tables[next_b * pr.width], (item + 1) % kv_heads, dim, 3);
-      }
-      attend(pr, item / kv_heads, item % kv_heads, dim, group, scores, acc);
-    }
+    Ahead<T> ahead(pr, begin, end, dim);
+    for (int64_t item = begin; item < end; ++item)
+      attend(pr, item / kv_heads, item % kv_heads, dim, group, scores, acc, ahead);
   });
 }
 

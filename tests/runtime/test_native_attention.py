@@ -88,17 +88,19 @@ def test_kernel_matches_gather_and_sdpa(kv_heads: int, group: int, dim: int) -> 
 
 @pytest.mark.parametrize("bf16_query", [False, True])
 @pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 2, 80), (1, 8, 128)])
+@pytest.mark.parametrize("block_size", [16, 8, 40])
 def test_kernel_reads_a_bfloat16_cache_as_its_float32_values(
-    kv_heads: int, group: int, dim: int, bf16_query: bool
+    kv_heads: int, group: int, dim: int, bf16_query: bool, block_size: int
 ) -> None:
     """bf16_query: the queries of a bf16 model, whose scores and weighted values run on bf16
-    dot products where the CPU has them (AVX512-BF16)."""
+    dot products where the CPU has them (AVX512-BF16). Blocks of 8 and 40 rows: the kernel
+    walks (and asks ahead for) runs of 16 rows, a block's last run a partial one."""
     generator = torch.Generator().manual_seed(7)
-    shape = (kv_heads, 32, 16, dim)
+    shape = (kv_heads, 32, block_size, dim)
     k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
     v_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
     tables = torch.randperm(32, generator=generator)[:12].view(3, 4)
-    lens = torch.tensor([1, 23, 64])
+    lens = torch.tensor([1, 23, 4 * block_size])
     q = torch.randn(3, kv_heads * group, dim, generator=generator)
     if bf16_query:
         q = q.bfloat16().float()

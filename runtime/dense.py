@@ -1,9 +1,10 @@
 """DenseLinear: the unquantised layer, and the copies of its weight it keeps on CPU.
 
 The weight is held once in oneDNN's blocked layout where oneDNN runs its dtype, and beside
-it, for calls of a few rows, in kiln's AMX tiles, pairs or bf16 panels (runtime/csrc/), in
-huge pages (allocator.in_huge_pages); which copy serves which row count, and why, is
-DenseLinear's docstring. The module-level switches turn
+it, for calls of a few rows, in kiln's AMX tiles or bf16 panels (runtime/csrc/); on CPUs with
+AVX512-BF16 but no AMX once, in kiln's pairs. kiln's copies sit in huge pages
+(allocator.in_huge_pages); which copy serves which row count, and why, is DenseLinear's
+docstring. The module-level switches turn
 each copy off for the benchmarks that compare them (tests/benchmarks/runtime_dtype.py).
 """
 
@@ -36,21 +37,25 @@ class DenseLinear(Linear):
       GB/s when few rows meet it, where a stream of tile loads nears the core's read
       bandwidth (SmolLM2-135M's shapes, one thread, a 2-core Xeon with AMX: a decode step's
       projections at 32 rows 28-32 vs 40-45 ms, at one row 19-25 vs 26-36 ms).
-    - bfloat16 where oneDNN runs bf16 without AMX (AVX512-BF16): up to `DPBF16_MAX_ROWS`
-      rows run on kiln's AVX512-BF16 kernel (runtime/csrc/dpbf16_linear.cpp), which holds a
-      second copy of the weight in pairs of k; more rows on oneDNN's packed weight. oneDNN's
-      bf16 GEMM leaves the dot-product units a quarter idle at a decode step's row counts and
-      carries a fixed cost per call (SmolLM2-135M's shapes, one thread, a 2-core Zen 4 EPYC,
-      tests/benchmarks/runtime_linear.py: a step's projections at 32 rows 43.8 vs 49.9 ms, at
-      8 rows 15.7 vs 21.7, at 2 rows 10.0 vs 23.0, at one row 11.3 vs 20.6). The LM head too:
-      a whole decode step with it on the pairs vs on oneDNN, two engines stepped in turn
-      (medians of 80), at 32 rows 60.6 vs 62.7 ms, at 8 rows 20.6 vs 21.9; the greedy head's
-      int8 screen recomputes its candidates from the pairs (greedy_head.py). Where the kiln
-      kernels do not load, every row count runs on oneDNN.
-    - Either way such a layer holds its weight twice (bf16 both times), so the few-row
-      copies of a process stay within 1/`ONE_ROW_MEMORY_SHARE` of the machine's memory;
-      layers past it (a model too large for it) hold one copy and run every row count on
-      oneDNN.
+    - bfloat16 on CPUs with AVX512-BF16 but no AMX: every row count runs on kiln's
+      AVX512-BF16 kernel (runtime/csrc/dpbf16_linear.cpp), whose pairs of k are the layer's
+      only copy. oneDNN's bf16 GEMM leaves the dot-product units a quarter idle at a decode
+      step's row counts and carries a fixed cost per call (SmolLM2-135M's shapes, one thread,
+      a 2-core Zen 4 EPYC, tests/benchmarks/runtime_linear.py: a step's projections at 32
+      rows 43.8 vs 49.9 ms, at 8 rows 15.7 vs 21.7, at 2 rows 10.0 vs 23.0, at one row 11.3
+      vs 20.6). The LM head too: a whole decode step with it on the pairs vs on oneDNN, two
+      engines stepped in turn (medians of 80), at 32 rows 60.6 vs 62.7 ms, at 8 rows 20.6 vs
+      21.9; the greedy head's int8 screen recomputes its candidates from the pairs
+      (greedy_head.py). At prefill sizes the kernel matches or passes oneDNN (a whole prefill
+      step of 512 tokens, same EPYC, medians of alternate steps: one thread 565 vs 583 ms,
+      two 304 vs 316; of 2048 tokens 2342 vs 2375 and 1161 vs 1173), so oneDNN's packed copy
+      is not kept: the weight is held once. `DPBF16_ONLY` False keeps it beside the pairs,
+      which then serve up to `DPBF16_MAX_ROWS` rows (the benchmarks compare both).
+    - Where kiln's few-row copy sits beside oneDNN's (AMX tiles, single-row panels, pairs
+      with `DPBF16_ONLY` False) the layer holds its weight twice (bf16 both times), so the
+      few-row copies of a process stay within 1/`ONE_ROW_MEMORY_SHARE` of the machine's
+      memory; layers past it (a model too large for it) hold one copy and run every row
+      count on oneDNN.
     - bfloat16 where oneDNN does not (no AVX512-BF16 or AMX) but AVX2 and FMA are there:
       kiln's own kernel (runtime/csrc/bf16_linear.cpp) keeps the weight bf16 in panels,
       widens it in registers and accumulates in float32, holding the weight once. torch's
@@ -73,11 +78,15 @@ class DenseLinear(Linear):
         self.bias = bias_of(w, dtype, device)
         self.out_features = w.out_features
         self.in_features = w.in_features
-        self.packed = _onednn_pack(weight)
         self.panels: torch.Tensor | None = None
         self.amx: torch.Tensor | None = None
         self.pairs: torch.Tensor | None = None
-        if self.packed is None:
+        # the pairs alone where the CPU has AVX512-BF16 but no AMX (with AMX: its tiles)
+        only_pairs = DPBF16_ONLY and _dpbf16_serves(weight) and not native.amx_kernels_available()
+        self.packed = None if only_pairs else _onednn_pack(weight)
+        if only_pairs:
+            self.pairs = _dpbf16_pack(weight)
+        elif self.packed is None:
             self.panels = _bf16_panels(weight)
         elif _amx_serves(weight):
             self.amx = _few_rows_copy(self, weight, _amx_pack)
@@ -86,11 +95,13 @@ class DenseLinear(Linear):
         else:
             self.panels = _few_rows_copy(self, weight, _bf16_panels)
         # Rows up to which kiln's kernel serves the layer: every row count where it holds the
-        # only copy, a single row beside oneDNN's packed weight.
+        # only copy, a single row (panels) or DPBF16_MAX_ROWS (pairs) beside oneDNN's weight.
         self.panel_max_rows = 1 if self.packed is not None else torch.iinfo(torch.int64).max
+        self.pair_max_rows = DPBF16_MAX_ROWS if self.packed is not None else self.panel_max_rows
         self.packed_min_rows = self.PACKED_MIN_ROWS
         self.weight: torch.Tensor | None = weight
-        if self.panels is not None or (self.packed is not None and dtype == torch.bfloat16):
+        kiln_copy = self.panels is not None or self.pairs is not None
+        if kiln_copy or (self.packed is not None and dtype == torch.bfloat16):
             self.packed_min_rows, self.weight = 0, None
         elif self.packed is not None:
             self.weight = weight.t().contiguous().t()
@@ -99,7 +110,7 @@ class DenseLinear(Linear):
         rows = x.shape[0]
         if self.amx is not None and rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
             return torch.ops.kiln.amx_linear(x, self.amx, self.out_features, self.bias)
-        if self.pairs is not None and rows <= DPBF16_MAX_ROWS and x.dtype == torch.bfloat16:
+        if self.pairs is not None and rows <= self.pair_max_rows:
             return torch.ops.kiln.dpbf16_linear(x, self.pairs, self.out_features, self.bias)
         if self.panels is not None and rows <= self.panel_max_rows:
             return torch.ops.kiln.bf16_linear(x, self.panels, self.out_features, self.bias)
@@ -123,9 +134,11 @@ ONE_ROW_PANELS = True
 # AMX_MAX_ROWS rows, in place of the single-row panels (False: as on CPUs without AMX).
 AMX_LINEAR = True
 AMX_MAX_ROWS = 64
-# Beside oneDNN's packed bf16 weight on CPUs with AVX512-BF16 but no AMX, kiln's pairs for
-# calls of up to DPBF16_MAX_ROWS rows, in place of the single-row panels (False: as before).
+# On CPUs with AVX512-BF16 but no AMX, kiln's pairs (False: oneDNN's packed weight beside
+# single-row panels, as before). DPBF16_ONLY: the pairs are the only copy and serve every row
+# count (False: beside oneDNN's packed weight, for calls of up to DPBF16_MAX_ROWS rows).
 DPBF16_LINEAR = True
+DPBF16_ONLY = True
 DPBF16_MAX_ROWS = 64
 # The few-row copies (panels, pairs or AMX tiles) of all layers in a process stay within 1/this of
 # physical memory.
@@ -173,11 +186,12 @@ def _amx_serves(weight: torch.Tensor) -> bool:
 
 
 def _dpbf16_serves(weight: torch.Tensor) -> bool:
-    """Whether a bf16 CPU weight beside oneDNN's copy gets kiln's pairs for few rows."""
+    """Whether a bf16 CPU weight can get kiln's pairs (the CPU has AVX512-BF16)."""
     return (
         DPBF16_LINEAR
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
         and native.dpbf16_kernels_available()
     )
 

@@ -116,7 +116,7 @@ class GreedyHead:
         if head.amx is not None:
             held_rows = dense.AMX_MAX_ROWS
         elif head.pairs is not None:
-            held_rows = dense.DPBF16_MAX_ROWS
+            held_rows = head.pair_max_rows
         else:
             held_rows = head.panel_max_rows
         self.max_rows = min(MAX_ROWS, held_rows)

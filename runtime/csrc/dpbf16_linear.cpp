@@ -36,6 +36,7 @@ namespace {
 constexpr int64_t PANEL = 64;     // output columns per panel: four vectors of 16
 constexpr int64_t MAX_R = 5;      // rows per tile: 20 accumulators, 4 weights, a broadcast
 constexpr int64_t K_PAIRS = 768;  // pairs of k per block: 192 KB of a panel
+constexpr int64_t CHUNK_ROWS = 120;  // from here a call on several threads is split by rows
 constexpr int64_t SPREAD_MIN_ROWS = 20;  // from here the next panel's lines are spread over tiles
 
 bool dpbf16_ready() {
@@ -109,10 +110,22 @@ void linear(const uint16_t* x, int64_t M, int64_t KP, const uint16_t* packed, co
             c10::BFloat16* out, int64_t N) {
   const int64_t panels = (N + PANEL - 1) / PANEL;
   const int64_t ldx = 2 * KP;
-  // Threads split the output columns, so each reads its own part of the weight.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M * PANEL);
-    for (int64_t p = begin; p < end; ++p) {
+  // Threads split the output columns, so each reads its own part of the weight. With more
+  // than one thread, a call of more than CHUNK_ROWS rows (a prefill) is split by rows
+  // instead, one run of rows a thread: a projection of few panels (9 for SmolLM2-135M's 576
+  // outputs) leaves a thread idle a tenth of the time when split by columns.
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = threads > 1 && M > CHUNK_ROWS
+                            ? ((M + threads - 1) / threads + MAX_R - 1) / MAX_R * MAX_R
+                            : M;
+  const int64_t chunks = M == 0 ? 0 : (M + chunk - 1) / chunk;
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(chunk * PANEL);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item % panels, m_first = item / panels * chunk;
+      const int64_t rows = std::min(chunk, M - m_first);  // this item's rows of x
+      const uint16_t* xs = x + m_first * ldx;
+      c10::BFloat16* outs = out + m_first * N;
       const uint16_t* panel = packed + p * KP * 2 * PANEL;
       // The next panel is asked for while this one computes. A single row streams the
       // weight: a pair's four lines of the next panel into L2 with each pair of this one (30
@@ -126,25 +139,25 @@ void linear(const uint16_t* x, int64_t M, int64_t KP, const uint16_t* packed, co
       // 0.168 either way; a 32-row decode step in the engine 64.9 -> 63.0 ms). Between 2 and
       // 19 rows every way of asking tried (in the panel, in bursts, spread) was neutral or
       // up to a fifth slower.
-      const bool more = p + 1 < end;
-      const uint16_t* next = M == 1 && more ? panel + KP * 2 * PANEL : nullptr;
-      const bool spread = M >= SPREAD_MIN_ROWS && more;
-      const int64_t tiles = (M + MAX_R - 1) / MAX_R;
+      const bool more = item + 1 < end && p + 1 < panels;  // the same rows' next panel
+      const uint16_t* next = rows == 1 && more ? panel + KP * 2 * PANEL : nullptr;
+      const bool spread = rows >= SPREAD_MIN_ROWS && more;
+      const int64_t tiles = (rows + MAX_R - 1) / MAX_R;
       for (int64_t p0 = 0; p0 < KP; p0 += K_PAIRS) {
         const int64_t p1 = std::min(KP, p0 + K_PAIRS);
         const char* block = reinterpret_cast<const char*>(panel + (KP + p0) * 2 * PANEL);
         const int64_t lines = spread ? (p1 - p0) * 4 : 0;  // of the next panel's block
-        for (int64_t m = 0, t = 0; m < M; m += MAX_R, ++t) {
+        for (int64_t m = 0, t = 0; m < rows; m += MAX_R, ++t) {
           const int64_t first_line = lines * t / tiles, last_line = lines * (t + 1) / tiles;
-          rows_tile(std::min(MAX_R, M - m), x + m * ldx, ldx, panel, p0, p1,
+          rows_tile(std::min(MAX_R, rows - m), xs + m * ldx, ldx, panel, p0, p1,
                     acc.data() + m * PANEL, p0 == 0, next,
                     spread ? block + 64 * first_line : nullptr, last_line - first_line);
         }
       }
       const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
-      for (int64_t m = 0; m < M; ++m) {
+      for (int64_t m = 0; m < rows; ++m) {
         const float* a = acc.data() + m * PANEL;
-        c10::BFloat16* row = out + m * N + n0;
+        c10::BFloat16* row = outs + m * N + n0;
         for (int64_t c = 0; c < width; ++c)
           row[c] = kiln_simd::narrow<c10::BFloat16>(bias ? a[c] + bias[n0 + c] : a[c]);
       }

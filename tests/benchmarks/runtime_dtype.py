@@ -69,19 +69,21 @@ def build(
     """An engine; `before`: bf16 without packed weights, kiln's bf16 kernel or the native
     decode kernel; `onednn=False`: bf16 on kiln's bf16 kernel even where oneDNN runs bf16;
     `one_row=False`: where oneDNN runs bf16, few rows on it too (no panels or AMX tiles
-    beside); `amx=False`: single rows on kiln's panels even where the CPU has AMX."""
+    beside, and no pairs on CPUs with AVX512-BF16); `amx=False`: single rows on kiln's panels
+    even where the CPU has AMX."""
     attention.NATIVE_DECODE = not before
     packed_bf16 = not before and onednn
     dense.PACKED_DTYPES = (torch.float32, torch.bfloat16) if packed_bf16 else (torch.float32,)
     dense.BF16_PANELS = not before
     dense.ONE_ROW_PANELS = one_row
     dense.AMX_LINEAR = amx
+    dense.DPBF16_LINEAR = one_row and packed_bf16
     try:
         return Engine.from_pretrained(path, max_num_seqs=32, max_model_len=300, dtype=dtype)
     finally:
         attention.NATIVE_DECODE = True
         dense.PACKED_DTYPES = (torch.float32, torch.bfloat16)
-        dense.BF16_PANELS = dense.ONE_ROW_PANELS = dense.AMX_LINEAR = True
+        dense.BF16_PANELS = dense.ONE_ROW_PANELS = dense.AMX_LINEAR = dense.DPBF16_LINEAR = True
 
 
 def single(engine: Engine, tokens: int) -> float:

@@ -13,7 +13,7 @@ F.linear on the plain weight (oneDNN re-blocks it on every call); and, where kil
 kernels load, kiln's bf16 kernel on its panels (runtime/csrc/bf16_linear.cpp: the runtime's
 choice on AVX2 CPUs without native bf16; on CPUs with it, the column says whether it would
 beat oneDNN there); where the CPU has AVX512-BF16, kiln's kernel on its pairs of k
-(dpbf16_linear.cpp: the runtime's choice for few rows there without AMX); and where the CPU
+(dpbf16_linear.cpp: the runtime's choice for every row count there without AMX); and where the CPU
 has AMX, kiln's AMX kernel (amx_linear.cpp). Layers
 cycle through enough copies of their weight (256 MB: more than a server CPU's last-level
 cache) that one call never finds the previous call's weight in the caches, as in a decode step

@@ -38,22 +38,22 @@ def test_bf16_layer_packs_for_onednn_with_panels_for_one_row_and_computes_f_line
 ) -> None:
     w = weights(96, 64, bias)
     layer = DenseLinear(w, torch.bfloat16, CPU)
-    assert layer.weight is None and layer.packed is not None  # no plain float copy
+    assert layer.weight is None  # no plain float copy
     if native.amx_kernels_available():  # few rows on kiln's AMX kernel, its tiles beside
-        assert layer.amx is not None and layer.panels is None
+        assert layer.amx is not None and layer.panels is None and layer.packed is not None
         assert layer.weight_bytes() == layer.amx.nbytes + (96 * 2 if bias else 0)
-    elif native.dpbf16_kernels_available():  # few rows on kiln's AVX512-BF16 kernel
-        assert layer.pairs is not None and layer.panels is None
+    elif native.dpbf16_kernels_available():  # every row count on kiln's AVX512-BF16 kernel
+        assert layer.pairs is not None and layer.panels is None and layer.packed is None
         assert layer.weight_bytes() == layer.pairs.nbytes + (96 * 2 if bias else 0)
     elif native.avx2_kernels_available():  # single rows on kiln's kernel, its panels beside
-        assert layer.panels is not None and layer.panel_max_rows == 1
+        assert layer.panels is not None and layer.panel_max_rows == 1 and layer.packed is not None
         assert layer.weight_bytes() == layer.panels.nbytes + (96 * 2 if bias else 0)
     else:
         assert layer.panels is None
         assert layer.weight_bytes() == 96 * 64 * 2 + (96 * 2 if bias else 0)
     weight = w.weight.bfloat16()
     b = None if w.bias is None else w.bias.bfloat16()
-    for rows in (0, 1, 3, 4, 32, dense.AMX_MAX_ROWS + 1, dense.DPBF16_MAX_ROWS + 1):
+    for rows in (0, 1, 3, 4, 32, dense.AMX_MAX_ROWS + 1, dense.DPBF16_MAX_ROWS + 1, 300):
         x = torch.randn(rows, 64).bfloat16()
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
@@ -67,6 +67,7 @@ def test_single_row_copies_stay_within_their_share_of_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(dense, "DPBF16_ONLY", False)  # pairs beside oneDNN's packed weight
     gc.collect()
     held = dense._one_row_held[0]
     # A budget with room for one 96 x 64 bf16 weight's copy (two panels of 64 columns, or

@@ -32,8 +32,8 @@ VOCAB, HIDDEN = 8192, 576
 def copy_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """The copy of the head the screen recomputes from: kiln's panels (bf16 layers on kiln's
     kernel, also on CPUs whose oneDNN computes bf16), kiln's AMX tiles beside oneDNN's packed
-    weight (the runtime's choice on CPUs with AMX), or kiln's AVX512-BF16 pairs beside it
-    (the runtime's choice on CPUs with AVX512-BF16 but no AMX)."""
+    weight (the runtime's choice on CPUs with AMX), or kiln's AVX512-BF16 pairs, the layer's
+    only copy (the runtime's choice on CPUs with AVX512-BF16 but no AMX)."""
     if request.param == "amx" and not native.amx_kernels_available():
         pytest.skip("kiln's AMX kernels need a CPU with AMX-BF16")
     if request.param == "pairs" and not native.dpbf16_kernels_available():
@@ -41,6 +41,7 @@ def copy_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "panels":
             patch.setattr(dense, "PACKED_DTYPES", (torch.float32,))
+            patch.setattr(dense, "DPBF16_LINEAR", False)
         else:
             patch.setattr(dense, "PACKED_DTYPES", (torch.float32, torch.bfloat16))
             patch.setattr(dense, "AMX_LINEAR", request.param == "amx")

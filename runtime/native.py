@@ -4,8 +4,9 @@ Hand-written where no installable library does the job on a CPU box (see each so
 header): single-token attention read straight from the paged KV cache, the decoder's
 fused elementwise steps (residual add + RMSNorm, silu * up, rotary embedding), the
 W4A16 layer's one-pass int4 dequantisation for prefill and its decode kernel for CPUs
-without AVX-512, the bf16-weight linear layer for CPUs without native bf16 (and its AMX and
-AVX512-BF16 forms for decode-sized row counts on CPUs with those), a whole prompt chunk's
+without AVX-512, the bf16-weight linear layer for CPUs without native bf16 (its AMX form for
+decode-sized row counts on CPUs with AMX, its AVX512-BF16 form for every row count on CPUs
+with that but no AMX), a whole prompt chunk's
 causal attention in bf16 on AMX or AVX512-BF16, the int8 screen of a greedy step's LM head
 (greedy_head.py), and W8A8's activation quantisation and output scaling (int8_act.cpp). The
 build uses torch's extension builder (a C++ compiler and ninja; ninja is a dependency), once per

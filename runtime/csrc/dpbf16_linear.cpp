@@ -1,5 +1,6 @@
-// kiln runtime: y = x W^T (+ b) for bfloat16 x and W on CPUs with AVX512-BF16 but no AMX, for
-// calls of a few rows (decode steps).
+// kiln runtime: y = x W^T (+ b) for bfloat16 x and W on CPUs with AVX512-BF16 but no AMX, at
+// every row count: its pairs are a bf16 layer's only copy there (runtime/dense.py). At
+// prefill sizes it matches or passes oneDNN's GEMM, so the weight is not held twice.
 //
 // Hand-written because oneDNN's bf16 GEMM, what torch runs on such a CPU, leaves a quarter of
 // the core's bf16 dot-product rate unused at a decode step's row counts: SmolLM2-135M's

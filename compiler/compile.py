@@ -2,7 +2,7 @@
 
 Each stage is keyed by a hash of its inputs (compiler/stages.py); one pipeline
 (compiler/pipeline.py) runs the model and its speculative draft alike; the artifact is
-assembled in a hidden directory and renamed into place (runtime/artifact).
+assembled in a hidden directory and renamed into place (runtime/formats/artifact).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.draft.speculation import Speculation, compile_draft
 from kiln.compiler.leftovers import sweep_output, sweep_user_cache
 from kiln.compiler.pipeline import ModelBuild, ModelJob, Progress, build_model, fill_artifact
 from kiln.compiler.preflight import Preflight, run_preflight
-from kiln.compiler.recipe import load_recipe
-from kiln.compiler.speculative import Speculation, compile_draft
+from kiln.compiler.recipe.schema import load_recipe
 from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
 from kiln.compiler.trtllm.deploy import (
     TargetContext,
@@ -24,10 +24,10 @@ from kiln.compiler.trtllm.deploy import (
     target_failures,
     write_target,
 )
-from kiln.runtime import artifact
-from kiln.runtime.artifact import Manifest
-from kiln.runtime.user_cache import cache_home
-from kiln.runtime.versions import COMPILE_TOOLS, versions
+from kiln.runtime.base.cache import cache_home
+from kiln.runtime.base.versions import COMPILE_TOOLS, versions
+from kiln.runtime.formats import artifact
+from kiln.runtime.formats.artifact import Manifest
 
 
 @dataclass

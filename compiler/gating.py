@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.compile import CompileResult
-from kiln.compiler.recipe import Recipe
+from kiln.compiler.recipe.schema import Recipe
 from kiln.compiler.stages import input_key
-from kiln.gates.config import GatesSection
-from kiln.gates.registry import Registry
-from kiln.gates.sides import SideSpec, resolve_side
-from kiln.runtime import artifact
-from kiln.runtime.artifact import GateRecord
-from kiln.runtime.errors import ArtifactError, UsageError
+from kiln.gates.measure.sides import SideSpec, resolve_side
+from kiln.gates.releases import Registry
+from kiln.gates.settings import GatesSection
+from kiln.runtime.base.errors import ArtifactError, UsageError
+from kiln.runtime.formats import artifact
+from kiln.runtime.formats.artifact import GateRecord
 
 GATE_REPORTS_DIR = "gate-reports"
 
@@ -102,8 +102,8 @@ def gate_compiled(
     gates = recipe.config.gates
     if gates is None:
         return None
-    from kiln.gates.gate import run_gate
-    from kiln.gates.verdict import GATE_JSON
+    from kiln.gates.decide.verdict import GATE_JSON
+    from kiln.gates.run import run_gate
 
     say = progress or (lambda _msg: None)
     path = result.artifact

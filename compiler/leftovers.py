@@ -31,12 +31,12 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from kiln.compiler.stages import CACHE_DIR
-from kiln.runtime.artifact import MANIFEST_TEMPORARIES
+from kiln.runtime.formats.artifact import MANIFEST_TEMPORARIES
 
 # Paths under an output directory, one pattern per component, matched without following links.
 OUTPUT_TEMPORARIES = (
     (CACHE_DIR, "*", ".*.partial"),  # a stage's work directory (compiler/stages.py)
-    (".*.partial",),  # an artifact being assembled (runtime/artifact.assemble)
+    (".*.partial",),  # an artifact being assembled (runtime/formats/artifact.assemble)
 )
 # Per-user cache folders and the temporaries in each (compiler/sources).
 USER_TEMPORARIES = (

@@ -4,7 +4,7 @@
 one function, so both get the same behaviour (pre-quantised sources converted as they are,
 stage timings, hard-linked outputs, a cached source whose files were deleted rebuilt). A
 stage writes only into its own cache directory (compiler/stages.py); the package step
-publishes an artifact (runtime/artifact) and returns where it landed.
+publishes an artifact (runtime/formats/artifact) and returns where it landed.
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ from typing import Any
 from kiln.compiler import sources
 from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for
-from kiln.quant import calibration, prequantized, schemes
-from kiln.quant.prequantized import PreQuantized
+from kiln.quant import calibration, schemes
+from kiln.quant.prequantized import convert as prequantized
+from kiln.quant.prequantized.convert import PreQuantized
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime import artifact
-from kiln.runtime.artifact import (
+from kiln.runtime.formats import artifact
+from kiln.runtime.formats.artifact import (
     ExportRecord,
     Manifest,
     SchemeRecord,
     SourceRecord,
     StageRecord,
 )
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.formats.model_info import ModelInfo
 
 Progress = Callable[[str], None]
 REPORT_FILE = "quantization.json"
@@ -175,14 +176,14 @@ def build_model(
     quant_key = input_key("quantize", digest, dataclasses.asdict(job.spec), calib_inputs, tools)
 
     def run_quantize(out: Path) -> dict[str, Any]:
-        from kiln import quant
         from kiln.quant.logs import route_library_logs_to_stderr
+        from kiln.quant.quantize import quantize
 
         route_library_logs_to_stderr()
         (out / "model").mkdir()
         if job.imported is not None:
             return prequantized.convert(model_dir, out / "model").to_dict()
-        scheme = quant.quantize(model_dir, job.spec, job.calibration, out / "model",
+        scheme = quantize(model_dir, job.spec, job.calibration, out / "model",
                                 progress=progress)  # fmt: skip
         return scheme.to_dict()
 
@@ -223,9 +224,8 @@ def _report(
     key = input_key("report", build.quant_key, calib_inputs, calibration_inputs(spec, True))
 
     def run_report(out: Path) -> dict[str, Any]:
+        from kiln.quant.layer_report import quantization_report
         from transformers import AutoTokenizer
-
-        from kiln.quant.report import quantization_report
 
         if job.imported is not None:
             reason = "imported pre-quantised checkpoint: there is no float model to compare with"

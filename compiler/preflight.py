@@ -13,17 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.compiler import sources
-from kiln.compiler.planner import Plan, plan
-from kiln.compiler.recipe import Recipe, load_recipe
-from kiln.compiler.speculative import SpeculativePlan, check_speculative
+from kiln.compiler.draft.speculation import SpeculativePlan, check_speculative
+from kiln.compiler.recipe.schema import Recipe, load_recipe
 from kiln.compiler.stages import output_problem
-from kiln.compiler.targets import PROFILES, check_target
-from kiln.quant import calibration, prequantized, schemes
+from kiln.compiler.trtllm.capacity import Plan, plan
+from kiln.compiler.trtllm.targets import PROFILES, check_target
+from kiln.quant import calibration, schemes
 from kiln.quant.memory import estimate_calibration_bytes
-from kiln.quant.prequantized import PreQuantized
+from kiln.quant.prequantized import convert as prequantized
+from kiln.quant.prequantized.convert import PreQuantized
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime.errors import RecipeError, SourceError, UsageError
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.base.errors import RecipeError, SourceError, UsageError
+from kiln.runtime.formats.model_info import ModelInfo
 
 GIB = 1 << 30
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.errors import KilnError, StageFailure, UsageError
+from kiln.runtime.base.errors import KilnError, StageFailure, UsageError
 
 CACHE_DIR = ".kiln-cache"  # under an output directory
 LOCK_FILE = ".kiln.lock"

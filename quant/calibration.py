@@ -25,9 +25,9 @@ from typing import Any
 
 from kiln.quant.schemes import Problem
 from kiln.quant.spec import CalibrationSpec
-from kiln.runtime.errors import CalibrationDataError
-from kiln.runtime.jsonlines import json_objects
-from kiln.runtime.traffic import TrafficError, TrafficRecord, read_traffic
+from kiln.runtime.base.errors import CalibrationDataError
+from kiln.runtime.base.jsonlines import json_objects
+from kiln.runtime.formats.traffic import TrafficError, TrafficRecord, read_traffic
 
 KEY = "calibration.dataset"
 CHARS_PER_TOKEN = 4  # rough; passages are merged up to max_seq_len tokens' worth of text

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from kiln.quant.schemes import quantised_linears, resolve
+from kiln.quant.schemes import resolve
+from kiln.quant.selection import quantised_linears
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.formats.model_info import ModelInfo
 
 FP32 = 4
 # A checkpoint is calibrated in its own float dtype: an 8B bf16 model needs 16 GB, not 32.

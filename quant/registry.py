@@ -1,12 +1,12 @@
 """What kiln can quantise, declared once: methods, activation and KV cache modes, group sizes,
 and the schemes a method, a weight width and an activation mode make together.
 
-The recipe's schema (compiler/recipe.py) takes its allowed values and per-method defaults from
-here, and the recipe and `quant.schemes.check` apply the same rules (`weight_bits_problem`,
-`group_size_problem`), so a spec is refused in the same words wherever it is checked. Adding a
-method is one `Method` entry plus the `SchemeDef`s it produces; adding a scheme is one
-`SchemeDef`. Which backend produces a scheme is declared where the backend registers itself
-(quant/backends/); what TensorRT-LLM runs is the compiler's business (compiler/targets.py).
+The recipe's schema (compiler/recipe/schema.py) takes its allowed values and per-method
+defaults from here, and the recipe and `quant.schemes.check` apply the same rules
+(`weight_bits_problem`, `group_size_problem`), so a spec is refused in the same words wherever it is
+checked. Adding a method is one `Method` entry plus the `SchemeDef`s it produces; adding a scheme is
+one `SchemeDef`. Which backend produces a scheme is declared where the backend registers itself
+(quant/backends/); what TensorRT-LLM runs is the compiler's business (compiler/trtllm/targets.py).
 """
 
 from __future__ import annotations

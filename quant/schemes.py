@@ -9,8 +9,6 @@ quant/registry.py; which backend can produce a scheme, where the backend registe
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.quant.registry import (
@@ -24,33 +22,12 @@ from kiln.quant.registry import (
     group_size_problem,
     weight_bits_problem,
 )
-from kiln.quant.spec import QuantSpec
-from kiln.runtime.errors import PreflightError
+from kiln.quant.selection import quantised_linears
+from kiln.quant.spec import QuantSpec, Scheme
+from kiln.runtime.base.errors import PreflightError
 
 if TYPE_CHECKING:
-    from kiln.runtime.model_info import ModelInfo
-
-
-@dataclass(frozen=True, slots=True)
-class Scheme:
-    """A resolved scheme: everything a backend, the exporter and the manifest need to know."""
-
-    name: str
-    method: str
-    weight_bits: int
-    weight_type: str
-    group_size: int | None
-    symmetric: bool
-    activations: str
-    kv_cache: str
-    needs_calibration: bool
-    trtllm_quant_algo: str
-    trtllm_kv_cache_quant_algo: str | None
-
-    @property
-    def label(self) -> str:
-        """Name plus KV cache mode, e.g. `FP8+KV_FP8`."""
-        return self.name if self.kv_cache == "none" else f"{self.name}+KV_{self.kv_cache.upper()}"
+    from kiln.runtime.formats.model_info import ModelInfo
 
 
 def _spec_problems(spec: QuantSpec) -> tuple[SchemeDef | None, list[Problem]]:
@@ -153,33 +130,6 @@ def _backend_problems(spec: QuantSpec, scheme: SchemeDef) -> list[Problem]:
             ", ".join(map(str, GROUP_SIZES)),
         )
     return problems
-
-
-def is_ignored(name: str, ignore: tuple[str, ...]) -> bool:
-    """Does a module name match an `ignore` entry?
-
-    An entry is a module name or dotted suffix (`lm_head`, `down_proj`,
-    `layers.0.mlp.down_proj`) or, after `re:`, a regular expression matched from the start
-    of the full name (llm-compressor's convention).
-    """
-    return any(re.match(p, name) for p in ignore_regexes(ignore))
-
-
-def ignore_regexes(ignore: tuple[str, ...]) -> list[str]:
-    """`ignore` entries as regular expressions over full module names."""
-    return [e[3:] if e.startswith("re:") else rf"^(?:.*\.)?{re.escape(e)}$" for e in ignore]
-
-
-def quantised_linears(info: ModelInfo, ignore: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """(out, in) of every linear that will be quantised, by full module name."""
-    shapes = info.linear_shapes()
-    out: dict[str, tuple[int, int]] = {}
-    for layer in range(info.num_layers):
-        for short, shape in shapes.items():
-            block = "self_attn" if short in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            out[f"model.layers.{layer}.{block}.{short}"] = shape
-    out["lm_head"] = (info.vocab_size, info.hidden_size)
-    return {name: shape for name, shape in out.items() if not is_ignored(name, ignore)}
 
 
 def _group_problems(spec: QuantSpec, info: ModelInfo) -> list[Problem]:

@@ -1,6 +1,6 @@
 """Plain typed descriptions of what to quantise and with what data.
 
-The recipe (compiler/recipe.py) validates user input once, at the edge, and hands these
+The recipe (compiler/recipe/schema.py) validates user input once, at the edge, and hands these
 frozen dataclasses to the quantisation code; nothing below the edge re-validates YAML.
 The values a field may take are declared in quant/registry.py.
 """
@@ -39,3 +39,25 @@ class CalibrationSpec:
     text_field: str = "text"  # for plain jsonl datasets
     base_dir: str = "."  # relative dataset paths resolve against the recipe's directory
     extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """A resolved scheme: everything a backend, the exporter and the manifest need to know."""
+
+    name: str
+    method: str
+    weight_bits: int
+    weight_type: str
+    group_size: int | None
+    symmetric: bool
+    activations: str
+    kv_cache: str
+    needs_calibration: bool
+    trtllm_quant_algo: str
+    trtllm_kv_cache_quant_algo: str | None
+
+    @property
+    def label(self) -> str:
+        """Name plus KV cache mode, e.g. `FP8+KV_FP8`."""
+        return self.name if self.kv_cache == "none" else f"{self.name}+KV_{self.kv_cache.upper()}"

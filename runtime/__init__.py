@@ -1,8 +1,8 @@
 """kiln's runtime: the artifact format and the serving engine.
 
 Imports nothing else of ours and needs only torch, safetensors and a tokenizer library.
-The engine names below load on first use, so `import kiln.runtime.errors` or
-`kiln.runtime.artifact` (which every package does) does not pay for importing torch.
+The engine names below load on first use, so `import kiln.runtime.base.errors` or
+`kiln.runtime.formats.artifact` (which every package does) does not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -12,24 +12,24 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kiln.runtime.async_engine import AsyncEngine as AsyncEngine
-    from kiln.runtime.config import EngineConfig as EngineConfig
-    from kiln.runtime.engine import Engine as Engine
-    from kiln.runtime.outputs import EngineStats as EngineStats
-    from kiln.runtime.outputs import RequestOutput as RequestOutput
-    from kiln.runtime.sampling import Logprob as Logprob
-    from kiln.runtime.sampling import SamplingParams as SamplingParams
-    from kiln.runtime.speculative import SpeculativeConfig as SpeculativeConfig
+    from kiln.runtime.engine.async_engine import AsyncEngine as AsyncEngine
+    from kiln.runtime.engine.config import EngineConfig as EngineConfig
+    from kiln.runtime.engine.core import Engine as Engine
+    from kiln.runtime.engine.outputs import EngineStats as EngineStats
+    from kiln.runtime.engine.outputs import RequestOutput as RequestOutput
+    from kiln.runtime.engine.sampling import Logprob as Logprob
+    from kiln.runtime.engine.sampling import SamplingParams as SamplingParams
+    from kiln.runtime.engine.spec_decode.speculator import SpeculativeConfig as SpeculativeConfig
 
 _EXPORTS = {
-    "AsyncEngine": "kiln.runtime.async_engine",
-    "Engine": "kiln.runtime.engine",
-    "EngineConfig": "kiln.runtime.config",
-    "EngineStats": "kiln.runtime.outputs",
-    "Logprob": "kiln.runtime.sampling",
-    "RequestOutput": "kiln.runtime.outputs",
-    "SamplingParams": "kiln.runtime.sampling",
-    "SpeculativeConfig": "kiln.runtime.speculative",
+    "AsyncEngine": "kiln.runtime.engine.async_engine",
+    "Engine": "kiln.runtime.engine.core",
+    "EngineConfig": "kiln.runtime.engine.config",
+    "EngineStats": "kiln.runtime.engine.outputs",
+    "Logprob": "kiln.runtime.engine.sampling",
+    "RequestOutput": "kiln.runtime.engine.outputs",
+    "SamplingParams": "kiln.runtime.engine.sampling",
+    "SpeculativeConfig": "kiln.runtime.engine.spec_decode.speculator",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The suite's fidelity specs (runtime vs transformers, the gate on an unchanged model) are
 # float32 ones, so "auto" means float32 on every CPU here, bf16-native or not; run the suite
-# with KILN_DTYPE=bfloat16 to see how they hold in bf16 (runtime/dtype.py).
+# with KILN_DTYPE=bfloat16 to see how they hold in bf16 (runtime/engine/dtype.py).
 os.environ.setdefault("KILN_DTYPE", "float32")
 # The runtime's native kernels build once per machine in torch's extensions directory, which
 # follows XDG_CACHE_HOME: pin it before the session's private cache (below) moves that, so
@@ -66,7 +66,6 @@ def smollm2_float(tmp_path_factory: pytest.TempPathFactory) -> Path:
     the suite, whatever its number of workers (its Q4_1 GGUF dequantised through transformers:
     ~50 s on a 2-core EPYC)."""
     from filelock import FileLock
-
     from kiln.compiler import sources
 
     # One copy for all of a run's workers: they share their base temporary folder's parent.

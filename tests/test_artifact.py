@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from kiln.runtime import artifact
-from kiln.runtime.errors import ArtifactError
+from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.formats import artifact
 
 
 def build(root: Path, payload: bytes = b"weights") -> Path:

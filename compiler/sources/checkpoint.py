@@ -19,8 +19,8 @@ from kiln.compiler.leftovers import holding, sweep_unheld
 from kiln.compiler.sources.digest import source_digest
 from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
 from kiln.compiler.sources.spec import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
-from kiln.quant import prequantized
-from kiln.runtime.errors import SourceError, StageFailure
+from kiln.quant.prequantized import convert as prequantized
+from kiln.runtime.base.errors import SourceError, StageFailure
 
 PROVENANCE_FILE = "kiln_source.json"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from kiln.compiler.sources.sidecar import FileFacts
 from kiln.compiler.sources.spec import BUILTIN, GGUF, SourceRef
-from kiln.runtime.artifact import content_digest, sha256_file
-from kiln.runtime.errors import SourceError
+from kiln.runtime.base.errors import SourceError
+from kiln.runtime.formats.artifact import content_digest, sha256_file
 
 DIGEST_SIDECAR = "file-digests.json"
 

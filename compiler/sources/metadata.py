@@ -13,9 +13,9 @@ from typing import Any
 
 from kiln.compiler.sources.sidecar import FileFacts
 from kiln.compiler.sources.spec import BUILTIN, GGUF, SourceRef
-from kiln.quant import prequantized
-from kiln.runtime.errors import SourceError
-from kiln.runtime.model_info import ARCHITECTURES, ModelInfo
+from kiln.quant.prequantized import convert as prequantized
+from kiln.runtime.base.errors import SourceError
+from kiln.runtime.formats.model_info import ARCHITECTURES, ModelInfo
 
 GGUF_SIDECAR = "gguf-configs.json"
 

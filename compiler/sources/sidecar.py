@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.leftovers import holding
-from kiln.runtime.user_cache import cache_home
+from kiln.runtime.base.cache import cache_home
 
 
 class FileFacts:

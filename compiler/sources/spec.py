@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.runtime.errors import SourceError
+from kiln.runtime.base.errors import SourceError
 
 HF_DIR, GGUF, BUILTIN, HUB_CACHE = "hf_dir", "gguf", "builtin", "hub_cache"
 

@@ -5,7 +5,7 @@
 returns the float weights it carries, under Hugging Face names, for round-trip checks.
 """
 
-from kiln.compiler.trtllm.decode import decode_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.export import export_checkpoint
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint
 
 __all__ = ["decode_checkpoint", "export_checkpoint", "read_checkpoint"]

@@ -7,11 +7,11 @@ For every target in the recipe the artifact gets, under `engines/<target>/`:
   1.2.x and a GPU of the target's compute capability are present);
 - `trtllm-serve.yaml`: options for the PyTorch backend serving `model/` directly, or, for
   an llm-compressor checkpoint that backend does not load, its exact ModelOpt HF conversion
-  in `trtllm/hf/` (compiler/trtllm/modelopt_hf.py; checked per tp by hf_rules.py);
+  in `trtllm/hf/` (compiler/trtllm/export/modelopt_hf.py; checked per tp by hf_rules.py);
 and under `trtllm/tp<N>/` the unified checkpoint `trtllm-build` reads. A scheme that one
 path cannot carry is recorded as `unsupported: <reason>` for that path; nothing pretends.
 
-With speculative decoding (compiler/speculative.py) the serve YAML gets a
+With speculative decoding (compiler/draft/speculation.py) the serve YAML gets a
 `speculative_config`: that is what speculates, TensorRT-LLM 1.2's LLM API running DraftTarget
 and NGram on the PyTorch backend only. The engine is planned for plain decoding (build.sh says
 so) unless the recipe sets `speculative.external_draft_engine: true`; then the target engine
@@ -28,26 +28,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.planner import DeploySpec, Plan
-from kiln.compiler.targets import PROFILES, check_target
-from kiln.compiler.trtllm.build import (
+from kiln.compiler.trtllm.build.plan import (
     ENGINE_SPECULATION,
     BuildPlanError,
     DraftBuild,
     build_plan,
     run_build,
 )
-from kiln.compiler.trtllm.conformance import (
+from kiln.compiler.trtllm.capacity import DeploySpec, Plan
+from kiln.compiler.trtllm.export.modelopt_hf import convert_to_modelopt_hf
+from kiln.compiler.trtllm.export.writer import export_checkpoint
+from kiln.compiler.trtllm.rules.conformance import (
     check_checkpoint,
     check_serve_options,
     pytorch_problem,
 )
-from kiln.compiler.trtllm.export import export_checkpoint
-from kiln.compiler.trtllm.hf_rules import HF_ALGOS, check_hf_checkpoint
-from kiln.compiler.trtllm.modelopt_hf import convert_to_modelopt_hf
+from kiln.compiler.trtllm.rules.pytorch import HF_ALGOS, check_hf_checkpoint
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
+from kiln.compiler.trtllm.targets import PROFILES, check_target
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.artifact import (
+from kiln.runtime.base.errors import KilnError, StageFailure
+from kiln.runtime.formats.artifact import (
     MODEL_DIR,
     BuildRecord,
     ExportRecord,
@@ -55,8 +56,7 @@ from kiln.runtime.artifact import (
     TargetSpeculation,
     json_dumps,
 )
-from kiln.runtime.errors import KilnError, StageFailure
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.formats.model_info import ModelInfo
 
 TRTLLM_DIR = "trtllm"
 PYTORCH_HF_DIR = f"{TRTLLM_DIR}/hf"  # the ModelOpt HF conversion the PyTorch path serves

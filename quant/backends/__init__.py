@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kiln.quant.schemes import Scheme
-    from kiln.quant.spec import QuantSpec
+    from kiln.quant.spec import QuantSpec, Scheme
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.quant.backends import QuantJob, register_backend
-from kiln.quant.schemes import ignore_regexes
+from kiln.quant.selection import ignore_regexes
 
 if TYPE_CHECKING:
-    from kiln.quant.schemes import Scheme
-    from kiln.quant.spec import QuantSpec
+    from kiln.quant.spec import QuantSpec, Scheme
 
 
 def _weights(scheme: Scheme) -> dict[str, Any]:
@@ -95,9 +94,8 @@ def build_recipe(scheme: Scheme, spec: QuantSpec) -> list[Any]:
 def run(job: QuantJob) -> None:
     """Quantise the model in place with oneshot and save it compressed into job.out_dir."""
     from datasets import Dataset
+    from kiln.quant.backends.cpu_workarounds import llmcompressor_on_cpu
     from llmcompressor import oneshot
-
-    from kiln.quant.cpu_workarounds import llmcompressor_on_cpu
 
     samples = job.samples
     dataset = None

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.quant.backends import QuantJob, register_backend
-from kiln.quant.schemes import is_ignored
+from kiln.quant.selection import is_ignored
 
 if TYPE_CHECKING:
-    from kiln.quant.schemes import Scheme
-    from kiln.quant.spec import QuantSpec
+    from kiln.quant.spec import QuantSpec, Scheme
 
 PRESETS = {
     "FP8": "FP8_DEFAULT_CFG",
@@ -36,7 +35,7 @@ PRESETS = {
     "W4A8_AWQ": "W4A8_AWQ_BETA_CFG",
     # Calibrates on a CPU (max amax collection) and exports there, but ModelOpt's NVFP4 fake
     # quantiser asserts a CUDA tensor, so the calibrated model cannot run on a CPU: the
-    # export is read back and run with kiln's own NVFP4 emulation (runtime/nvfp4.py).
+    # export is read back and run with kiln's own NVFP4 emulation (runtime/formats/nvfp4.py).
     "NVFP4": "NVFP4_DEFAULT_CFG",
 }
 
@@ -97,7 +96,7 @@ def run(job: QuantJob) -> None:
 # Reading the export back. transformers has no "modelopt" quantizer, so a ModelOpt HF
 # checkpoint cannot be loaded by from_pretrained (on CPU or anywhere). We rebuild the float
 # model from the exported codes and scales as the runtime's checkpoint reader decodes them
-# (kiln.runtime.checkpoint, which documents the format), and apply the activation and KV
+# (kiln.runtime.formats.checkpoint, which documents the format), and apply the activation and KV
 # cache scales it reports with hooks.
 
 
@@ -124,11 +123,10 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
     comparable with the float model's.
     """
     import torch
+    from kiln.runtime.formats import nvfp4
+    from kiln.runtime.formats.checkpoint import open_checkpoint
+    from kiln.runtime.formats.weights import LinearWeights, dequantize, effective_weight
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kiln.runtime import nvfp4
-    from kiln.runtime.checkpoint import open_checkpoint
-    from kiln.runtime.linear import LinearWeights, dequantize, effective_weight
 
     ckpt = open_checkpoint(Path(path))
     config = AutoConfig.from_pretrained(path)

@@ -12,7 +12,7 @@ from kiln.runtime import lazy_exports
 
 if TYPE_CHECKING:
     from kiln.runtime.server.app import create_app as create_app
-    from kiln.runtime.server.backend import NativeBackend as NativeBackend
+    from kiln.runtime.server.backends.native import NativeBackend as NativeBackend
     from kiln.runtime.server.mirror import Mirror as Mirror
     from kiln.runtime.server.record import RecordSettings as RecordSettings
     from kiln.runtime.server.record import TrafficRecorder as TrafficRecorder
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "create_app": "kiln.runtime.server.app",
-    "NativeBackend": "kiln.runtime.server.backend",
+    "NativeBackend": "kiln.runtime.server.backends.native",
     "Mirror": "kiln.runtime.server.mirror",
     "RecordSettings": "kiln.runtime.server.record",
     "TrafficRecorder": "kiln.runtime.server.record",

@@ -20,18 +20,17 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from kiln.runtime.errors import KilnError, UsageError
-from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.base.errors import KilnError, UsageError
+from kiln.runtime.engine.sampling import SamplingParams
 from kiln.runtime.server import routes
 from kiln.runtime.server.auth import require_api_key
-from kiln.runtime.server.backend import Backend
+from kiln.runtime.server.backends.native import Backend
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.mirror import Mirror
 from kiln.runtime.server.protocol import error_body, now
 from kiln.runtime.server.record import TrafficRecorder
 from kiln.runtime.server.state import APIError, ServerConfig, ServerState
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kiln.serve")
 DRAIN_POLL_S = 0.05

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.runtime.sampling import Logprob
+from kiln.runtime.engine.sampling import Logprob
 
 LogprobEntry = dict[int, Logprob]
 

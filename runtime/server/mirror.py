@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.answer import SideAnswer, answer_alone
-from kiln.runtime.errors import UsageError
-from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.server.mirror_log import MirrorEntry, append_entry
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.engine.answer import answer_alone
+from kiln.runtime.engine.sampling import SamplingParams
+from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.mirror_log import MirrorEntry, append_entry
 
 log = logging.getLogger("kiln.serve.mirror")
 

@@ -1,4 +1,4 @@
-"""`kiln serve --record`: write served requests as TrafficRecord lines (runtime/traffic.py).
+"""`kiln serve --record`: write served requests as TrafficRecord lines (runtime/formats/traffic.py).
 
 Privacy by default: without `--record-prompts` a line keeps the request's settings but
 replaces its prompt or messages with their SHA-256 and token count (`"redacted"`), which
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.errors import UsageError
-from kiln.runtime.traffic import REDACTED, TrafficRecord, append_record
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats.traffic import REDACTED, TrafficRecord, append_record
 
 
 @dataclass(slots=True)

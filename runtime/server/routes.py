@@ -13,10 +13,10 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
-
-from kiln.runtime.answer import SideAnswer
-from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.engine.sampling import SamplingParams
+from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.mirror_log import MirrorEntry
+from kiln.runtime.formats.traffic import CHAT_COMPLETIONS, COMPLETIONS
 from kiln.runtime.server import formatting as fmt
 from kiln.runtime.server.auth import require_api_key
 from kiln.runtime.server.formatting import ChoiceResult
@@ -29,11 +29,10 @@ from kiln.runtime.server.generation import (
     unless_disconnected,
 )
 from kiln.runtime.server.mirror import MirrorJob
-from kiln.runtime.server.mirror_log import MirrorEntry
 from kiln.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from kiln.runtime.server.record import prompt_digest
 from kiln.runtime.server.state import APIError, ServerState
-from kiln.runtime.traffic import CHAT_COMPLETIONS, COMPLETIONS
+from starlette.concurrency import run_in_threadpool
 
 ChunkFn = Callable[[ChoiceResult, bool], dict[str, Any] | None]
 

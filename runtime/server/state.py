@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.runtime.errors import UsageError
-from kiln.runtime.server.backend import Backend
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.server.backends.native import Backend
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.mirror import Mirror
 from kiln.runtime.server.record import TrafficRecorder

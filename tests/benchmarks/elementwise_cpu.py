@@ -1,4 +1,5 @@
-"""kiln's fused elementwise CPU kernels (runtime/csrc/elementwise.cpp) against torch's operators.
+"""kiln's fused elementwise CPU kernels (runtime/engine/native/csrc/elementwise.cpp) against torch's
+operators.
 
     PYTHONPATH=. python tests/benchmarks/elementwise_cpu.py [--rows 1,32,256] [--rounds 3]
 
@@ -19,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from kiln.runtime.engine import native
 
-from kiln.runtime import native
 from tests.benchmarks.cpu_comparison import machine
 
 HIDDEN, INTERMEDIATE, HEADS, DIM, VOCAB = 576, 1536, 12, 64, 49152

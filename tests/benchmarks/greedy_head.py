@@ -1,4 +1,5 @@
-"""Greedy decode on a CPU with and without the LM head's int8 screen (runtime/greedy_head.py).
+"""Greedy decode on a CPU with and without the LM head's int8 screen
+(runtime/engine/layers/greedy_head.py).
 
     PYTHONPATH=. python tests/benchmarks/greedy_head.py MODEL [MODEL ...] [--rounds 4]
 
@@ -18,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from kiln.runtime import Engine, SamplingParams
+
 from tests.benchmarks.cpu_comparison import machine
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

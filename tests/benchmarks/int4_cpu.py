@@ -6,18 +6,18 @@ kiln's int4 tiles on the tile unit; per layer and end to end.
 One thread, CPU time (time.process_time). For each of SmolLM2-135M's projection shapes at
 the demo's group size (64) and row count: `Int4Linear` on torch's
 `_weight_int4pack_mm_for_cpu` (the path where kiln's kernels do not load), on kiln's int4
-kernel (runtime/csrc/int4_linear.cpp; the runtime's path on CPUs with AVX2 and FMA, and below
-`Int4Linear.AMX_ROWS` rows with AMX) and, where kiln's AMX kernels load, with
-`int4_amx_linear` from AMX_ROWS rows up (runtime/csrc/amx_linear.cpp: the runtime's path
-there), each cycling through enough copies of its weight (256 MB, more than a server CPU's
-last-level cache) that a call never finds its weight in the caches, as in a decode step.
-With `--artifact` (a W4A16 artifact, e.g. the demo's) it also decodes greedy streams on each
-path (`--streams`, 1 and 32 by default), CPU ms per decode step (a 129-token run less a
-1-token one, after the same prompts). The paths alternate within each round and the best
-round counts, so a busy neighbour moves them all; the CPU and its flags head the output, and
-the ratios (each path's time over the last path's) compare columns of one run. A W8A16
-artifact given as --artifact is measured the same way: its first two paths are then the same
-(`_weight_int8pack_mm`), the last runs `int8_amx_linear`.
+kernel (runtime/engine/native/csrc/int4_linear.cpp; the runtime's path on CPUs with AVX2 and FMA,
+and below `Int4Linear.AMX_ROWS` rows with AMX) and, where kiln's AMX kernels load, with
+`int4_amx_linear` from AMX_ROWS rows up (runtime/engine/native/csrc/amx_linear.cpp: the runtime's
+path there), each cycling through enough copies of its weight (256 MB, more than a server CPU's
+last-level cache) that a call never finds its weight in the caches, as in a decode step. With
+`--artifact` (a W4A16 artifact, e.g. the demo's) it also decodes greedy streams on each path
+(`--streams`, 1 and 32 by default), CPU ms per decode step (a 129-token run less a 1-token one,
+after the same prompts). The paths alternate within each round and the best round counts, so a busy
+neighbour moves them all; the CPU and its flags head the output, and the ratios (each path's time
+over the last path's) compare columns of one run. A W8A16 artifact given as --artifact is measured
+the same way: its first two paths are then the same (`_weight_int8pack_mm`), the last runs
+`int8_amx_linear`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from kiln.runtime.engine import native
+from kiln.runtime.engine.layers import kernels
+from kiln.runtime.engine.layers.kernels import Int4Linear, make_linear
+from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 
-from kiln.runtime import kernels, native
-from kiln.runtime.kernels import Int4Linear, make_linear
-from kiln.runtime.linear import LinearWeights, WeightScheme
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_linear import SHAPES, STREAM_BYTES
 
@@ -79,8 +80,8 @@ def layer_ms(layers: list[Int4Linear], x: torch.Tensor, calls: int) -> Callable[
 
 
 def decode_ms(artifact: str, path: tuple[bool, bool], streams: int) -> Callable[[], float]:
-    from kiln.runtime.engine import Engine
-    from kiln.runtime.sampling import SamplingParams
+    from kiln.runtime.engine.core import Engine
+    from kiln.runtime.engine.sampling import SamplingParams
 
     take_kiln(path)
     engine = Engine.load(artifact)

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+from kiln.runtime.engine.layers import kernels
+from kiln.runtime.engine.layers.dense import DenseLinear
+from kiln.runtime.engine.layers.kernels import Int8Linear, make_linear
+from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme
 
-from kiln.runtime import kernels
-from kiln.runtime.dense import DenseLinear
-from kiln.runtime.kernels import Int8Linear, make_linear
-from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_linear import SHAPES, cpu_ms
 
@@ -50,7 +50,7 @@ def int8_layer(n: int, k: int, int_mm: bool) -> Int8Linear:
 
 def score(artifact: str, int_mm: bool, count: int) -> float:
     """CPU seconds to score `count` x 512 random tokens (top-20 log-probabilities)."""
-    from kiln.gates.lm_eval_adapter import KilnLM
+    from kiln.gates.measure.lm_eval_adapter import KilnLM
 
     take_int_mm(int_mm)
     lm = KilnLM(artifact=artifact)

@@ -33,12 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import kiln.runtime.engine.attention as attention
+import kiln.runtime.engine.layers.dense as dense
+import kiln.runtime.engine.layers.linear as linear
 import torch
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.engine import native
 
-import kiln.runtime.attention as attention
-import kiln.runtime.dense as dense
-import kiln.runtime.linear as linear
-from kiln.runtime import Engine, SamplingParams, native
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_serving import smollm2_dir
 

@@ -10,17 +10,16 @@ and the bar kiln's bf16 kernel meets on CPUs without native bf16); where oneDNN 
 (AVX512-BF16, AMX), the weight reordered once into oneDNN's blocked layout for 32 rows (what
 `DenseLinear` runs there from 2 rows, or past 128 rows with AMX) and for a 1-row batch;
 F.linear on the plain weight (oneDNN re-blocks it on every call); and, where kiln's native
-kernels load, kiln's bf16 kernel on its panels (runtime/csrc/bf16_linear.cpp: the runtime's
-choice on AVX2 CPUs without native bf16; on CPUs with it, the column says whether it would
+kernels load, kiln's bf16 kernel on its panels (runtime/engine/native/csrc/bf16_linear.cpp: the
+runtime's choice on AVX2 CPUs without native bf16; on CPUs with it, the column says whether it would
 beat oneDNN there); where the CPU has AVX512-BF16, kiln's kernel on its pairs of k
 (dpbf16_linear.cpp: the runtime's choice for every row count there without AMX); and where the CPU
-has AMX, kiln's AMX kernel (amx_linear.cpp). Layers
-cycle through enough copies of their weight (256 MB: more than a server CPU's last-level
-cache) that one call never finds the previous call's weight in the caches, as in a decode step
-that streams every layer. Also printed: the single-thread read bandwidth (a float32 sum of 256
-MB) and the fixed cost of one `DenseLinear` call (a 16 x 32 weight), which bound what a
-single-token step can reach. Ratios compare columns of one run; the figures only compare
-within one run.
+has AMX, kiln's AMX kernel (amx_linear.cpp). Layers cycle through enough copies of their weight (256
+MB: more than a server CPU's last-level cache) that one call never finds the previous call's weight
+in the caches, as in a decode step that streams every layer. Also printed: the single-thread read
+bandwidth (a float32 sum of 256 MB) and the fixed cost of one `DenseLinear` call (a 16 x 32 weight),
+which bound what a single-token step can reach. Ratios compare columns of one run; the figures only
+compare within one run.
 """
 
 from __future__ import annotations
@@ -31,10 +30,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from kiln.runtime.engine import native
+from kiln.runtime.engine.layers.dense import DenseLinear
+from kiln.runtime.engine.layers.linear import onednn_runs_bf16
+from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 
-from kiln.runtime import native
-from kiln.runtime.dense import DenseLinear
-from kiln.runtime.linear import LinearWeights, WeightScheme, onednn_runs_bf16
 from tests.benchmarks.cpu_comparison import machine
 
 SHAPES = {  # name: (out_features, in_features, calls per decode step)

@@ -31,14 +31,13 @@ import time
 from pathlib import Path
 
 import torch
-
+from kiln.compiler.draft.acceptance import decode_ms_per_token
 from kiln.runtime import Engine, SamplingParams
-from kiln.runtime.model import CausalLM
-from kiln.runtime.speculative import (
+from kiln.runtime.engine.model import CausalLM
+from kiln.runtime.engine.spec_decode.speculator import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     SpeculativeConfig,
     choose_draft_len,
-    decode_ms_per_token,
     expected_speedup,
     expected_tokens_per_pass,
 )

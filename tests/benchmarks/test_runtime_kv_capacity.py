@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.runtime.attention import PagedKVCache
-from kiln.runtime.loader import read_config
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.engine.attention import PagedKVCache
+from kiln.runtime.engine.loader import read_config
+from kiln.runtime.formats.model_info import ModelInfo
+
 from tests.benchmarks.runtime_kv_capacity import contiguous_capacity
 
 

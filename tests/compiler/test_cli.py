@@ -8,9 +8,8 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-
-from kiln.compiler.cli import main
-from kiln.runtime.exits import handle_errors
+from kiln.compiler.cli.exits import handle_errors
+from kiln.compiler.cli.main import main
 
 
 @click.command("explode")

@@ -11,10 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from kiln.compiler.leftovers import holding, sweep_output, sweep_user_cache
 from kiln.compiler.stages import CACHE_DIR, LOCK_FILE, StageCache, output_lock
-from kiln.runtime.errors import UsageError
+from kiln.runtime.base.errors import UsageError
 
 REPO = Path(__file__).parents[2]
 
@@ -119,8 +118,8 @@ def test_the_sweep_removes_what_killed_stages_and_packaging_left(tmp_path: Path)
     killed_inside(
         """
         from pathlib import Path
-        from kiln.runtime import artifact
-        from kiln.runtime.artifact import Manifest
+        from kiln.runtime.formats import artifact
+        from kiln.runtime.formats.artifact import Manifest
         with artifact.assemble(Path("out"), Manifest(name="automap")) as staging:
             (staging.dir / "model.safetensors").write_bytes(b"0" * 1024)
             die()
@@ -169,7 +168,8 @@ def test_the_user_cache_is_swept_unless_a_live_run_holds_it(tmp_path: Path) -> N
 def test_a_manifest_being_rewritten_is_left_alone_and_swept_once_its_writer_is_gone(
     tmp_path: Path,
 ) -> None:
-    from kiln.runtime import artifact
+    from kiln.runtime.formats import artifact
+
     from tests.gates.conftest import build_artifact
 
     root = tmp_path / "out"

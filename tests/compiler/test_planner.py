@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-
-from kiln.compiler.planner import DeploySpec, format_plan, linear_bytes, plan, tp_valid
-from kiln.compiler.targets import get_profile
+from kiln.compiler.trtllm.capacity import DeploySpec, format_plan, linear_bytes, plan, tp_valid
+from kiln.compiler.trtllm.targets import get_profile
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.errors import UsageError
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats.model_info import ModelInfo
 
 # Published configs (config.json of meta-llama/Meta-Llama-3-70B and Llama-3.1-8B).
 LLAMA_3_70B = ModelInfo.from_hf_config({

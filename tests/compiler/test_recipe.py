@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from kiln.compiler.cli import main
-from kiln.compiler.recipe import load_recipe
-from kiln.runtime.errors import RecipeError
+from kiln.compiler.cli.main import main
+from kiln.compiler.recipe.schema import load_recipe
+from kiln.runtime.base.errors import RecipeError
 
 
 def write(path: Path, text: str) -> Path:

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from kiln.runtime import artifact
+from kiln.runtime.formats import artifact
 
 
 @pytest.mark.slow(minutes=2.5)  # the GPTQ compile in its fixture

@@ -20,14 +20,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
-
 from kiln.compiler import sources
 from kiln.compiler.sources import BuiltinModel, SourceRef
 from kiln.runtime import Engine
-from kiln.runtime.errors import ArtifactError, SourceError
-from kiln.runtime.model_info import DEFAULT_MAX_POSITIONS, SUPPORTED_ARCHITECTURES, ModelInfo
+from kiln.runtime.base.errors import ArtifactError, SourceError
+from kiln.runtime.formats.model_info import (
+    DEFAULT_MAX_POSITIONS,
+    SUPPORTED_ARCHITECTURES,
+    ModelInfo,
+)
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 from tests.tiny_models import as_bin_checkpoint
 
 SMOLLM2 = "smollm2-135m-instruct"

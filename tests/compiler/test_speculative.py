@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
-
-from kiln.compiler.cli import main
-from kiln.compiler.recipe import load_recipe
+from kiln.compiler.cli.main import main
+from kiln.compiler.draft.tokenizer_match import tokenizer_differences, tokenizer_facts
+from kiln.compiler.recipe.schema import load_recipe
 from kiln.compiler.sources import parse_source
-from kiln.compiler.tokenizer_match import tokenizer_differences, tokenizer_facts
-from kiln.runtime import artifact
-from kiln.runtime.errors import RecipeError
+from kiln.runtime.base.errors import RecipeError
+from kiln.runtime.formats import artifact
 
 SMALL_AUTO = "  auto_prompts: 2\n  auto_max_tokens: 8\n  auto_max_k: 4\n"
 EXTERNAL = "  external_draft_engine: true\n"
@@ -436,7 +435,7 @@ def test_a_rerun_with_a_draft_is_a_no_op(compiled: tuple[Path, Path, dict[str, A
 def test_the_runtime_turns_speculation_on_from_the_artifact(
     compiled: tuple[Path, Path, dict[str, Any]],
 ) -> None:
-    from kiln.runtime.engine import Engine
+    from kiln.runtime.engine.core import Engine
 
     path = compiled[1]
     entry = artifact.load_manifest(path).speculative.to_dict()
@@ -511,7 +510,7 @@ def test_validate_refuses_speculation_that_only_an_engine_would_serve(
 def test_an_llm_compressor_fp8_draft_is_served_from_its_modelopt_conversion(
     tmp_path: Path, made_draft: tuple[Path, dict], tiny_llama: Path
 ) -> None:
-    from kiln.compiler.trtllm.hf_rules import check_hf_checkpoint
+    from kiln.compiler.trtllm.rules.pytorch import check_hf_checkpoint
 
     section = (
         f"  draft:\n    source: {made_draft[0]}\n    quantization:\n      method: fp8\n"

@@ -9,7 +9,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import json, os
-    from kiln.compiler.stdout_guard import stdout_to_stderr
+    from kiln.compiler.cli.stdout_guard import stdout_to_stderr
 
     with stdout_to_stderr():
         print("a library's progress line")

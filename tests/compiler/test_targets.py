@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from kiln.compiler.targets import (
+from kiln.compiler.trtllm.targets import (
     PROFILES,
     TargetProfile,
     check_algos,
@@ -16,7 +15,7 @@ from kiln.compiler.targets import (
 )
 from kiln.quant.schemes import Problem
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.errors import UsageError
+from kiln.runtime.base.errors import UsageError
 
 FP8 = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static")
 FP8_DYNAMIC = QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic")

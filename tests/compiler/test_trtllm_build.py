@@ -16,10 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from kiln.compiler.planner import DeploySpec, plan
-from kiln.compiler.targets import get_profile
-from kiln.compiler.trtllm.build import (
+from kiln.compiler.trtllm.build.plan import (
     ENGINE_STAMP,
     BuildEnvironment,
     BuildPlanError,
@@ -30,10 +27,12 @@ from kiln.compiler.trtllm.build import (
     detect_environment,
     run_build,
 )
+from kiln.compiler.trtllm.capacity import DeploySpec, plan
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
+from kiln.compiler.trtllm.targets import get_profile
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.errors import PreflightError
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.base.errors import PreflightError
+from kiln.runtime.formats.model_info import ModelInfo
 
 # config.json of meta-llama/Llama-3.2-1B and of a 2-layer draft cut from it.
 LLAMA_32_1B = ModelInfo.from_hf_config({
@@ -112,7 +111,7 @@ def test_draft_target_plan_builds_target_for_external_drafts_and_a_plain_draft(t
 
 
 def test_a_speculative_engine_says_the_llm_api_cannot_drive_its_drafts(tmp_path):
-    from kiln.compiler.trtllm.build import ENGINE_SPECULATION
+    from kiln.compiler.trtllm.build.plan import ENGINE_SPECULATION
 
     draft = DraftBuild(4, tmp_path / "draft-ckpt", tmp_path / "draft-engine", info=DRAFT)
     bp = _plan(FP8_KV, H100, DeploySpec(max_seq_len=4096, max_batch_size=8), tmp_path, draft=draft)

@@ -1,5 +1,5 @@
 """What kiln writes for TensorRT-LLM 1.2 obeys the rules its loaders apply
-(compiler/trtllm/conformance.py), and the export defects those rules exposed stay fixed."""
+(compiler/trtllm/rules/conformance.py), and the export defects those rules exposed stay fixed."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.conformance import (
+from kiln.compiler.trtllm.deploy import target_failures
+from kiln.compiler.trtllm.export.writer import fuse_linears
+from kiln.compiler.trtllm.rules.conformance import (
     build_quantises,
     check_checkpoint,
     check_config,
@@ -19,12 +19,12 @@ from kiln.compiler.trtllm.conformance import (
     padded_features,
     pytorch_problem,
 )
-from kiln.compiler.trtllm.deploy import target_failures
-from kiln.compiler.trtllm.export import fuse_linears
-from kiln.quant import quantize
+from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime.artifact import TargetRecord
-from kiln.runtime.linear import LinearWeights, WeightScheme
+from kiln.runtime.formats.artifact import TargetRecord
+from kiln.runtime.formats.weights import LinearWeights, WeightScheme
+from safetensors import safe_open
+
 from tests.compiler.test_compile import kiln, published, recipe_file
 from tests.compiler.test_trtllm_export import SPECS
 
@@ -103,7 +103,7 @@ def test_smoothquant_plugin_refuses_a_float_decoder_linear(tiny_llama: Path, tmp
     spec = QuantSpec(
         method="smoothquant", weight_bits=8, activations="int8_dynamic", ignore=("lm_head", DOWN_0)
     )
-    from kiln.runtime.errors import UsageError
+    from kiln.runtime.base.errors import UsageError
 
     with pytest.raises(UsageError) as err:
         export_checkpoint(_quantised(tiny_llama, spec, tmp_path / "q"), tmp_path / "trt")
@@ -131,7 +131,7 @@ def test_the_pytorch_backend_loads_modelopt_exports_not_weight_only_compressed_t
 def test_the_pytorch_fix_suggests_modelopt_only_to_a_recipe_not_using_it(
     spec: QuantSpec, suggests_modelopt: bool
 ) -> None:
-    from kiln.compiler.targets import quant_algo
+    from kiln.compiler.trtllm.targets import quant_algo
     from kiln.quant.backends import BACKENDS
 
     why = pytorch_problem(BACKENDS[spec.backend].format, quant_algo(spec)[0])
@@ -282,7 +282,7 @@ def quantised_arch(tmp_path_factory, tiny_llama, tiny_qwen2):
 @pytest.mark.parametrize("mode", list(SPECS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_every_exported_scheme_conforms(quantised_arch, arch, mode, tp, tmp_path):
-    from kiln.runtime.errors import UsageError
+    from kiln.runtime.base.errors import UsageError
 
     try:
         export_checkpoint(quantised_arch(arch, mode), tmp_path, tp_size=tp)
@@ -301,10 +301,11 @@ def test_every_exported_scheme_conforms(quantised_arch, arch, mode, tp, tmp_path
     [{}, {"draft_dir": "draft/model", "max_draft_len": 4}, {"ngram_size": 3, "max_draft_len": 4}],
 )
 def test_the_serve_options_kiln_writes_are_llm_api_arguments(speculation):
-    from kiln.compiler.planner import DeploySpec, plan
-    from kiln.compiler.targets import get_profile
-    from kiln.compiler.trtllm.conformance import check_serve_options
+    from kiln.compiler.trtllm.capacity import DeploySpec, plan
+    from kiln.compiler.trtllm.rules.conformance import check_serve_options
     from kiln.compiler.trtllm.serve_config import serve_options
+    from kiln.compiler.trtllm.targets import get_profile
+
     from tests.compiler.test_trtllm_build import FP8_KV, LLAMA_32_1B
 
     deploy = DeploySpec(max_seq_len=8192, max_batch_size=64)
@@ -313,7 +314,7 @@ def test_the_serve_options_kiln_writes_are_llm_api_arguments(speculation):
 
 
 def test_serve_options_outside_the_llm_api_are_named():
-    from kiln.compiler.trtllm.conformance import check_serve_options
+    from kiln.compiler.trtllm.rules.conformance import check_serve_options
 
     problems = check_serve_options({
         "max_batch_size": 8,

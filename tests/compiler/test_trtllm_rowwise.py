@@ -1,6 +1,6 @@
 """FP8 rowwise (`method: fp8_dynamic`: per-channel FP8 weights, dynamic per-token FP8
 activations) exported as TensorRT-LLM 1.2's FP8_PER_CHANNEL_PER_TOKEN checkpoint, read back,
-and held to the rules of compiler/trtllm/conformance.py."""
+and held to the rules of compiler/trtllm/rules/conformance.py."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.conformance import check_checkpoint, check_config
-from kiln.quant import quantize
+from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
+from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime.errors import UsageError
+from kiln.runtime.base.errors import UsageError
+
 from tests.compiler.test_compile import kiln
 from tests.compiler.test_trtllm_export import max_rel_error, reference_weights
 from tests.compiler.trtllm_recipes import compile_conforming, scheme_recipe

@@ -1,6 +1,6 @@
 """W4A8 AWQ (ModelOpt: int4 group weights, static FP8 activations) exported as TensorRT-LLM
 1.2's W4A8_AWQ checkpoint: against ModelOpt's own writer, read back, and held to the rules of
-compiler/trtllm/conformance.py for Llama and Qwen2 at tp 1, 2 and 4."""
+compiler/trtllm/rules/conformance.py for Llama and Qwen2 at tp 1, 2 and 4."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.conformance import check_checkpoint, check_config
+from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.checkpoint import open_checkpoint
-from kiln.runtime.errors import UsageError
-from kiln.runtime.linear import effective_weight
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats.checkpoint import open_checkpoint
+from kiln.runtime.formats.weights import effective_weight
+
 from tests.compiler.test_compile import kiln
 from tests.compiler.test_trtllm_export import max_rel_error
 from tests.compiler.test_trtllm_modelopt import (  # noqa: F401
@@ -135,7 +135,8 @@ def test_compile_plans_a_w4a8_engine_and_serves_the_modelopt_export(tmp_path, ti
 
 def test_compile_reports_and_gates_w4a8_on_the_values_that_ship(tmp_path, tiny_llama):
     """The report stage and the gate run the W4A8 export in kiln's runtime (FP8-rounded int4
-    weights, FP8 activations: runtime/w4a8.py), so a recipe with `gates:` compiles and gates."""
+    weights, FP8 activations: runtime/formats/w4a8.py), so a recipe with `gates:` compiles and
+    gates."""
     recipe = yaml.safe_load(_recipe(tmp_path, tiny_llama, "h100-sxm").read_text())
     recipe["gates"] = {  # small enough for the tiny model; no shadow traffic
         "tasks": ["kiln_mc"],

@@ -1,6 +1,6 @@
 """Tiny recipes for one quantisation scheme and one GPU target, and a compile that returns
 the artifact with its checkpoint and trtllm-serve options checked against the conformance
-rules (compiler/trtllm/conformance.py)."""
+rules (compiler/trtllm/rules/conformance.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
-
-from kiln.compiler.trtllm.conformance import check_checkpoint, check_serve_options
-from kiln.quant import quantize
+from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_serve_options
+from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
+
 from tests.compiler.test_compile import kiln
 
 

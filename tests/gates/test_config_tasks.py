@@ -6,10 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-
-from kiln.gates.config import load_gate_file, load_gates
-from kiln.gates.tasks import BUILTIN_TASKS_DIR, PLACEHOLDER, local_task_names, prepare_task_dir
-from kiln.runtime.errors import UsageError
+from kiln.gates.measure.tasks import (
+    BUILTIN_TASKS_DIR,
+    PLACEHOLDER,
+    local_task_names,
+    prepare_task_dir,
+)
+from kiln.gates.settings import load_gate_file, load_gates
+from kiln.runtime.base.errors import UsageError
 
 
 def test_defaults_follow_the_scheme_and_overrides_apply() -> None:
@@ -61,7 +65,7 @@ def test_task_data_is_well_formed_and_small() -> None:
 
 
 def test_unknown_tasks_are_a_usage_error() -> None:
-    from kiln.gates.tasks import run_tasks
+    from kiln.gates.measure.tasks import run_tasks
 
     with pytest.raises(UsageError, match=r"unknown task.*kiln_nope"):
         run_tasks(object(), ["kiln_mc", "kiln_nope"])
@@ -85,7 +89,7 @@ def test_an_unquoted_off_turns_a_check_off_and_never_becomes_zero(tmp_path: Path
 
 
 def test_the_cloze_tasks_have_the_items_to_detect_a_two_point_loss() -> None:
-    from kiln.gates.mcnemar import min_detectable_loss
+    from kiln.gates.decide.mcnemar import min_detectable_loss
 
     rows = [json.loads(line) for line in (BUILTIN_TASKS_DIR / "kiln_cloze.jsonl").open()]
     assert len(rows) >= 1000 and len({r["id"] for r in rows}) == len(rows)

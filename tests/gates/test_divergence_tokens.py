@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln.gates.measure.divergence_texts import divergence_ids, divergence_texts
+from kiln.gates.run import run_gate
+from kiln.gates.settings import load_gates
 from transformers import AutoTokenizer
 
-from kiln.gates.config import load_gates
-from kiln.gates.divergence_texts import divergence_ids, divergence_texts
-from kiln.gates.gate import run_gate
 from tests.gates.conftest import build_artifact
 from tests.gates.test_gate_e2e import perturbed_copy
 

@@ -6,15 +6,14 @@ import math
 
 import numpy as np
 import pytest
-
-from kiln.gates.mcnemar import (
+from kiln.gates.decide.mcnemar import (
     binary_loss_bounds,
     min_detectable_loss,
     outcome_of,
     paired_loss_bounds,
 )
-from kiln.gates.rules import GatePolicy, decide
-from kiln.gates.verdict import build_verdict, compare_task
+from kiln.gates.decide.rules import GatePolicy, decide
+from kiln.gates.decide.verdict import build_verdict, compare_task
 
 CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
 BASELINE = {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64}

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kiln.gates.releases import Registry, registry_path
+from kiln.runtime.base.errors import ArtifactError, UsageError, VerdictFailure
+from kiln.runtime.formats.artifact import load_manifest
 
-from kiln.gates.registry import Registry, registry_path
-from kiln.runtime.artifact import load_manifest
-from kiln.runtime.errors import ArtifactError, UsageError, VerdictFailure
 from tests.gates.conftest import build_artifact
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,8 +147,8 @@ _PROMOTER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from kiln.gates.registry import Registry
-    from kiln.runtime.errors import KilnError
+    from kiln.gates.releases import Registry
+    from kiln.runtime.base.errors import KilnError
     db, art, go = sys.argv[1:4]
     registry = Registry(db)
     while not Path(go).exists():

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from kiln.gates.divergence import summarize
-from kiln.gates.report import to_markdown, write_reports
-from kiln.gates.rules import GatePolicy
-from kiln.gates.shadow import LatencyStats, PairDiff, exact_match_check, summarize_pairs
-from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
-from kiln.runtime.answer import SideAnswer
+from kiln.gates.decide.rules import GatePolicy
+from kiln.gates.decide.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.gates.measure.divergence import summarize
+from kiln.gates.measure.shadow import LatencyStats, PairDiff, exact_match_check, summarize_pairs
+from kiln.gates.report.markdown import to_markdown, write_reports
+from kiln.runtime.formats.answer import SideAnswer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = '<script>alert("x")</script> & <img src="http://example.com/x.png">'

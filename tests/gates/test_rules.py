@@ -5,8 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from kiln.gates.rules import count_flips, decide, default_policy, paired_difference, score_stats
+from kiln.gates.decide.rules import (
+    count_flips,
+    decide,
+    default_policy,
+    paired_difference,
+    score_stats,
+)
 
 
 def test_stderr_is_the_sample_sd_over_root_n() -> None:

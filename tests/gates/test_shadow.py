@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from kiln.gates.rules import GatePolicy
-from kiln.gates.shadow import (
-    compare_pair,
-    is_valid_json,
-    shadow_checks,
-    summarize_pairs,
-)
-from kiln.runtime.answer import SideAnswer
-from kiln.runtime.traffic import COMPLETIONS, TrafficRecord
+from kiln.gates.decide.rules import GatePolicy
+from kiln.gates.measure.shadow import compare_pair, is_valid_json, shadow_checks, summarize_pairs
+from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.traffic import COMPLETIONS, TrafficRecord
 
 
 def test_answers_are_compared_request_by_request() -> None:

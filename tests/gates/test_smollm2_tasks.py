@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kiln.gates.lm_eval_adapter import KilnLM
-from kiln.gates.tasks import run_tasks
+from kiln.gates.measure.lm_eval_adapter import KilnLM
+from kiln.gates.measure.tasks import run_tasks
 
 
 @pytest.mark.slow(minutes=0.5)

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from kiln.gates.divergence import kl_dense, kl_topk, summarize
-from kiln.gates.rules import GatePolicy
-from kiln.gates.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.gates.decide.rules import GatePolicy
+from kiln.gates.decide.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.gates.measure.divergence import kl_dense, kl_topk, summarize
 
 CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
 BASELINE = {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64}
@@ -142,8 +141,8 @@ def test_topk_kl_is_a_lower_bound_of_the_dense_kl() -> None:
 def test_flips_are_checked_against_the_controls_and_the_floor_is_reported(
     tmp_path: Path,
 ) -> None:
-    from kiln.gates.noise_floor import NoiseFloor
-    from kiln.gates.report import to_markdown
+    from kiln.gates.measure.noise_floor import NoiseFloor
+    from kiln.gates.report.markdown import to_markdown
 
     floor = NoiseFloor(
         "the baseline's weights rounded to bfloat16",

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.runtime import Engine
-from kiln.runtime.errors import ArtifactError
-from kiln.runtime.kernels import Fp8Linear, Int4Linear, Int8Linear
-from kiln.runtime.linear import PreScaledLinear
+from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.engine.layers.kernels import Fp8Linear, Int4Linear, Int8Linear
+from kiln.runtime.engine.layers.linear import PreScaledLinear
+
 from tests.quant.conftest import Quantised
 from tests.runtime.conftest import assert_close_to_reference
 
@@ -97,7 +97,7 @@ def test_modelopt_algorithm_kiln_cannot_read_is_named(quantised: Quantised, tmp_
     import json
     import shutil
 
-    from kiln.runtime.checkpoint import open_checkpoint
+    from kiln.runtime.formats.checkpoint import open_checkpoint
 
     model_dir = tmp_path / "mxfp4"
     shutil.copytree(quantised("modelopt-fp8-kv_fp8")[0], model_dir)

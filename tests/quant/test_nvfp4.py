@@ -1,6 +1,6 @@
 """NVFP4 through ModelOpt on a CPU: ModelOpt calibrates and exports it here, and kiln reads
 the export back and runs it with its own emulation of Blackwell's FP4 numerics
-(runtime/nvfp4.py), checked against ModelOpt's own NVFP4 quantiser (`NVFP4QTensor`, whose
+(runtime/formats/nvfp4.py), checked against ModelOpt's own NVFP4 quantiser (`NVFP4QTensor`, whose
 quantise/dequantise is plain torch; its fake quantiser needs CUDA).
 
 End to end the served model follows the exported model as `load_checkpoint` rebuilds it
@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln.quant.backends.modelopt import load_checkpoint
+from kiln.quant.quantize import quantize
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime import Engine
+from kiln.runtime.engine.layers.kernels import Nvfp4Linear
+from kiln.runtime.formats import nvfp4
+from kiln.runtime.formats.checkpoint import open_checkpoint
+from kiln.runtime.formats.weights import dequantize
 from safetensors import safe_open
 
-from kiln.quant import quantize
-from kiln.quant.backends.modelopt import load_checkpoint
-from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime import Engine, nvfp4
-from kiln.runtime.checkpoint import open_checkpoint
-from kiln.runtime.kernels import Nvfp4Linear
-from kiln.runtime.linear import dequantize
 from tests.runtime.conftest import assert_close_to_reference
 
 NVFP4 = QuantSpec(method="nvfp4", weight_bits=4, activations="nvfp4", backend="modelopt")

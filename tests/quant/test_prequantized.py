@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+from kiln.compiler import sources
+from kiln.quant.prequantized import convert as prequantized
+from kiln.quant.prequantized.convert import PreQuantized
+from kiln.quant.quantize import quantize
+from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.runtime.base.errors import SourceError
 from safetensors.torch import load_file, save_file
 
-from kiln.compiler import sources
-from kiln.quant import prequantized, quantize
-from kiln.quant.prequantized import PreQuantized
-from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime.errors import SourceError
 from tests.prequantized import (
     PreQuantizedCheckpoint,
     make_awq_checkpoint,
@@ -321,8 +322,8 @@ def test_sharded_source_gives_a_sharded_checkpoint_with_an_index(checkpoints: An
 
 
 def test_tensorrt_llm_reader_sees_the_same_values(checkpoints: Any) -> None:
-    from kiln.compiler.trtllm.source import read_source
-    from kiln.runtime.linear import effective_weight
+    from kiln.compiler.trtllm.export.source import read_source
+    from kiln.runtime.formats.weights import effective_weight
 
     source, ct_dir, record = checkpoints("awq-g64")
     read = read_source(ct_dir, record.trtllm_quant_algo)
@@ -334,7 +335,7 @@ def test_tensorrt_llm_reader_sees_the_same_values(checkpoints: Any) -> None:
 def test_tensorrt_llm_checkpoint_exports_from_the_import(
     checkpoints: Any, tmp_path: Path, variant: str
 ) -> None:
-    from kiln.compiler.trtllm.export import export_checkpoint
+    from kiln.compiler.trtllm.export.writer import export_checkpoint
 
     _, ct_dir, record = checkpoints(variant)
     exported = export_checkpoint(ct_dir, tmp_path / "trt", quant_algo=record.trtllm_quant_algo)
@@ -345,9 +346,9 @@ def test_tensorrt_llm_checkpoint_exports_from_the_import(
 
 @pytest.mark.parametrize("variant", ["awq-g64", "autogptq-sym-g64"])
 def test_kiln_runtime_reads_the_same_values(checkpoints: Any, variant: str) -> None:
-    from kiln.runtime.checkpoint import open_checkpoint
-    from kiln.runtime.linear import dequantize
-    from kiln.runtime.loader import load_model
+    from kiln.runtime.engine.loader import load_model
+    from kiln.runtime.formats.checkpoint import open_checkpoint
+    from kiln.runtime.formats.weights import dequantize
 
     source, ct_dir, _ = checkpoints(variant)
     checkpoint = open_checkpoint(ct_dir)

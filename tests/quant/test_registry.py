@@ -5,12 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from kiln.compiler.recipe import QuantizationSection, load_recipe, resolve_quantization
+from kiln.compiler.recipe.schema import (
+    QuantizationSection,
+    load_recipe,
+    resolve_quantization,
+)
 from kiln.quant.registry import GROUP_SIZES, METHODS, SCHEMES, group_size_problem
 from kiln.quant.schemes import check
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.errors import RecipeError
+from kiln.runtime.base.errors import RecipeError
 
 
 def test_every_scheme_belongs_to_registered_methods_and_every_method_has_a_scheme() -> None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
 from kiln.quant.memory import estimate_calibration_bytes
-from kiln.quant.schemes import Problem, check, quantised_linears, resolve
+from kiln.quant.schemes import Problem, check, resolve
+from kiln.quant.selection import quantised_linears
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime.errors import PreflightError
-from kiln.runtime.model_info import ModelInfo
+from kiln.runtime.base.errors import PreflightError
+from kiln.runtime.formats.model_info import ModelInfo
 
 # SmolLM2-135M's config.json, the fields ModelInfo reads.
 SMOLLM2 = ModelInfo.from_hf_config(

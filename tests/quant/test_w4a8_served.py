@@ -1,4 +1,5 @@
-"""W4A8 AWQ through ModelOpt, served by kiln's runtime as the GPU computes it (runtime/w4a8.py):
+"""W4A8 AWQ through ModelOpt, served by kiln's runtime as the GPU computes it
+(runtime/formats/w4a8.py):
 FP8 weights e4m3(int4 code × fp16 group scale / weight_scale_2) times FP8 activations rounded
 with the static input scale.
 
@@ -14,21 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import AutoTokenizer
-
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.quant.calibration import load_texts, tokenize
 from kiln.runtime import Engine
-from kiln.runtime.checkpoint import open_checkpoint
-from kiln.runtime.kernels import Fp8Linear
-from kiln.runtime.linear import (
+from kiln.runtime.engine.layers.kernels import Fp8Linear
+from kiln.runtime.engine.layers.linear import PreScaledLinear
+from kiln.runtime.formats.checkpoint import open_checkpoint
+from kiln.runtime.formats.weights import (
     ActivationScheme,
     LinearWeights,
-    PreScaledLinear,
     WeightScheme,
     effective_weight,
 )
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
 from tests.quant.conftest import CALIBRATION, Quantised, export_modelopt_awq
 from tests.runtime.conftest import assert_close_to_reference
 

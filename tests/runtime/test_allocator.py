@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kiln.runtime import allocator
+from kiln.runtime.engine import allocator
 
 glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",

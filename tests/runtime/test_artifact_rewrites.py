@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.formats import artifact
 
-from kiln.runtime import artifact
-from kiln.runtime.errors import ArtifactError
 from tests.gates.conftest import build_artifact
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 WRITER = """
 import os, sys, time
 from pathlib import Path
-from kiln.runtime import artifact
+from kiln.runtime.formats import artifact
 
 root, go, tag, count, mode = sys.argv[1:]
 root, go = Path(root), Path(go)

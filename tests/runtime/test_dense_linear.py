@@ -7,14 +7,15 @@ from __future__ import annotations
 import gc
 import os
 
+import kiln.runtime.engine.layers.dense as dense
 import pytest
 import torch
 import torch.nn.functional as F
+from kiln.runtime.engine import native
+from kiln.runtime.engine.layers.dense import DenseLinear
+from kiln.runtime.engine.layers.linear import float_linear
+from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 
-import kiln.runtime.dense as dense
-from kiln.runtime import native
-from kiln.runtime.dense import DenseLinear
-from kiln.runtime.linear import LinearWeights, WeightScheme, float_linear
 from tests.runtime.conftest import needs_amx_kernels, needs_avx2_kernels, needs_dpbf16_kernels
 
 CPU = torch.device("cpu")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kiln.runtime.dtype import choose_dtype, cpu_flags, native_bf16
-from kiln.runtime.errors import UsageError
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.engine.dtype import choose_dtype
+from kiln.runtime.engine.native.cpu import cpu_flags, native_bf16
 
 CPU = torch.device("cpu")
 UNSET = ""  # KILN_DTYPE as if unset (the suite pins it)

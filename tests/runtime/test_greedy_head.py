@@ -1,23 +1,24 @@
-"""The greedy head (runtime/greedy_head.py, runtime/csrc/int8_screen.cpp): its int8 screen
-decides each row's argmax exactly as the full bf16 LM head does (ties to the lowest index,
-after the layer's rounding to bfloat16), falls back where it cannot decide, and the engine's
-greedy tokens are the same with it and without it."""
+"""The greedy head (runtime/engine/layers/greedy_head.py,
+runtime/engine/native/csrc/int8_screen.cpp): its int8 screen decides each row's argmax exactly as
+the full bf16 LM head does (ties to the lowest index, after the layer's rounding to bfloat16), falls
+back where it cannot decide, and the engine's greedy tokens are the same with it and without it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import kiln.runtime.engine.layers.dense as dense
+import kiln.runtime.engine.layers.greedy_head as greedy_head
+import kiln.runtime.engine.layers.linear as linear
 import pytest
 import torch
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.engine import native
+from kiln.runtime.engine.layers.dense import DenseLinear
+from kiln.runtime.engine.layers.greedy_head import GreedyHead
+from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 
-import kiln.runtime.dense as dense
-import kiln.runtime.greedy_head as greedy_head
-import kiln.runtime.linear as linear
-from kiln.runtime import Engine, SamplingParams, native
-from kiln.runtime.dense import DenseLinear
-from kiln.runtime.greedy_head import GreedyHead
-from kiln.runtime.linear import LinearWeights, WeightScheme
 from tests.runtime.test_batch_invariance import audit_prompts
 
 pytestmark = pytest.mark.skipif(

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from kiln.runtime.jsonlines import json_objects
+from kiln.runtime.base.jsonlines import json_objects
 
 
 class Bad(Exception):

@@ -6,8 +6,8 @@ import random
 from pathlib import Path
 
 from kiln.runtime import Engine, SamplingParams
-from kiln.runtime.kv_cache import KVCacheManager, hash_block
-from kiln.runtime.sequence import Request
+from kiln.runtime.engine.kv_cache import KVCacheManager, hash_block
+from kiln.runtime.engine.sequence import Request
 
 
 def request(rid: str, tokens: list[int], salt: str | None = None) -> Request:

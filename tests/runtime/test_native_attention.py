@@ -1,6 +1,6 @@
 """The native attention kernels against the torch paths they replace on CPU: decode
-(runtime/csrc/paged_attention.cpp) on random paged caches, every specialised shape and the
-generic one; whole prompt chunks (prefill_attention.cpp) on AMX and AVX512-BF16; and
+(runtime/engine/native/csrc/paged_attention.cpp) on random paged caches, every specialised shape and
+the generic one; whole prompt chunks (prefill_attention.cpp) on AMX and AVX512-BF16; and
 whole-engine greedy decoding with each kernel on and off."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import kiln.runtime.engine.attention as attention
 import pytest
 import torch
 import torch.nn.functional as F
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.engine import native
+from kiln.runtime.engine.attention import PagedKVCache
 
-import kiln.runtime.attention as attention
-from kiln.runtime import Engine, SamplingParams, native
-from kiln.runtime.attention import PagedKVCache
 from tests.runtime.conftest import needs_amx_kernels, needs_dpbf16_kernels
 from tests.runtime.test_batch_invariance import audit_prompts
 from tests.tiny_models import make_tiny_model
@@ -275,7 +276,7 @@ def test_engine_decodes_alike_with_and_without_the_fused_step(
 ) -> None:
     """Greedy tokens and log-probabilities identical whether decode-only steps take the one
     native call per layer or the torch calls around the kernel; the fused step is taken."""
-    import kiln.runtime.model as model_module
+    import kiln.runtime.engine.model as model_module
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
     prompts = audit_prompts(tiny_llama)[:6]

@@ -2,9 +2,9 @@
 
 A CPU with AVX-512 builds the kernels' AVX-512 and AMX paths; the paths a CPU without them
 takes (AVX2 and FMA: a Zen 3 EPYC) would go untested wherever the suite runs on such a CPU.
-`KILN_NATIVE_MARCH=x86-64-v3` builds the kernels for that level instead (runtime/native.py),
-and the kernel tests run against that build in a child pytest. The same by hand for AVX-512
-without BF16 (Skylake to Ice Lake servers):
+`KILN_NATIVE_MARCH=x86-64-v3` builds the kernels for that level instead
+(runtime/engine/native/__init__.py), and the kernel tests run against that build in a child pytest.
+The same by hand for AVX-512 without BF16 (Skylake to Ice Lake servers):
 
     KILN_NATIVE_MARCH=skylake-avx512 pytest tests/runtime/test_native_attention.py \\
         tests/runtime/test_native_elementwise.py tests/runtime/test_quantized.py \\
@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kiln.runtime import native
+from kiln.runtime.engine import native
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
@@ -40,7 +39,7 @@ KERNEL_TESTS = [
 )
 def test_the_kernel_tests_pass_on_the_build_for_an_avx2_cpu() -> None:
     env = dict(os.environ, KILN_NATIVE_MARCH="x86-64-v3", PYTHONPATH=str(ROOT))
-    check = "from kiln.runtime import native; import torch; native.available(); "
+    check = "from kiln.runtime.engine import native; import torch; native.available(); "
     check += "print(torch.ops.kiln.amx_ready(), torch.ops.kiln.bf16_flushes_subnormals())"
     built = subprocess.run(
         [sys.executable, "-c", check], cwd=ROOT, env=env, capture_output=True, text=True

@@ -1,5 +1,5 @@
-"""The fused elementwise kernels (runtime/csrc/elementwise.cpp) against the torch operators
-they replace: the same values, in float32 and bfloat16, for widths that end mid-vector."""
+"""The fused elementwise kernels (runtime/engine/native/csrc/elementwise.cpp) against the torch
+operators they replace: the same values, in float32 and bfloat16, for widths that end mid-vector."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kiln.runtime import native
+from kiln.runtime.engine import native
 
 pytestmark = pytest.mark.skipif(
     native.missing_toolchain() is not None or os.environ.get("KILN_NATIVE") == "0",

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kiln.runtime import Engine, kernels, native
-from kiln.runtime.checkpoint.compressed_tensors import unpack
-from kiln.runtime.errors import ArtifactError
-from kiln.runtime.kernels import (
+from kiln.runtime import Engine
+from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.engine import native
+from kiln.runtime.engine.layers import kernels
+from kiln.runtime.engine.layers.kernels import (
     Fp8Linear,
     Int4Linear,
     Int8GroupLinear,
@@ -36,7 +36,9 @@ from kiln.runtime.kernels import (
     Int8WeightLinear,
     make_linear,
 )
-from kiln.runtime.linear import ActivationScheme, LinearWeights, WeightScheme, dequantize
+from kiln.runtime.formats.checkpoint.compressed_tensors import unpack
+from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme, dequantize
+
 from tests.runtime.conftest import (
     assert_close_to_reference,
     hf_greedy,
@@ -532,8 +534,8 @@ def test_int8_gemm_is_native_only_with_vnni() -> None:
 def test_w8a8_native_quantising_and_scaling_give_torchs_bits(
     strategy: str, dynamic: bool, vnni: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int8_quantize and int8_rescale (runtime/csrc/int8_act.cpp) against the same layer's
-    torch arithmetic: the same bits for per-token, per-tensor and static scales, float32 and
+    """int8_quantize and int8_rescale (runtime/engine/native/csrc/int8_act.cpp) against the same
+    layer's torch arithmetic: the same bits for per-token, per-tensor and static scales, float32 and
     bf16 models, on `_int_mm` and on the bf16 panels, rows of zeros included."""
     generator = torch.Generator().manual_seed(11)
     act = ActivationScheme(dynamic=dynamic, strategy=strategy)

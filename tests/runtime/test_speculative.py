@@ -8,21 +8,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy.stats import chisquare
-
+from kiln.compiler.draft.acceptance import measure_acceptance
 from kiln.runtime import Engine, SamplingParams
-from kiln.runtime.artifact import MODEL_DIR, Manifest, SpeculativeRecord, assemble, write_manifest
-from kiln.runtime.errors import UsageError
-from kiln.runtime.rejection import rejection_sample
-from kiln.runtime.sampling import probabilities
-from kiln.runtime.speculative import (
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.engine.sampling import probabilities
+from kiln.runtime.engine.spec_decode.rejection import rejection_sample
+from kiln.runtime.engine.spec_decode.speculator import (
     SpeculativeConfig,
     choose_draft_len,
     expected_speedup,
     expected_tokens_per_pass,
-    measure_acceptance,
     ngram_propose,
 )
+from kiln.runtime.formats.artifact import (
+    MODEL_DIR,
+    Manifest,
+    SpeculativeRecord,
+    assemble,
+    write_manifest,
+)
+from scipy.stats import chisquare
+
 from tests.runtime.conftest import PROMPTS, hf_model, prompt_ids
 from tests.tiny_models import make_tiny_model
 
@@ -335,7 +341,7 @@ def test_artifact_with_a_draft_speculates_by_default(
 
 
 def test_manifest_entry_that_does_not_pay_is_off_unless_asked(tmp_path: Path) -> None:
-    from kiln.runtime.speculative import from_manifest
+    from kiln.runtime.engine.spec_decode.speculator import from_manifest
 
     slow = Manifest(
         name="t", speculative=SpeculativeRecord(draft="draft", max_draft_len=2, pays=False)

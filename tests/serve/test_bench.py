@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from kiln.compiler.cli import main
-from kiln.runtime.bench import (
+from kiln.compiler.cli.main import main
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.client.bench import (
     SLO,
     file_requests,
     parse_slo,
@@ -22,8 +22,8 @@ from kiln.runtime.bench import (
     summarize,
     synthetic_requests,
 )
-from kiln.runtime.client import OpenAIClient, StreamResult
-from kiln.runtime.errors import UsageError
+from kiln.runtime.client.http import OpenAIClient, StreamResult
+
 from tests.serve.conftest import LiveServer
 
 

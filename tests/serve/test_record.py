@@ -7,11 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from kiln.gates.replay import ReplaySettings, replay_requests
-from kiln.gates.sides import HttpSide
+from kiln.gates.measure.replay import ReplaySettings, replay_requests
+from kiln.gates.measure.sides import HttpSide
+from kiln.runtime.formats.traffic import TrafficError, read_traffic
 from kiln.runtime.server.record import RecordSettings, TrafficRecorder, prompt_digest
-from kiln.runtime.traffic import TrafficError, read_traffic
+
 from tests.serve.conftest import MODEL, ServerFactory
 
 CHAT = [{"role": "user", "content": "Tell me a story"}]
@@ -99,7 +99,7 @@ def test_sample_rate(tmp_path: Path, start_server: ServerFactory) -> None:
 
 
 def test_bad_record_settings_are_usage_errors(tmp_path: Path) -> None:
-    from kiln.runtime.errors import UsageError
+    from kiln.runtime.base.errors import UsageError
 
     with pytest.raises(UsageError, match=r"\[0, 1\]"):
         RecordSettings(tmp_path / "t.jsonl", sample_rate=1.5)

@@ -16,19 +16,19 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import CliRunner
-
-from kiln.compiler.cli import main
-from kiln.compiler.serve_cli import (
+from kiln.compiler.cli.main import main
+from kiln.compiler.cli.serve import (
     SERVE_CPU_BATCHED_TOKENS,
     choose_backend,
     parse_size,
     resolve_model,
     serve_budget,
 )
-from kiln.compiler.trtllm.build import ENGINE_STAMP, BuildEnvironment, GpuInfo
-from kiln.gates.registry import Registry
-from kiln.runtime.errors import UsageError
-from kiln.runtime.traffic import read_traffic
+from kiln.compiler.trtllm.build.plan import ENGINE_STAMP, BuildEnvironment, GpuInfo
+from kiln.gates.releases import Registry
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats.traffic import read_traffic
+
 from tests.gates.conftest import build_artifact
 from tests.serve.conftest import free_socket, wait_ready
 

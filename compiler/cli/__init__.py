@@ -1,0 +1,1 @@
+"""Every `kiln` command, imported statically by `main`; one module per command family."""

@@ -1,0 +1,162 @@
+"""`kiln bench URL`: load an OpenAI-compatible server and report latency and throughput.
+
+The compiler's CLI mounts `COMMANDS`. Exit codes: 0 done (failed requests are counted in the
+report, not fatal), 2 usage error (bad options, or no server at URL), 3 every request failed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from kiln.compiler.cli.exits import handle_errors
+from rich.console import Console, Group
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from kiln.runtime.client.bench import BenchReport, Distribution
+
+
+@click.command("bench")
+@click.argument("url")
+@click.option("--model", help="Model name to request (default: the first of /v1/models).")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(path_type=Path),
+    help="Traffic JSON lines (as `kiln serve --record` writes) or one prompt per line.",
+)
+@click.option("--input-len", type=int, default=128, show_default=True, help="Synthetic prompts.")
+@click.option("--output-len", type=int, help="Output tokens per request [synthetic: 128].")
+@click.option(
+    "--tokenizer",
+    "tokenizer_dir",
+    type=click.Path(path_type=Path),
+    help="Tokenizer dir: synthetic prompts of exactly --input-len tokens (else words).",
+)
+@click.option("--chat", is_flag=True, help="Send prompts to /v1/chat/completions.")
+@click.option("--num-requests", type=int, help="Requests to send [prompt count, or 64].")
+@click.option("--concurrency", type=int, help="Requests in flight at most [no limit].")
+@click.option(
+    "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second [inf]."
+)
+@click.option(
+    "--ignore-eos/--no-ignore-eos",
+    default=True,
+    show_default=True,
+    help="Ask for exactly --output-len tokens (`ignore_eos`, `min_tokens`).",
+)
+@click.option("--slo", default="", help="Goodput limits, e.g. ttft_ms=500,tpot_ms=50,e2el_ms=9000.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Prompts and arrivals.")
+@click.option(
+    "--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per request (s)."
+)
+@click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token [$KILN_API_KEY].")
+@click.option("--json", "json_file", type=click.Path(path_type=Path), help="Write the report.")
+@handle_errors
+def bench(
+    url: str,
+    model: str | None,
+    prompts_file: Path | None,
+    input_len: int,
+    output_len: int | None,
+    tokenizer_dir: Path | None,
+    chat: bool,
+    num_requests: int | None,
+    concurrency: int | None,
+    request_rate: float,
+    ignore_eos: bool,
+    slo: str,
+    seed: int,
+    timeout_s: float,
+    api_key: str | None,
+    json_file: Path | None,
+) -> None:
+    """Benchmark the OpenAI-compatible server at URL (kiln, vLLM, llama-server, trtllm-serve)."""
+    from kiln.runtime.base.errors import StageFailure, UsageError
+    from kiln.runtime.client import bench as b
+
+    limits = b.parse_slo(slo)
+    if num_requests is not None and num_requests < 1:
+        raise UsageError(f"--num-requests {num_requests}: must be at least 1")
+    if prompts_file is not None:
+        requests = b.file_requests(
+            prompts_file, output_len=output_len, chat=chat, ignore_eos=ignore_eos
+        )
+    else:
+        requests = b.synthetic_requests(
+            num_requests or 64,
+            input_len,
+            output_len or 128,
+            tokenizer_dir=tokenizer_dir,
+            chat=chat,
+            ignore_eos=ignore_eos,
+            seed=seed,
+        )
+    requests = b.repeat_to(requests, num_requests or len(requests))
+    report = b.run_bench(
+        url,
+        requests,
+        model=model,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        slo=limits,
+        seed=seed,
+        timeout_s=timeout_s,
+        api_key=api_key,
+    )
+    Console(highlight=False).print(report_table(report))
+    if json_file is not None:
+        b.write_json(report, json_file)
+    if report.completed == 0:
+        first = next(iter(report.errors), "no answer")
+        raise StageFailure(f"{url}: all {report.num_requests} requests failed; first: {first}")
+
+
+def report_table(report: BenchReport) -> Group:
+    """The report for a terminal: a table of latency percentiles, then the totals."""
+    load = f"concurrency {report.concurrency or 'unbounded'}"
+    if report.request_rate is not None:
+        load += f", {report.request_rate:g} req/s Poisson"
+    table = Table(title=f"kiln bench {report.url} ({report.model}; {load})", title_justify="left")
+    for column in ("metric", "mean", "p50", "p90", "p99"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    rows: list[tuple[str, Distribution | None]] = [
+        ("TTFT (ms)", report.ttft_ms),
+        ("TPOT (ms)", report.tpot_ms),
+        ("ITL (ms)", report.itl_ms),
+        ("E2E latency (ms)", report.e2el_ms),
+    ]
+    for name, dist in rows:
+        if dist is None:
+            table.add_row(name, "-", "-", "-", "-")
+        else:
+            table.add_row(name, *(f"{v:.1f}" for v in (dist.mean, dist.p50, dist.p90, dist.p99)))
+    summary = Table(show_header=False, box=None, pad_edge=False)
+    summary.add_column("name")
+    summary.add_column("value", justify="right")
+    done = f"{report.completed}/{report.num_requests} ok"
+    if report.failed:
+        done += f", {report.failed} failed"
+    totals = [
+        ("requests", done),
+        ("duration (s)", f"{report.duration_s:.2f}"),
+        ("request throughput (req/s)", f"{report.request_throughput:.2f}"),
+        ("output throughput (tok/s)", f"{report.output_throughput:.1f}"),
+        ("total token throughput (tok/s)", f"{report.total_token_throughput:.1f}"),
+        ("input / output tokens", f"{report.total_input_tokens} / {report.total_output_tokens}"),
+    ]
+    if report.goodput is not None:
+        totals.append(("goodput (req/s within SLO)", f"{report.goodput:.2f}"))
+    if report.short_outputs:
+        totals.append(("shorter than asked (EOS not ignored)", str(report.short_outputs)))
+    for message, count in list(report.errors.items())[:3]:
+        totals.append((f"error x{count}", message[:120]))
+    for name, value in totals:
+        summary.add_row(name, value)
+    return Group(table, summary)
+
+
+COMMANDS = [bench]

@@ -1,0 +1,111 @@
+"""`kiln inspect`: a human-readable view of an artifact's manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kiln.runtime.formats.artifact import QUANT_REPORT, Manifest, SpeculativeRecord
+from rich.console import Console
+from rich.table import Table
+
+MIB = 1 << 20
+
+
+def _sizes_by_top(manifest: Manifest) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for rel, entry in manifest.files.items():
+        top = rel.split("/", 1)[0]
+        sizes[top] = sizes.get(top, 0) + entry.size
+    return sizes
+
+
+def describe(manifest: Manifest, path: Path, console: Console) -> None:
+    """Print name, digest, source, scheme, stages, sizes, report summary and targets."""
+    scheme = manifest.scheme
+    console.print(f"[bold]{manifest.name}[/]  {path}")
+    console.print(f"digest   sha256:{manifest.digest}")
+    console.print(f"created  {manifest.created_at}")
+    source = manifest.source
+    if source is not None:
+        console.print(
+            f"source   {source.spec} ({source.architecture}, "
+            f"{source.parameters / 1e6:.1f}M parameters, sha256:{source.digest[:12]})"
+        )
+    if scheme is not None:
+        console.print(f"scheme   {scheme.label} via {scheme.backend} ({scheme.format})")
+    console.print("tools    " + ", ".join(f"{k} {v}" for k, v in sorted(manifest.tools.items())))
+
+    sizes = Table(title="files", title_justify="left")
+    sizes.add_column("folder")
+    sizes.add_column("MiB", justify="right")
+    for top, size in sorted(_sizes_by_top(manifest).items()):
+        sizes.add_row(top, f"{size / MIB:.1f}")
+    console.print(sizes)
+
+    stages = Table(title="stages", title_justify="left")
+    for column in ("stage", "status", "seconds"):
+        stages.add_column(column)
+    for name, stage in manifest.stages.items():
+        stages.add_row(name, stage.status, f"{stage.seconds:.1f}")
+    console.print(stages)
+
+    report_path = path / QUANT_REPORT
+    if report_path.is_file():
+        report = json.loads(report_path.read_text())
+        summary = {k: v for k, v in report.items() if isinstance(v, (int, float, str))}
+        console.print(
+            "report   "
+            + ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()
+            )
+        )
+    if manifest.targets:
+        targets = Table(title="targets (TensorRT-LLM)", title_justify="left")
+        for column in ("target", "tp", "engine (1.2.x)", "pytorch backend"):
+            targets.add_column(column)
+        for name, target in manifest.targets.items():
+            targets.add_row(name, str(target.tp_size), target.engine, target.pytorch)
+        console.print(targets)
+    if manifest.speculative is not None:
+        describe_speculative(manifest.speculative, console)
+    if manifest.gate is not None:
+        gate = manifest.gate
+        verdict = "PASS" if gate.passed else "FAIL (" + ", ".join(gate.failed_checks) + ")"
+        console.print(f"gate     {verdict} against {gate.baseline.get('name')}; {gate.reports}")
+
+
+def describe_speculative(section: SpeculativeRecord, console: Console) -> None:
+    """The manifest's `speculative` section: method, draft, K and how it was chosen."""
+    k = section.max_draft_len
+    if section.method == "ngram":
+        console.print(
+            f"speculative  ngram (prompt lookup), K={k}, "
+            f"max_matching_ngram_size {section.max_matching_ngram_size}"
+        )
+        return
+    console.print(
+        f"speculative  draft {section.draft}/ ({section.draft_source}, {section.draft_scheme}, "
+        f"sha256:{str(section.draft_digest)[:12]}), K={k} ({section.chosen_by})"
+    )
+    if section.alpha is not None:
+        per_position = ", ".join(f"{a:.2f}" for a in section.alpha_per_position)
+        where = section.measured_on
+        console.print(
+            f"             alpha {section.alpha:.3f} (per position: {per_position}), "
+            f"cost ratio c {section.cost_ratio or 0:.3f}, formula speedup "
+            f"{section.expected_speedup or 0:.2f}x, measured on "
+            f"{where.get('device', '?')} ({where.get('name', '?')}, "
+            f"{where.get('threads', '?')} threads)"
+        )
+        if section.measured_speedup is not None:
+            console.print(
+                f"             measured speedup {section.measured_speedup:.2f}x "
+                f"({section.plain_tokens_per_s or 0:.1f} → "
+                f"{section.speculative_tokens_per_s or 0:.1f} tokens/s single stream)"
+            )
+        if section.pays is False:
+            console.print(
+                "             [bold]speculation does not pay on that device[/]: decoding "
+                "with the draft was timed slower than without it"
+            )

@@ -1,0 +1,246 @@
+"""`kiln gate`, `kiln promote`, `kiln rollback`, `kiln registry ...`: the gate's commands.
+
+The compiler's CLI mounts these with `main.add_command(...)`. Exit codes follow kiln's:
+0 pass, 1 verdict failure (a failing gate, or a promotion refused by a failing gate),
+2 usage error, 3 runtime failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from kiln.compiler.cli.exits import handle_errors
+from kiln.runtime.base.errors import VerdictFailure
+
+if TYPE_CHECKING:
+    from kiln.runtime.formats.artifact.verified import Mode
+
+_REGISTRY = click.option(
+    "--registry",
+    "registry_spec",
+    envvar="KILN_REGISTRY",
+    help="Registry file or sqlite:/// URL (default: $KILN_REGISTRY, "
+    "else ~/.local/share/kiln/registry.db).",
+)
+
+
+# Used by every command that reads an artifact it is about to serve, gate, promote or
+# roll back to (runtime/formats/artifact/verified.py says what each mode trusts).
+VERIFY_OPTION = click.option(
+    "--verify",
+    type=click.Choice(["fast", "full"]),
+    default="fast",
+    show_default=True,
+    help="Check artifacts against their manifests first: `fast` trusts an earlier full check "
+    "while no file changed since, `full` re-hashes every file.",
+)
+
+
+def _echo_err(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _open_registry(spec: str | None) -> Any:
+    from kiln.gates.releases import Registry
+
+    return Registry(spec)
+
+
+def _old_spelling(name: str) -> str:
+    # --mirror-log was once spelled --shadow-log; old scripts keep working, unlisted.
+    return "mirror-log" if name == "shadow-log" else name
+
+
+@click.command("gate", context_settings={"token_normalize_func": _old_spelling})
+@click.argument("candidate")
+@click.option(
+    "--baseline",
+    required=True,
+    help="An artifact dir, a float model source (HF dir), or an http(s) endpoint URL.",
+)
+@click.option("--gate-file", type=click.Path(path_type=Path), help="YAML `gates:` settings.")
+@click.option(
+    "--traffic",
+    type=click.Path(path_type=Path),
+    help="Recorded traffic (.jsonl) to replay through both sides.",
+)
+@click.option(
+    "--mirror-log",
+    type=click.Path(path_type=Path),
+    help="Judge the mirror log of `kiln serve --mirror` (no tasks, no replay).",
+)
+@click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
+@click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
+@_REGISTRY
+@click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
+@VERIFY_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
+@handle_errors
+def gate(
+    candidate: str,
+    baseline: str,
+    gate_file: Path | None,
+    traffic: Path | None,
+    mirror_log: Path | None,
+    out: Path | None,
+    limit: int | None,
+    registry_spec: str | None,
+    no_record: bool,
+    verify: Mode,
+    as_json: bool,
+) -> None:
+    """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
+    from kiln.gates.measure.sides import resolve_side
+    from kiln.gates.report.markdown import to_markdown
+    from kiln.gates.run import gate_mirror_log, run_gate
+    from kiln.gates.settings import load_gate_file, load_gates
+    from kiln.runtime.formats.artifact import load_manifest
+
+    cand = resolve_side(candidate, "candidate", verify)
+    base_dir = Path.cwd()
+    if gate_file is not None:
+        gates = load_gate_file(gate_file)
+        base_dir = gate_file.resolve().parent
+    elif cand.kind == "artifact" and cand.path is not None:
+        section = load_manifest(cand.path).recipe.get("gates")
+        gates = load_gates(section, f"{cand.path}/manifest.json recipe")
+    else:
+        gates = load_gates(None, "defaults")
+    if limit is not None:
+        gates = gates.model_copy(update={"limit": limit})
+    if out is None:
+        label = cand.name if cand.kind == "http" else f"{cand.name}-{cand.digest[:12]}"
+        out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
+    registry = None if no_record else _open_registry(registry_spec)
+    if mirror_log is not None:
+        outcome = gate_mirror_log(
+            candidate, baseline, mirror_log, gates, out, registry=registry, verify=verify
+        )
+    else:
+        outcome = run_gate(
+            candidate,
+            baseline,
+            gates,
+            out,
+            base_dir=base_dir,
+            traffic=traffic,
+            registry=registry,
+            progress=_echo_err,
+            verify=verify,
+        )
+    verdict = outcome.verdict
+    if as_json:
+        click.echo(json.dumps(verdict.to_dict(), sort_keys=True))
+    else:
+        click.echo(to_markdown(verdict))
+        click.echo(f"reports: {outcome.reports['html']} (and gate.json, gate.md beside it)")
+        if outcome.run_id is not None and registry is not None:
+            click.echo(f"recorded as gate run {outcome.run_id} in {registry.path}")
+    if not verdict.passed:
+        failed = ", ".join(c.name for c in verdict.failed_checks)
+        raise VerdictFailure(
+            f"{candidate}: gate failed against {baseline} ({failed}); see {outcome.reports['html']}"
+        )
+
+
+@click.command("promote")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--channel", required=True, help="Release channel, e.g. prod or staging.")
+@click.option("--reason", default="", help="Why (kept in the promotion history).")
+@_REGISTRY
+@VERIFY_OPTION
+@handle_errors
+def promote(
+    artifact: Path, channel: str, reason: str, registry_spec: str | None, verify: Mode
+) -> None:
+    """Point CHANNEL at ARTIFACT; it must verify and have a passing gate run against the
+    channel's baseline."""
+    with _open_registry(registry_spec) as registry:
+        event = registry.promote(artifact, channel, reason, verify=verify)
+    previous = (event["previous_digest"] or "nothing")[:12]
+    click.echo(f"{channel}: {event['digest'][:12]} (was {previous})")
+
+
+@click.command("rollback")
+@click.argument("channel")
+@click.option("--reason", default="", help="Why (kept in the promotion history).")
+@_REGISTRY
+@VERIFY_OPTION
+@handle_errors
+def rollback(channel: str, reason: str, registry_spec: str | None, verify: Mode) -> None:
+    """Move CHANNEL back to the artifact it served before its current one, once that artifact
+    verifies against the digest CHANNEL recorded."""
+    with _open_registry(registry_spec) as registry:
+        event = registry.rollback(channel, reason, verify=verify)
+    click.echo(
+        f"{channel}: {event['digest'][:12]} (rolled back from {event['previous_digest'][:12]})"
+    )
+
+
+@click.group("registry")
+def registry() -> None:
+    """Inspect and configure the artifact registry."""
+
+
+@registry.command("ls")
+@_REGISTRY
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@handle_errors
+def registry_ls(registry_spec: str | None, as_json: bool) -> None:
+    """Channels with what they serve, and the latest gate runs."""
+    from dataclasses import asdict
+
+    with _open_registry(registry_spec) as reg:
+        channels, runs = reg.ls(), reg.gate_runs()[:20]
+    if as_json:
+        click.echo(json.dumps({"channels": [asdict(c) for c in channels], "gate_runs": runs}))
+        return
+    click.echo("channels:" if channels else "channels: none")
+    for c in channels:
+        serving = f"{c.current_name} {c.current_digest[:12]}" if c.current_digest else "nothing"
+        rule = c.baseline_rule + (f" {c.baseline_digest[:12]}" if c.baseline_digest else "")
+        click.echo(f"  {c.name:<16} {serving:<40} baseline rule: {rule}")
+    click.echo("gate runs:" if runs else "gate runs: none")
+    for r in runs:
+        status = "pass" if r["passed"] else "FAIL"
+        click.echo(
+            f"  #{r['id']:<4} {status}  {r['candidate_digest'][:12]} vs "
+            f"{r['baseline'][:40]:<40} {r['created_at']}"
+        )
+
+
+@registry.command("history")
+@click.argument("channel")
+@_REGISTRY
+@handle_errors
+def registry_history(channel: str, registry_spec: str | None) -> None:
+    """The promotion and rollback events of CHANNEL, oldest first."""
+    with _open_registry(registry_spec) as reg:
+        events = reg.history(channel)
+    for e in events:
+        click.echo(
+            f"{e['created_at']}  {e['action']:<8} {(e['digest'] or '')[:12]}  "
+            f"(was {(e['previous_digest'] or 'nothing')[:12]})  {e['actor']}  {e['reason']}"
+        )
+
+
+@registry.command("channel")
+@click.argument("name")
+@click.option("--rule", type=click.Choice(["current", "fixed"]), default="current")
+@click.option("--baseline", "baseline_digest", help="Baseline digest for --rule fixed.")
+@_REGISTRY
+@handle_errors
+def registry_channel(
+    name: str, rule: str, baseline_digest: str | None, registry_spec: str | None
+) -> None:
+    """Create or configure channel NAME: which baseline its candidates must be gated against."""
+    with _open_registry(registry_spec) as reg:
+        reg.configure_channel(name, rule, baseline_digest)
+    click.echo(f"{name}: baseline rule {rule}" + (f" {baseline_digest}" if baseline_digest else ""))
+
+
+COMMANDS = (gate, promote, rollback, registry)

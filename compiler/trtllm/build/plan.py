@@ -1,0 +1,605 @@
+"""TensorRT-LLM 1.2.x engine builds: the `trtllm-build` plan, its pre-checks, running it, and
+the stamp that ties an engine to the GPU and TensorRT version it was built with.
+
+`build_plan` turns recipe + planner into exact `trtllm-build` arguments and refuses, before
+any GPU time is spent, what trtllm-build would refuse; `run_build` runs them only where
+TensorRT-LLM 1.2.x and a GPU of the target's compute capability are present, and otherwise
+says `planned` with the command and a `build.sh` for a builder machine. No library plans or
+stamps TensorRT-LLM builds, so this is ours. Facts, from TensorRT-LLM's sources (1.x):
+- tensorrt_llm/commands/build.py `main`: RuntimeError for gather_context_logits with
+  max_draft_len > 0, and for multiple_profiles with opt_num_tokens; `--workers` is the
+  number of parallel build processes (tp comes from the checkpoint's mapping).
+- tensorrt_llm/plugin/plugin.py `PluginConfig.validate`: on SM 100 gemm_swiglu_plugin,
+  fp8_rowwise_gemm_plugin, low_latency_gemm_plugin and low_latency_gemm_swiglu_plugin raise
+  NotImplementedError. Defaults: tokens_per_block 32, use_paged_context_fmha and
+  use_fp8_context_fmha on.
+- tensorrt_llm/builder.py `build`: FP8 context FMHA is kept only for FP8, W4A8_AWQ or NVFP4
+  weights with an FP8 KV cache on sm89+; paged context FMHA (KV reuse, chunked context) is
+  dropped with an FP8 KV cache under any other scheme and with an INT8 KV cache; on SM
+  100-119 INT8/INT4 weight-only, INT8 KV, SmoothQuant and per-channel/per-token scaling raise
+  RuntimeError; with speculation max_seq_len grows by max_draft_len and max_num_tokens is
+  raised to max_batch_size × (max_draft_len + 1).
+- docs "useful build-time flags": the GEMM plugin helps FP16/BF16; on FP8 it is best
+  disabled, except `--gemm_plugin fp8` for batches ≤ 4 (latency).
+- examples/draft_target_model/README.md: both engines need paged context FMHA (KV reuse);
+  the target takes `--speculative_decoding_mode draft_tokens_external --max_draft_len K`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kiln.compiler.trtllm.capacity import DeploySpec, Plan, tp_valid
+from kiln.compiler.trtllm.targets import TargetProfile, check_target, quant_algo
+from kiln.quant.registry import Problem
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.base.errors import PreflightError
+from kiln.runtime.base.versions import version
+from kiln.runtime.formats.model_info import ModelInfo
+
+ENGINE_STAMP = "kiln-engine.json"
+TRTLLM_LINE = "1.2"  # the last TensorRT-LLM line with trtllm-build
+FP8_FMHA_ALGOS = frozenset({"FP8", "W4A8_AWQ", "NVFP4"})
+SM100_PLUGINS = ("--gemm_swiglu_plugin", "--fp8_rowwise_gemm_plugin",
+                 "--low_latency_gemm_plugin", "--low_latency_gemm_swiglu_plugin")  # fmt: skip
+# A checkpoint declares W4A16_AWQ for GPTQ sources (CHECKPOINT_ALGO,
+# compiler/trtllm/export/writer.py).
+CHECKPOINT_SAME = {"W4A16_GPTQ": "W4A16_AWQ"}
+Args = dict[str, str | None]  # flag → value; None for a bare switch such as --gather_context_logits
+# tensorrt_llm/llmapi/llm_args.py: DraftTarget and NGram decoding configs `supports_backend`
+# only "pytorch", so nothing but the C++ Executor API drives an engine's external drafts.
+ENGINE_SPECULATION = (
+    "speculation on this engine needs draft tokens passed through the C++ Executor API "
+    "(ExternalDraftTokensConfig); trtllm-serve and the LLM API run DraftTarget and NGram on "
+    "the PyTorch backend only and serve this engine as plain decoding — to speculate, serve "
+    "the model on the PyTorch backend with a speculative_config"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBuild:
+    """The draft model of draft-target speculative decoding: K tokens per step, its dirs."""
+
+    max_draft_len: int
+    checkpoint_dir: Path
+    engine_dir: Path
+    tp_size: int = 1
+    spec: QuantSpec = field(default_factory=QuantSpec)  # how the draft was quantised
+    info: ModelInfo | None = None  # its shapes, to check tp_size
+
+
+class BuildProblem(Problem):
+    """One thing trtllm-build would refuse: the flag or setting (`key`), why, and the fix."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.problem} — fix: {self.allowed}"
+
+
+class BuildPlanError(PreflightError):
+    """A build plan trtllm-build would refuse; `problems` lists each with its fix."""
+
+    def __init__(self, target: str, problems: list[BuildProblem]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"engine build for {target} would fail:\n{lines}")
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """The exact `trtllm-build` invocation for one engine (and its draft's, if any)."""
+
+    target: TargetProfile
+    role: str  # "target" or "draft"
+    argv: list[str]
+    checkpoint_dir: Path
+    engine_dir: Path
+    world_size: int  # engines (rank{N}.engine) it writes
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    draft: BuildPlan | None = None
+
+    @property
+    def command(self) -> str:
+        """The argv as one shell-quoted line."""
+        return shlex.join(self.argv)
+
+    def plans(self) -> list[BuildPlan]:
+        """This plan, then the draft's: everything `run_build` runs."""
+        return [self] + (self.draft.plans() if self.draft else [])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able plan, for the manifest."""
+        return {
+            "target": self.target.name,
+            "sm": self.target.sm,
+            "role": self.role,
+            "argv": list(self.argv),
+            "command": self.command,
+            "checkpoint_dir": str(self.checkpoint_dir),
+            "engine_dir": str(self.engine_dir),
+            "world_size": self.world_size,
+            "env": dict(self.env),
+            "notes": list(self.notes),
+            "draft": self.draft.to_dict() if self.draft else None,
+        }
+
+    def relative_to(self, root: Path) -> BuildPlan:
+        """This plan with paths under `root` made relative to it (for a relocatable build.sh)."""
+
+        def rel(value: str) -> str:
+            path = Path(value)
+            return str(path.relative_to(root)) if path.is_relative_to(root) else value
+
+        return replace(
+            self,
+            argv=[rel(a) for a in self.argv],
+            checkpoint_dir=Path(rel(str(self.checkpoint_dir))),
+            engine_dir=Path(rel(str(self.engine_dir))),
+            draft=self.draft.relative_to(root) if self.draft else None,
+        )
+
+    def write_script(self, path: Path, *, cd: str | None = None) -> Path:
+        """Write an executable `build.sh` that checks the GPU, then runs every build.
+
+        `cd`: a directory, relative to the script, to enter first (for relative paths).
+        """
+        major, minor = self.target.compute_capability
+        want = f"{major}.{minor}"
+        gpus = max(p.world_size for p in self.plans())
+        lines = [
+            "#!/usr/bin/env bash",
+            f"# kiln engine build for {self.target.name} ({self.target.marketing_name}, "
+            f"{self.target.sm}) with TensorRT-LLM {TRTLLM_LINE}.x",
+            "set -euo pipefail",
+            'command -v nvidia-smi >/dev/null || { echo "nvidia-smi not found: no NVIDIA '
+            'driver here" >&2; exit 1; }',
+            # An engine runs only on the compute capability it was built on.
+            'found="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | tr -d " ")"',
+            f'if [ "$(grep -cx "{want}" <<<"$found" || true)" -lt {gpus} ]; then',
+            f'  echo "this plan needs {gpus} GPU(s) of compute capability {want} '
+            f'({self.target.sm}); found: ${{found:-none}}" >&2',
+            "  exit 1",
+            "fi",
+        ]
+        if cd is not None:
+            lines.append(f'cd "$(dirname "$0")/{cd}"')
+        lines += [f"# note: {note}" for plan in self.plans() for note in plan.notes]
+        for plan in self.plans():
+            lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())]
+            lines.append(plan.command)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        return path
+
+
+def gemm_plugin(algo: str, target: TargetProfile, max_batch_size: int) -> str:
+    """`--gemm_plugin` value: the checkpoint dtype (auto), or per TensorRT-LLM's FP8 advice."""
+    if algo == "NVFP4":
+        return "nvfp4"
+    if algo == "FP8":
+        small = max_batch_size <= 4 and target.compute_capability in ((8, 9), (9, 0))
+        return "fp8" if small else "disable"
+    return "auto"
+
+
+def _engine_args(
+    checkpoint_dir: Path,
+    engine_dir: Path,
+    algo: str,
+    kv_algo: str | None,
+    target: TargetProfile,
+    deploy: DeploySpec,
+    plan: Plan,
+    workers: int,
+    max_draft_len: int,
+) -> tuple[Args, list[str]]:
+    """The flags of one engine build, and notes on what trtllm-build will change."""
+    notes: list[str] = []
+    fp8_fmha = algo in FP8_FMHA_ALGOS and kv_algo == "FP8" and target.compute_capability >= (8, 9)
+    paged_ctx = kv_algo is None or fp8_fmha  # builder.py drops it for every other KV cache
+    if not paged_ctx:
+        notes.append(f"{kv_algo} KV cache with {algo}: TensorRT-LLM disables paged context "
+                     "FMHA, so no KV block reuse and no chunked context")  # fmt: skip
+    gemm = gemm_plugin(algo, target, plan.recommended_max_batch_size)
+    if gemm == "disable":
+        notes.append("FP8 GEMMs without the GEMM plugin (TensorRT-LLM's advice above batch 4)")
+    args: Args = {
+        "--checkpoint_dir": str(checkpoint_dir),
+        "--output_dir": str(engine_dir),
+        "--max_batch_size": str(plan.recommended_max_batch_size),
+        "--max_input_len": str(deploy.max_input_len or deploy.max_seq_len - 1),
+        "--max_seq_len": str(deploy.max_seq_len),
+        "--max_num_tokens": str(plan.recommended_max_num_tokens),
+        "--kv_cache_type": "paged",
+        "--tokens_per_block": str(deploy.tokens_per_block),
+        "--use_paged_context_fmha": "enable" if paged_ctx else "disable",
+        "--use_fp8_context_fmha": "enable" if fp8_fmha else "disable",
+        "--gemm_plugin": gemm,
+        "--multiple_profiles": "enable",
+        "--workers": str(workers),
+    }
+    if max_draft_len:
+        args["--speculative_decoding_mode"] = "draft_tokens_external"
+        args["--max_draft_len"] = str(max_draft_len)
+        raised = plan.recommended_max_batch_size * (max_draft_len + 1)
+        notes.append(f"trtllm-build raises max_seq_len by {max_draft_len} (draft tokens)"
+                     + (f" and max_num_tokens to {raised}"
+                        if raised > plan.recommended_max_num_tokens else ""))  # fmt: skip
+        notes.append(ENGINE_SPECULATION)
+    return args, notes
+
+
+def _argv(args: Args) -> list[str]:
+    argv = ["trtllm-build"]
+    for flag, value in args.items():
+        argv += [flag] if value is None else [flag, value]
+    return argv
+
+
+def check_build_args(args: Args, target: TargetProfile) -> list[BuildProblem]:
+    """What trtllm-build 1.2.x would refuse in `args` for `target`, each with its fix."""
+    problems: list[BuildProblem] = []
+    draft_len = int(args.get("--max_draft_len") or 0)
+    gathers = [f for f in ("--gather_context_logits", "--gather_all_token_logits") if f in args]
+    if gathers and draft_len > 0:
+        problems.append(BuildProblem(gathers[0], "trtllm-build refuses to gather context "
+                                     f"logits with max_draft_len {draft_len} > 0",
+                                     f"drop {gathers[0]}; --gather_generation_logits gives "
+                                     "the accepted tokens' logits"))  # fmt: skip
+    if args.get("--multiple_profiles") == "enable" and "--opt_num_tokens" in args:
+        problems.append(BuildProblem("--opt_num_tokens", "cannot be set with "
+                                     "--multiple_profiles enable (trtllm-build refuses both)",
+                                     "drop --opt_num_tokens, or --multiple_profiles "
+                                     "disable"))  # fmt: skip
+    if target.compute_capability == (10, 0):
+        for flag in SM100_PLUGINS:
+            if args.get(flag, "disable") != "disable":
+                problems.append(BuildProblem(flag, f"not implemented on SM 100 "
+                                             f"({target.name})", f"drop {flag}"))  # fmt: skip
+    input_len, seq_len = int(args["--max_input_len"] or 0), int(args["--max_seq_len"] or 0)
+    if input_len > seq_len:
+        problems.append(
+            BuildProblem(
+                "--max_input_len",
+                f"{input_len} > max_seq_len {seq_len}",
+                f"max_input_len ≤ {seq_len} (e.g. {seq_len - 1})",
+            )
+        )
+    num_tokens = int(args["--max_num_tokens"] or 0)
+    if num_tokens < input_len and args.get("--use_paged_context_fmha") != "enable":
+        problems.append(BuildProblem("--max_num_tokens", f"{num_tokens} < max_input_len "
+                                     f"{input_len} without chunked context (paged context "
+                                     "FMHA is off): longer prompts cannot be scheduled",
+                                     f"max_num_tokens ≥ {input_len}, or a KV cache that keeps "
+                                     "paged context FMHA (none, or fp8 with an FP8 "
+                                     "scheme)"))  # fmt: skip
+    if draft_len > 0 and args.get("--use_paged_context_fmha") != "enable":
+        problems.append(BuildProblem("--use_paged_context_fmha", "draft-target speculation "
+                                     "needs KV block reuse, i.e. paged context FMHA",
+                                     "kv_cache: none, or fp8 with an FP8 scheme"))  # fmt: skip
+    return problems
+
+
+def _quant_problems(spec: QuantSpec, target: TargetProfile, who: str) -> list[BuildProblem]:
+    """The support matrix's engine-path verdict (it holds builder.py's SM 100 refusals too)."""
+    return [BuildProblem(f"{who}{p.key}", p.problem, p.allowed)
+            for p in check_target(spec, target.name, path="engine")]  # fmt: skip
+
+
+def _tp_problems(info: ModelInfo, tp: int, who: str) -> list[BuildProblem]:
+    if tp_valid(info, tp) and info.intermediate_size % tp == 0:
+        return []
+    works = [t for t in (1, 2, 4, 8) if tp_valid(info, t) and info.intermediate_size % t == 0]
+    return [BuildProblem(f"{who}tp_size", f"{tp} does not split {info.num_heads} heads, "
+                         f"{info.num_kv_heads} KV heads and {info.intermediate_size} MLP columns",
+                         " or ".join(map(str, works)))]  # fmt: skip
+
+
+def _checkpoint_problems(
+    checkpoint_dir: Path, world: int, algo: str, kv_algo: str | None, who: str
+) -> list[BuildProblem]:
+    """An already exported checkpoint must match the plan: trtllm-build takes tp from it."""
+    config_path = Path(checkpoint_dir) / "config.json"
+    if not config_path.is_file():
+        return []
+    config = json.loads(config_path.read_text())
+    problems = []
+    found_world = int(config.get("mapping", {}).get("world_size", 1))
+    if found_world != world:
+        problems.append(BuildProblem(f"{who}checkpoint_dir", f"{config_path} was exported for "
+                                     f"world_size {found_world}; the plan needs {world}",
+                                     f"re-export with tp_size {world}"))  # fmt: skip
+    quant = config.get("quantization") or {}
+    found = (quant.get("quant_algo") or "NO_QUANT", quant.get("kv_cache_quant_algo"))
+    if found != (CHECKPOINT_SAME.get(algo, algo), kv_algo):
+        problems.append(BuildProblem(f"{who}checkpoint_dir", f"{config_path} holds "
+                                     f"{found[0]} (KV {found[1]}); the recipe resolves to "
+                                     f"{algo} (KV {kv_algo})", "re-export the checkpoint "
+                                     "from this recipe's quantised model"))  # fmt: skip
+    return problems
+
+
+def build_plan(
+    info: ModelInfo,
+    spec: QuantSpec,
+    target: TargetProfile,
+    deploy: DeploySpec,
+    plan: Plan,
+    checkpoint_dir: Path,
+    engine_dir: Path,
+    *,
+    draft: DraftBuild | None = None,
+    extra_args: Args | None = None,
+) -> BuildPlan:
+    """The `trtllm-build` arguments for `plan` on `target`; BuildPlanError if trtllm-build
+    would refuse them.
+
+    `extra_args` adds or overrides flags (`{"opt_num_tokens": "256"}`, leading dashes
+    optional; None for a bare switch) and is pre-checked like the rest. With `draft`, the
+    target is built for externally drafted tokens and a second plan builds the draft engine.
+    """
+    algo, kv_algo = quant_algo(spec)
+    world = plan.tp_size * plan.pp_size
+    problems = _quant_problems(spec, target, "")
+    problems += _tp_problems(info, plan.tp_size, "deploy.")
+    if not plan.fits:
+        problems.append(BuildProblem("deploy", f"the model does not fit {target.name} at "
+                                     f"tp={plan.tp_size}", "; ".join(plan.suggestions)
+                                     or "a larger GPU"))  # fmt: skip
+    problems += _checkpoint_problems(checkpoint_dir, world, algo, kv_algo, "")
+    k = draft.max_draft_len if draft else 0
+    if draft and k < 1:
+        problems.append(BuildProblem("draft.max_draft_len", f"{k} drafts nothing", "1 to 10"))
+    args, notes = _engine_args(checkpoint_dir, engine_dir, algo, kv_algo, target, deploy,
+                               plan, world, max(k, 0))  # fmt: skip
+    args.update({f"--{k.removeprefix('--')}": v for k, v in (extra_args or {}).items()})
+    problems += check_build_args(args, target)
+    draft_plan = None
+    if draft:
+        d_algo, d_kv = quant_algo(draft.spec)
+        problems += _quant_problems(draft.spec, target, "draft.")
+        if draft.info is not None:
+            problems += _tp_problems(draft.info, draft.tp_size, "draft.")
+        problems += _checkpoint_problems(draft.checkpoint_dir, draft.tp_size, d_algo, d_kv,
+                                         "draft.")  # fmt: skip
+        d_args, d_notes = _engine_args(draft.checkpoint_dir, draft.engine_dir, d_algo, d_kv,
+                                       target, deploy, plan, draft.tp_size, 0)  # fmt: skip
+        # The draft keeps KV reuse like the target (examples/draft_target_model/README.md).
+        problems += [BuildProblem(f"draft.{p.key}", p.problem, p.allowed)
+                     for p in check_build_args(d_args, target)]  # fmt: skip
+        if d_args["--use_paged_context_fmha"] != "enable":
+            problems.append(BuildProblem("draft.quantization.kv_cache", "the draft engine needs "
+                                         "KV block reuse (paged context FMHA)",
+                                         "kv_cache: none, or fp8 with an FP8 scheme"))  # fmt: skip
+        notes.append("serve target and draft with KV block reuse on; on one GPU give each "
+                     "kv_cache_free_gpu_memory_fraction ≈ 0.5")  # fmt: skip
+        draft_plan = BuildPlan(target, "draft", _argv(d_args), Path(draft.checkpoint_dir),
+                               Path(draft.engine_dir), draft.tp_size, notes=d_notes)  # fmt: skip
+    if problems:
+        raise BuildPlanError(target.name, problems)
+    return BuildPlan(target, "target", _argv(args), Path(checkpoint_dir), Path(engine_dir),
+                     world, notes=notes, draft=draft_plan)  # fmt: skip
+
+
+# ---- running a plan, and the stamp that says what an engine runs on -------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """One GPU as nvidia-smi reports it."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    driver_version: str | None = None
+
+    @property
+    def sm(self) -> str:
+        return "sm{}{}".format(*self.compute_capability)
+
+
+@dataclass(frozen=True, slots=True)
+class BuildEnvironment:
+    """What this machine can build with: tool versions (None: absent) and its GPUs."""
+
+    tensorrt_llm: str | None
+    tensorrt: str | None
+    cuda: str | None
+    gpus: tuple[GpuInfo, ...] = ()
+
+
+def _parse_cc(text: str) -> tuple[int, int]:
+    major, _, minor = text.strip().removeprefix("sm").partition(".")
+    if not minor and len(major) > 1:  # "sm90" / "90"
+        major, minor = major[:-1], major[-1]
+    return int(major), int(minor or 0)
+
+
+def detect_environment() -> BuildEnvironment:
+    """TensorRT-LLM, TensorRT and CUDA versions and the GPUs nvidia-smi lists."""
+    gpus: list[GpuInfo] = []
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = [smi, "--query-gpu=compute_cap,name,driver_version", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 3:
+                gpus.append(GpuInfo(parts[1], _parse_cc(parts[0]), parts[2]))
+    cuda = None
+    try:
+        import torch
+
+        cuda = torch.version.cuda
+        if not gpus and torch.cuda.is_available():
+            gpus = [GpuInfo(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+                    for i in range(torch.cuda.device_count())]  # fmt: skip
+    except ImportError:
+        pass
+    return BuildEnvironment(version("tensorrt_llm", "tensorrt-llm"),
+                            version("tensorrt", "tensorrt-cu12", "tensorrt-cu13"), cuda,
+                            tuple(gpus))  # fmt: skip
+
+
+def why_not_here(plan: BuildPlan, env: BuildEnvironment) -> str | None:
+    """Why this machine cannot build `plan` (None: it can)."""
+    if env.tensorrt_llm is None:
+        return "tensorrt_llm not installed"
+    if not env.tensorrt_llm.startswith(TRTLLM_LINE):
+        return (f"tensorrt_llm {env.tensorrt_llm} installed; engines need {TRTLLM_LINE}.x "
+                "(trtllm-build was removed after it)")  # fmt: skip
+    want = plan.target.compute_capability
+    matching = [g for g in env.gpus if g.compute_capability == want]
+    needed = max(p.world_size for p in plan.plans())
+    if len(matching) < needed:
+        found = ", ".join(f"{g.name} ({g.sm})" for g in env.gpus) or "none"
+        count = f"{needed} GPUs" if needed > 1 else "GPU"
+        return f"no {count} with {plan.target.sm} here (found: {found})"
+    return None
+
+
+@dataclass
+class BuildRecord:
+    """What happened to a build plan: `built`, `planned` or `failed`, and why."""
+
+    status: str
+    target: str
+    sm: str
+    commands: list[str]
+    script: Path
+    reason: str | None = None
+    stderr_tail: str | None = None
+    stamps: list[Path] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able record, for the manifest."""
+        return {
+            "status": self.status,
+            "target": self.target,
+            "sm": self.sm,
+            "commands": list(self.commands),
+            "script": str(self.script),
+            "reason": self.reason,
+            "stderr_tail": self.stderr_tail,
+            "stamps": [str(s) for s in self.stamps],
+        }
+
+
+def _missing_engine_files(plan: BuildPlan) -> list[str]:
+    names = ["config.json"] + [f"rank{r}.engine" for r in range(plan.world_size)]
+    return [n for n in names if not (plan.engine_dir / n).is_file()]
+
+
+def _stamp(plan: BuildPlan, env: BuildEnvironment) -> Path:
+    gpu = next(g for g in env.gpus if g.compute_capability == plan.target.compute_capability)
+    config = json.loads((plan.engine_dir / "config.json").read_text())
+    stamp = {
+        "format": "kiln-engine/1",
+        "target": plan.target.name,
+        "role": plan.role,
+        "sm": plan.target.sm,
+        "compute_capability": "{}.{}".format(*gpu.compute_capability),
+        "gpu_name": gpu.name,
+        "driver_version": gpu.driver_version,
+        "tensorrt_version": env.tensorrt,
+        "tensorrt_llm_version": env.tensorrt_llm,
+        "engine_config_version": config.get("version"),  # what trtllm-build itself wrote
+        "cuda_version": env.cuda,
+        "command": plan.command,
+        "argv": list(plan.argv),
+        "engine_files": sorted(p.name for p in plan.engine_dir.iterdir()),
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    path = plan.engine_dir / ENGINE_STAMP
+    path.write_text(json.dumps(stamp, indent=2) + "\n")
+    return path
+
+
+def run_build(
+    plan: BuildPlan,
+    *,
+    trtllm_build: str = "trtllm-build",
+    detect: Callable[[], BuildEnvironment] = detect_environment,
+    script_path: Path | None = None,
+    write_script: bool = True,
+) -> BuildRecord:
+    """Build the engines of `plan` where this machine can, and stamp them; else `planned`.
+
+    `built` only when the executable ran and wrote `config.json` and every `rank{N}.engine`.
+    `build.sh` is written either way (default: `<engine_dir>/build.sh`).
+    """
+    script = script_path or plan.engine_dir / "build.sh"
+    if write_script:
+        plan.write_script(script)
+    commands = [p.command for p in plan.plans()]
+    record = BuildRecord("planned", plan.target.name, plan.target.sm, commands, script)
+    env = detect()
+    exe = shutil.which(trtllm_build)
+    record.reason = why_not_here(plan, env) or (
+        None if exe else f"{trtllm_build} not found on PATH"
+    )
+    if record.reason or exe is None:
+        return record
+    for p in plan.plans():
+        (p.engine_dir / ENGINE_STAMP).unlink(missing_ok=True)  # never leave a stale claim
+        p.engine_dir.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([exe, *p.argv[1:]], env={**os.environ, **p.env},
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        missing = _missing_engine_files(p)
+        if done.returncode != 0 or missing:
+            record.status = "failed"
+            record.reason = (f"{p.role} build exited {done.returncode}" if done.returncode
+                             else f"{p.role} build exited 0 but {p.engine_dir} lacks "
+                             f"{', '.join(missing)}")  # fmt: skip
+            record.stderr_tail = "\n".join(done.stderr.splitlines()[-40:])
+            return record
+        record.stamps.append(_stamp(p, env))
+    record.status = "built"
+    return record
+
+
+def read_engine_stamp(engine_dir: Path) -> dict[str, Any] | None:
+    """The `kiln-engine.json` of an engine directory, or None if it has none."""
+    path = Path(engine_dir) / ENGINE_STAMP
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_engine_compatible(
+    engine_dir: Path, found_gpu_cc: tuple[int, int] | str, found_trt_version: str | None
+) -> list[str]:
+    """Why the engine in `engine_dir` cannot run on this GPU and TensorRT (empty: it can).
+
+    A TensorRT engine runs only on the compute capability and TensorRT version it was built
+    with ("engine plan file is generated on an incompatible device").
+    """
+    stamp = read_engine_stamp(engine_dir)
+    if stamp is None:
+        return [f"{engine_dir} has no {ENGINE_STAMP}: no finished kiln build — run its "
+                "build.sh on a builder with the target GPU"]  # fmt: skip
+    cc = found_gpu_cc if isinstance(found_gpu_cc, tuple) else _parse_cc(found_gpu_cc)
+    here = "sm{}{}".format(*cc)
+    built = f"engine built for {stamp['sm']} with TensorRT {stamp['tensorrt_version']}"
+    fix = f"rebuild with `{stamp['command']}`"
+    problems = []
+    if _parse_cc(stamp["compute_capability"]) != cc:
+        problems.append(f"{built}; this GPU is {here} — {fix}")
+    trt = stamp.get("tensorrt_version")
+    if found_trt_version is None:
+        problems.append(f"{built}; TensorRT is not installed here — install TensorRT {trt}")
+    elif trt and found_trt_version.split(".")[:3] != trt.split(".")[:3]:
+        problems.append(f"{built}; this machine has TensorRT {found_trt_version} — "
+                        f"install TensorRT {trt} or {fix}")  # fmt: skip
+    return problems

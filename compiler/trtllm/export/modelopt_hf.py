@@ -1,0 +1,214 @@
+"""Rewrite an llm-compressor (compressed-tensors) checkpoint as ModelOpt's HF export, the
+format TensorRT-LLM's PyTorch backend loads quantised checkpoints from.
+
+`convert_to_modelopt_hf(model_dir, out_dir)` moves every value one to one: no code, scale or
+weight is recomputed, so the dequantised weights are exactly the quantiser's. What it cannot
+move that way it refuses (`UsageError`, the `unsupported: <why>` of the path). Hand-written:
+ModelOpt's `export_hf_checkpoint` exports only a live ModelOpt-quantised model, and nothing
+else writes this format. The layouts are the ones compiler/trtllm/rules/pytorch.py states (with
+their TensorRT-LLM and ModelOpt sources); `check_hf_checkpoint` there proves what this writes.
+
+- FP8 per tensor, static input scale: `weight` float8_e4m3fn as stored, `weight_scale` and
+  `input_scale` as 0-d float32 (the same numbers: compressed-tensors and ModelOpt both
+  dequantise as code × scale and quantise the input as x / input_scale).
+- W4A16 group-wise (AWQ, GPTQ without activation reordering), symmetric: the signed int4
+  codes packed two output rows per byte (ModelOpt's `pack_int4_in_uint8`), `weight_scale`
+  (out, in/group) in its stored dtype, and on o_proj/down_proj a `pre_quant_scale` of ones,
+  which the loader requires there: llm-compressor's AWQ folds its smoothing into the weights,
+  so the factor is exactly 1. Zero points (asymmetric groups) and GPTQ's g_idx have no place
+  in TensorRT-LLM's W4A16 AWQ layer and are refused.
+- FP8 KV cache: compressed-tensors' `self_attn.k_scale`/`v_scale` (amax / 448, the
+  dequantising scale) become ModelOpt's `self_attn.k_proj.k_scale`/`v_proj.v_scale`.
+Everything else (embeddings, norms, float linears, Qwen2's q/k/v biases) is copied as stored;
+float decoder linears, the embedding and lm_head are listed in `exclude_modules`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.compiler.trtllm.export.source import trtllm_algo
+from kiln.compiler.trtllm.export.writer import pack_int4_rows
+from kiln.compiler.trtllm.rules.pytorch import QUANT_CONFIG_FILE, hf_linears
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.versions import kiln_version
+from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
+from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
+from kiln.runtime.formats.weights import LinearWeights
+from safetensors.torch import save_file
+
+# compressed-tensors' TensorRT-LLM algo → the ModelOpt quant_algo that carries it exactly.
+CONVERTS = {"FP8": "FP8", "W4A16_AWQ": "W4A16_AWQ", "W4A16_GPTQ": "W4A16_AWQ"}
+KV_CACHE_ALGOS = ("FP8",)
+NOT_COPIED = ("config.json", "recipe.yaml", QUANT_CONFIG_FILE)
+
+
+def conversion_problem(
+    algo: str, kv_algo: str | None, *, symmetric: bool, group_size: int | None
+) -> str | None:
+    """Why a compressed-tensors checkpoint of this scheme has no exact ModelOpt HF form (None:
+    it has one), judged from the recipe alone."""
+    if algo not in CONVERTS:
+        return (
+            f"{algo} from compressed-tensors has no exact ModelOpt HF form (kiln converts "
+            f"{', '.join(sorted(CONVERTS))}); quantise with backend: modelopt"
+        )
+    if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
+        return f"a {kv_algo} KV cache: the PyTorch backend's quantised KV cache is FP8"
+    if CONVERTS[algo] == "W4A16_AWQ":
+        if not symmetric:
+            return (
+                "asymmetric int4 groups: TensorRT-LLM's W4A16 AWQ layer reads no zero points "
+                "(its GEMM runs with zeros=None); set quantization.symmetric: true"
+            )
+        if group_size is None:
+            return "per-channel int4 has no ModelOpt HF form; set a group_size of 64 or 128"
+    return None
+
+
+def _int4(module: str, lin: LinearWeights) -> dict[str, torch.Tensor]:
+    if lin.zero_point is not None:
+        raise UsageError(
+            f"{module}: asymmetric int4 groups (zero points) have no place in TensorRT-LLM's "
+            "W4A16 AWQ layer; quantise with quantization.symmetric: true"
+        )
+    if lin.g_idx is not None:
+        raise UsageError(
+            f"{module}: GPTQ activation reordering (g_idx) has no place in TensorRT-LLM's "
+            "W4A16 AWQ layer; quantise without actorder"
+        )
+    if lin.out_features % 2:
+        raise UsageError(f"{module}: {lin.out_features} output rows cannot pack two per byte")
+    return {f"{module}.weight": pack_int4_rows(lin.weight).view(torch.uint8)}
+
+
+def _fp8(module: str, lin: LinearWeights) -> dict[str, torch.Tensor]:
+    if lin.input_scale is None:
+        raise UsageError(
+            f"{module}: FP8 without a static input scale is not ModelOpt's FP8; use "
+            "activations: fp8_static"
+        )
+    return {
+        f"{module}.weight": lin.weight,
+        f"{module}.input_scale": lin.input_scale.to(torch.float32).reshape(()),
+    }
+
+
+def _linear(ckpt: Checkpoint, module: str, algo: str) -> dict[str, torch.Tensor]:
+    """One quantised projection in ModelOpt's layout; UsageError where it does not map."""
+    lin = ckpt.linear(module)
+    scheme = lin.scheme
+    stored_scale = ckpt.tensor(f"{module}.weight_scale")
+    if algo == "FP8":
+        if scheme.type != "float" or scheme.strategy != "tensor":
+            raise UsageError(f"{module}: {scheme.strategy} FP8 is not per-tensor FP8")
+        out = _fp8(module, lin)
+        out[f"{module}.weight_scale"] = stored_scale.to(torch.float32).reshape(())
+    else:
+        if scheme.type != "int" or scheme.num_bits != 4 or scheme.strategy != "group":
+            raise UsageError(
+                f"{module}: {scheme.num_bits}-bit {scheme.strategy} is not int4 groups"
+            )
+        out = _int4(module, lin)
+        out[f"{module}.weight_scale"] = stored_scale.reshape(lin.out_features, -1).contiguous()
+    if lin.bias is not None:
+        out[f"{module}.bias"] = lin.bias
+    return out
+
+
+def _owned(ckpt: Checkpoint, modules: set[str]) -> set[str]:
+    """Source tensor names that the quantised `modules` and the KV-cache scales account for."""
+    owned = set()
+    for name in ckpt.names():
+        module, _, leaf = name.rpartition(".")
+        if module in modules or leaf in ("k_scale", "v_scale"):
+            owned.add(name)
+    return owned
+
+
+def convert_to_modelopt_hf(model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Write `model_dir` (compressed-tensors) to `out_dir` as a ModelOpt HF checkpoint;
+    returns its `quantization` section. UsageError names what does not map exactly."""
+    ckpt = open_checkpoint(Path(model_dir))
+    quant = ckpt.quant
+    if not isinstance(quant, CompressedTensors) or len(quant.groups) != 1:
+        raise UsageError(
+            f"{model_dir}: only a single-group compressed-tensors checkpoint converts to "
+            "ModelOpt's HF format"
+        )
+    group = quant.groups[0]
+    source_algo = trtllm_algo(group.weights, group.actorder)
+    kv_algo = ckpt.kv_cache.upper() if ckpt.kv_cache else None
+    why = conversion_problem(
+        source_algo,
+        kv_algo,
+        symmetric=group.weights.symmetric,
+        group_size=group.weights.group_size,
+    )
+    if why is not None:
+        raise UsageError(f"{model_dir}: {why}")
+    algo = CONVERTS[source_algo]
+    config = dict(ckpt.config)
+    quantised = [lin.name for lin in hf_linears(config) if ckpt.is_quantised(lin.name)]
+    tensors: dict[str, torch.Tensor] = {}
+    for module in quantised:
+        tensors.update(_linear(ckpt, module, algo))
+    for name in sorted(set(ckpt.names()) - _owned(ckpt, set(quantised))):
+        tensors[name] = ckpt.tensor(name)
+    for i in range(int(config["num_hidden_layers"])) if kv_algo else ():
+        k, v = ckpt.kv_scales(i)
+        prefix = f"model.layers.{i}.self_attn"
+        tensors[f"{prefix}.k_proj.k_scale"] = k.to(torch.float32).reshape(())
+        tensors[f"{prefix}.v_proj.v_scale"] = v.to(torch.float32).reshape(())
+    excluded = ["lm_head", "model.embed_tokens"] + [
+        lin.name for lin in hf_linears(config) if lin.name not in quantised
+    ]
+    section: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": kv_algo}
+    if algo == "W4A16_AWQ":
+        pre_quant_dtype = ckpt.tensor("model.norm.weight").dtype
+        for module in quantised:
+            if module.endswith(("o_proj", "down_proj")):
+                columns = int(tensors[f"{module}.weight"].shape[1])
+                tensors[f"{module}.pre_quant_scale"] = torch.ones(columns, dtype=pre_quant_dtype)
+        section.update(
+            group_size=group.weights.group_size, has_zero_point=False, pre_quant_scale=True
+        )
+    section["exclude_modules"] = excluded
+    _write(Path(model_dir), Path(out_dir), config, section, tensors)
+    return section
+
+
+def _write(
+    src: Path,
+    out: Path,
+    config: dict[str, Any],
+    section: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():  # tokenizer, generation config, chat template
+        if path.is_file() and path.name not in NOT_COPIED and "safetensors" not in path.name:
+            shutil.copy2(path, out / path.name)
+    producer = {"name": "kiln", "version": kiln_version()}
+    hf_quant = {"producer": producer, "quantization": section}
+    (out / QUANT_CONFIG_FILE).write_text(json.dumps(hf_quant, indent=2) + "\n")
+    # config.json carries the same, as ModelOpt's writer does, under quant_method "modelopt"
+    # (TensorRT-LLM's from_pretrained prefers hf_quant_config.json; kiln's reader reads both).
+    inline = {
+        "quant_method": "modelopt",
+        "quant_algo": section["quant_algo"],
+        "kv_cache_quant_algo": section["kv_cache_quant_algo"],
+        "ignore": section["exclude_modules"],
+        "producer": producer,
+    }
+    if "group_size" in section:
+        inline["group_size"] = section["group_size"]
+    (out / "config.json").write_text(
+        json.dumps({**config, "quantization_config": inline}, indent=2) + "\n"
+    )
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})

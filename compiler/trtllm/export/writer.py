@@ -1,0 +1,543 @@
+"""Write a TensorRT-LLM unified checkpoint (`config.json` + `rank{N}.safetensors`).
+
+No library writes this format from a compressed-tensors checkpoint (ModelOpt's
+`export_tensorrt_llm_checkpoint` takes only a live ModelOpt-quantised model), so the
+mapping is ours, written from TensorRT-LLM 1.2's loader: `preprocess_weights` in
+tensorrt_llm/models/modeling_utils.py and the layers in tensorrt_llm/quantization/layers.py.
+
+Layouts, chosen so one checkpoint builds on every GPU (trtllm-build lays quantised weights
+out for the GPU it runs on only for the ModelOpt-flow algorithms):
+- NO_QUANT: weights in `dtype`.
+- FP8: float8 weight, per-tensor `weights_scaling_factor` and `activation_scaling_factor`.
+  A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
+  re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
+- FP8_PER_CHANNEL_PER_TOKEN (FP8 rowwise, dynamic per-token activations): float8 weight and
+  `per_channel_scale` (out,) float32; lm_head in `dtype` (the loader requires it float). A
+  float linear keeps its whole attention or MLP block (and the norm feeding it) float.
+- W4A16_AWQ: int4 codes packed two output rows per byte, (out/2, in) int8, ModelOpt's
+  packing (`pack_int4_rows`; the runtime's reader unpacks it); `weights_scaling_factor`
+  (out, in/group) float32; `prequant_scaling_factor` where the quantiser kept one;
+  asymmetric groups add `zero` = -zero_point × scale laid out (in/group, out) in `dtype`,
+  as the groupwise kernel reads it (w = code × scale + zero).
+- W4A8_AWQ (ModelOpt): the W4A16_AWQ tensors, `prequant_scaling_factor` on every linear
+  (ones where ModelOpt folded it into the norm: TensorRT-LLM divides it by the activation
+  scale), the static FP8 `activation_scaling_factor`, and `weights_scaling_factor_2`, the
+  per-tensor scale that lets the kernel hold the group scales in FP8: the largest group scale
+  × 7 / 448 (the layer's max |w| over FP8's max), as ModelOpt's own writer sets it. Features
+  pad to a multiple of max(128, group) × tp.
+- NVFP4 (ModelOpt): e2m1 codes packed two input columns per byte, (out, in/2) uint8; FP8
+  `weights_scaling_factor` per block of 16 inputs, float32 `weights_scaling_factor_2` per
+  tensor (q, k and v share theirs: ModelOpt makes them equal) and the activations' global
+  `activation_scaling_factor`, as ModelOpt's own writer lays them out.
+- W4A16_GPTQ: exported as W4A16_AWQ (same groupwise kernel; TensorRT-LLM's W4A16_GPTQ
+  layout is pre-interleaved for one GPU architecture). `producer.source_quant_algo` keeps
+  the original name.
+- W8A16 and W4A16 (per channel): dequantised weights in `dtype`; trtllm-build quantises
+  them itself (symmetric, per channel) — its codes can differ from the quantiser's.
+- W8A8_SQ_PER_CHANNEL (static activations): int8 weight, `weights_scaling_factor` (out,),
+  `activation_scaling_factor`, `prequant_scaling_factor` (the "ootb" layers).
+- W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (dynamic activations): int8 weight,
+  `per_channel_scale` (1, out), `smoother` (1, in) on dense and proj, `scale_to_int` on the
+  two norms (the plugin layers).
+- KV cache FP8/INT8: `attention.kv_cache_scaling_factor` = max(k_scale, v_scale).
+Tensor parallel: qkv by heads (KV heads replicated when tp exceeds them), fc/gate/lm_head by
+rows (lm_head padded to a multiple of tp), dense/proj by columns; embedding replicated.
+Group-wise linears are padded to the shapes TensorRT-LLM's group-wise layer creates
+(features up to a multiple of max(64, group) × tp): each rank's own slice, then zeros, as
+the group-wise GEMM plugin reads them (K from the activation: a rank reads its shard's
+leading rows; cpp/tensorrt_llm/plugins/weightOnlyGroupwiseQuantMatmulPlugin `enqueue`).
+`exclude_modules` names the float linears as ModelOpt's writer does; for W8A16/W4A16 it also
+restates TensorRT-LLM's default exclusions and each name's tensors. The rules are stated in
+compiler/trtllm/rules/conformance.py; its `check_checkpoint` proves a written checkpoint obeys them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.compiler.trtllm.export.checkpoint_config import checkpoint_config
+from kiln.compiler.trtllm.export.source import Source, read_source
+from kiln.compiler.trtllm.rules.conformance import (
+    GROUPWISE,
+    NO_EXCLUSIONS,
+    ROWWISE,
+    exclude_modules,
+    padded_features,
+    rowwise_exclude_modules,
+)
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats import nvfp4
+from kiln.runtime.formats.weights import LinearWeights, dequantize, effective_weight
+from safetensors.torch import save_file
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Source algo → the algo the checkpoint declares.
+CHECKPOINT_ALGO = {
+    "NO_QUANT": "NO_QUANT",
+    "FP8": "FP8",
+    "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN",
+    "W4A16_AWQ": "W4A16_AWQ",
+    "W4A16_GPTQ": "W4A16_AWQ",
+    "W4A8_AWQ": "W4A8_AWQ",
+    "NVFP4": "NVFP4",
+    "W8A16": "W8A16",
+    "W4A16": "W4A16",
+    "W8A8_SQ_PER_CHANNEL": "W8A8_SQ_PER_CHANNEL",
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+}
+NOT_EXPORTED = {
+    "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
+    "null (W8A16)",
+}
+INT4_AWQ = ("W4A16_AWQ", "W4A8_AWQ")  # ModelOpt's packed int4 layout
+FLOAT_WEIGHTS = ("NO_QUANT", "W8A16", "W4A16")  # trtllm-build quantises these itself
+# HF projection → (TensorRT-LLM module, tensor-parallel role)
+MODULES = {
+    "o_proj": ("attention.dense", "row"),
+    "gate_proj": ("mlp.fc", "column"),
+    "up_proj": ("mlp.gate", "column"),
+    "down_proj": ("mlp.proj", "row"),
+}
+# The linears of each block FP8 rowwise swaps whole (conformance.ROWWISE_BLOCKS).
+BLOCK_LINEARS = {"attention": ("qkv", "dense"), "mlp": ("fc", "gate", "proj")}
+
+
+def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """`codes` re-expressed at a scale 1/`ratio` times theirs, rounded to the nearest code
+    (float8 rounds in the cast; integer codes are rounded, then clamped to their range)."""
+    scaled = codes.to(torch.float32) * ratio
+    if codes.dtype.is_floating_point:
+        return scaled.to(codes.dtype)
+    info = torch.iinfo(codes.dtype)
+    return scaled.round().clamp(info.min, info.max).to(codes.dtype)
+
+
+def fuse_linears(
+    parts: list[LinearWeights], algo: str, notes: list[str], name: str
+) -> LinearWeights:
+    """Stack linears that share an input along the output dim (q, k, v → qkv)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    weight, bias = torch.cat([p.weight for p in parts]), _cat([p.bias for p in parts])
+    if first.scale is None:  # float
+        return replace(first, weight=weight, bias=bias)
+    input_scale = None
+    if first.input_scale is not None:
+        input_scale = torch.stack([p.input_scale for p in parts if p.input_scale is not None])
+        input_scale = input_scale.max()
+    pqs = first.pre_quant_scale
+    if pqs is not None and any(
+        p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, pqs) for p in parts
+    ):
+        raise UsageError(f"{name}: fused linears carry different pre-quant scales")
+    if first.scheme.strategy == "tensor":  # one scale for the fused GEMM
+        scale = torch.stack([p.scale.max() for p in parts if p.scale is not None]).max()
+        codes, moved = [], 0.0
+        for p in parts:
+            assert p.scale is not None
+            requant = requantize(p.weight, p.scale / scale)
+            before, after = dequantize(p, torch.float32), requant.to(torch.float32) * scale
+            largest = before.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+            moved = max(moved, float((before - after).abs().max() / largest))
+            codes.append(requant)
+        if moved > 0:
+            notes.append(
+                f"{name}: re-quantised to one {algo} scale, max change {moved:.2e} "
+                "of the largest weight"
+            )
+        rows = sum(p.out_features for p in parts)
+        return replace(
+            first,
+            weight=torch.cat(codes),
+            scale=scale.expand(rows, 1).contiguous(),
+            input_scale=input_scale,
+            bias=bias,
+        )
+    return replace(
+        first,
+        weight=weight,
+        scale=_cat([p.scale for p in parts]),
+        zero_point=_cat([p.zero_point for p in parts]),
+        input_scale=input_scale,
+        bias=bias,
+    )
+
+
+def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = [t for t in tensors if t is not None]
+    return torch.cat(present) if present else None
+
+
+def _head_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
+    """Rows of a q/k/v projection that rank `rank` holds (replicating heads when tp > heads)."""
+    if heads % tp == 0:
+        per = heads // tp
+        return torch.arange(rank * per * head_dim, (rank + 1) * per * head_dim)
+    head = rank // (tp // heads)
+    return torch.arange(head * head_dim, (head + 1) * head_dim)
+
+
+def _shard(lin: LinearWeights, role: str, tp: int, rank: int) -> LinearWeights:
+    if tp == 1:
+        return lin
+    if role == "row":
+        width = lin.in_features // tp
+        try:
+            return lin.columns(rank * width, (rank + 1) * width)
+        except ValueError as exc:
+            raise UsageError(
+                f"tensor parallel split: {exc} — choose a tp_size that divides the "
+                "in_features of every linear by the group size"
+            ) from exc
+    rows = lin.out_features // tp
+    return lin.rows(torch.arange(rank * rows, (rank + 1) * rows))
+
+
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """(out, in) signed int4 codes → (out/2, in) int8 bytes, two output rows per byte (low
+    nibble first): ModelOpt's packing, which TensorRT-LLM's W4A16_AWQ loader reads."""
+    pairs = (codes.to(torch.int16) & 0x0F).reshape(-1, 2, codes.shape[1])
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8).view(torch.int8)
+
+
+def _bias(prefix: str, lin: LinearWeights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A linear's bias tensor (Qwen2's q/k/v), if it has one."""
+    return {} if lin.bias is None else {f"{prefix}.bias": lin.bias.to(dtype).contiguous()}
+
+
+def _tensors(
+    prefix: str,
+    lin: LinearWeights,
+    algo: str,
+    role: str,
+    dtype: torch.dtype,
+    pre_quant: bool,
+    zero_point: bool,
+    weight_global: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one (fused, sharded) linear's weight (`weight_global`: its
+    NVFP4 per-tensor weight scale)."""
+    if algo in FLOAT_WEIGHTS or lin.scale is None or (algo == ROWWISE and prefix == "lm_head"):
+        return {f"{prefix}.weight": effective_weight(lin, dtype).contiguous()}
+    f32 = torch.float32
+    one = torch.ones(1, dtype=f32)
+    act = lin.input_scale.reshape(1).to(f32) if lin.input_scale is not None else one
+    pqs = lin.pre_quant_scale
+    if algo == "FP8":
+        return {
+            f"{prefix}.weight": lin.weight.contiguous(),
+            f"{prefix}.weights_scaling_factor": lin.scale[:1, 0].to(f32),
+            f"{prefix}.activation_scaling_factor": act,
+        }
+    if algo == "NVFP4":
+        assert weight_global is not None and lin.input_scale is not None
+        return {
+            f"{prefix}.weight": nvfp4.pack_e2m1(lin.weight),
+            f"{prefix}.weights_scaling_factor": (lin.scale / weight_global).to(torch.float8_e4m3fn),
+            f"{prefix}.weights_scaling_factor_2": weight_global.reshape(()),
+            f"{prefix}.activation_scaling_factor": lin.input_scale.to(f32).reshape(()),
+        }
+    if algo == ROWWISE:
+        return {
+            f"{prefix}.weight": lin.weight.contiguous(),
+            f"{prefix}.per_channel_scale": lin.scale[:, 0].to(f32).contiguous(),
+        }
+    if algo in INT4_AWQ:
+        out = {
+            f"{prefix}.weight": pack_int4_rows(lin.weight).contiguous(),
+            f"{prefix}.weights_scaling_factor": lin.scale.to(f32).contiguous(),
+        }
+        if pre_quant:
+            out[f"{prefix}.prequant_scaling_factor"] = (
+                pqs if pqs is not None else torch.ones(lin.in_features)
+            ).to(dtype)
+        if zero_point:  # w = code × scale + zero, with zero = −zero_point × scale
+            points = lin.zero_point if lin.zero_point is not None else torch.zeros(lin.scale.shape)
+            zero = -points.to(f32) * lin.scale.to(f32)
+            out[f"{prefix}.zero"] = zero.t().contiguous().to(dtype)
+        if algo == "W4A8_AWQ":  # max |w| = 7 × the largest group scale; FP8's max is 448
+            out[f"{prefix}.weights_scaling_factor_2"] = (lin.scale.max() * (7 / 448)).reshape(1)
+            out[f"{prefix}.activation_scaling_factor"] = act
+        return out
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        return {
+            f"{prefix}.weight": lin.weight.contiguous(),
+            f"{prefix}.weights_scaling_factor": lin.scale.to(f32).reshape(-1).contiguous(),
+            f"{prefix}.activation_scaling_factor": act,
+            f"{prefix}.prequant_scaling_factor": (
+                pqs if pqs is not None else torch.ones(lin.in_features)
+            ).to(dtype),
+        }
+    # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN
+    out = {
+        f"{prefix}.weight": lin.weight.contiguous(),
+        f"{prefix}.per_channel_scale": lin.scale.to(f32).reshape(1, -1).contiguous(),
+    }
+    if role == "row":
+        smoother = 1 / pqs if pqs is not None else torch.ones(lin.in_features)
+        out[f"{prefix}.smoother"] = smoother.to(f32).reshape(1, -1).contiguous()
+    elif pqs is not None and not torch.all(pqs == 1):
+        raise UsageError(
+            f"{prefix}: the SmoothQuant plugin layout folds a column linear's "
+            "smoothing into the norm; this checkpoint kept it separate"
+        )
+    return out
+
+
+def export_checkpoint(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    tp_size: int = 1,
+    dtype: str = "bfloat16",
+    quant_algo: str | None = None,
+) -> dict[str, Any]:
+    """Export the quantised HF checkpoint in `model_dir` to a TensorRT-LLM checkpoint in `out_dir`.
+
+    `quant_algo` is what the quantiser recorded (read off the checkpoint when None). Returns
+    a record for the manifest: the checkpoint's quant algos, tp, files and notes.
+    """
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype {dtype!r}: use {' or '.join(DTYPES)}")
+    src = read_source(Path(model_dir), quant_algo)
+    if src.quant_algo in NOT_EXPORTED:
+        raise UsageError(f"{src.quant_algo}: {NOT_EXPORTED[src.quant_algo]}")
+    if src.quant_algo not in CHECKPOINT_ALGO:
+        raise UsageError(f"{src.quant_algo} has no TensorRT-LLM checkpoint export")
+    info, algo, torch_dtype = src.info, CHECKPOINT_ALGO[src.quant_algo], DTYPES[dtype]
+    tp = tp_size
+    if tp < 1 or (
+        info.num_heads % tp
+        or (info.num_kv_heads % tp and tp % info.num_kv_heads)
+        or info.intermediate_size % tp
+    ):
+        raise UsageError(
+            f"tp_size {tp} does not split {info.num_heads} heads, {info.num_kv_heads} KV heads "
+            f"and {info.intermediate_size} MLP columns"
+        )
+    pre_quant = algo == "W4A8_AWQ" or (
+        algo == "W4A16_AWQ" and any(lin.pre_quant_scale is not None for lin in src.linears.values())
+    )
+    notes: list[str] = []
+    if algo in ("W8A16", "W4A16"):
+        notes.append(
+            f"{algo}: weights stored dequantised in {dtype}; trtllm-build re-quantises "
+            "them per channel"
+        )
+    excluded = _excluded(src)
+    if excluded and algo in NO_EXCLUSIONS:
+        raise UsageError(
+            f"{algo} cannot keep {excluded[0]} in float: TensorRT-LLM's SmoothQuant plugin "
+            "layers quantise whole attention and MLP blocks — quantise every linear of the "
+            "decoder layers (ignore only lm_head), or use smoothquant with static activations"
+        )
+    float_head = (*FLOAT_WEIGHTS, ROWWISE)  # TensorRT-LLM keeps lm_head float for these
+    if algo in float_head and src.linears["lm_head"].scale is not None:
+        notes.append(
+            f"{algo}: lm_head stays in {dtype} (TensorRT-LLM runs it in float under {algo})"
+        )
+    quantised_head = algo not in float_head and src.linears["lm_head"].scale is not None
+    if algo == ROWWISE:
+        exclude = rowwise_exclude_modules(_float_blocks(excluded))
+    else:
+        exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
+    modules = _modules(src)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for rank in range(tp):
+        tensors = _rank_tensors(
+            src, modules, algo, tp, rank, torch_dtype, pre_quant, notes if rank == 0 else []
+        )
+        path = out_dir / f"rank{rank}.safetensors"
+        save_file(tensors, str(path))
+        files.append(path.name)
+    config = checkpoint_config(src, algo, tp, dtype, pre_quant, exclude)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {
+        "quant_algo": config["quantization"]["quant_algo"] or "NO_QUANT",
+        "kv_cache_quant_algo": src.kv_cache_quant_algo,
+        "source_quant_algo": src.quant_algo,
+        "source_format": src.fmt,
+        "tp_size": tp,
+        "dtype": dtype,
+        "files": ["config.json", *files],
+        "notes": notes,
+    }
+
+
+def _excluded(src: Source) -> list[str]:
+    """TensorRT-LLM names of the decoder linears the quantiser left in float."""
+    names: list[str] = []
+    for i in range(src.info.num_layers):
+        qkv = [
+            src.linears[f"model.layers.{i}.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")
+        ]
+        if len({lin.scale is None for lin in qkv}) > 1:
+            raise UsageError(
+                f"layer {i}: q, k and v must be all quantised or all ignored "
+                "(TensorRT-LLM fuses them)"
+            )
+        if qkv[0].scale is None:
+            names.append(f"transformer.layers.{i}.attention.qkv")
+        for hf, (trt, _) in MODULES.items():
+            block = "self_attn" if hf == "o_proj" else "mlp"
+            if src.linears[f"model.layers.{i}.{block}.{hf}"].scale is None:
+                names.append(f"transformer.layers.{i}.{trt}")
+    return names
+
+
+def _float_blocks(excluded: list[str]) -> list[str]:
+    """The attention / MLP blocks whose linears are all in `excluded`; UsageError for a block
+    only partly float, which FP8 rowwise (whole-block layers) cannot express."""
+    blocks = list(dict.fromkeys(name.rpartition(".")[0] for name in excluded))
+    for block in blocks:
+        linears = [f"{block}.{n}" for n in BLOCK_LINEARS[block.rpartition(".")[2]]]
+        quantised = [n for n in linears if n not in excluded]
+        if quantised:
+            raise UsageError(
+                f"FP8 rowwise cannot keep {next(n for n in linears if n in excluded)} in float "
+                f"while {quantised[0]} is quantised: TensorRT-LLM swaps whole attention and "
+                "MLP blocks — ignore every projection of that block in the recipe, or none"
+            )
+    return blocks
+
+
+def _weight_globals(src: Source) -> dict[str, torch.Tensor]:
+    """NVFP4: TensorRT-LLM module → its per-tensor weight scale (q/k/v: the largest of the
+    three, as TensorRT-LLM's own loader takes for its fused qkv)."""
+    found, out = src.weight_globals, {}
+    for i in range(src.info.num_layers if found else 0):
+        hf, trt = f"model.layers.{i}", f"transformer.layers.{i}"
+        names = [f"{hf}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        if all(n in found for n in names):
+            out[f"{trt}.attention.qkv"] = torch.stack([found[n] for n in names]).max()
+        for name, (module, _) in MODULES.items():
+            block = "self_attn" if name == "o_proj" else "mlp"
+            if f"{hf}.{block}.{name}" in found:
+                out[f"{trt}.{module}"] = found[f"{hf}.{block}.{name}"]
+    if "lm_head" in found:
+        out["lm_head"] = found["lm_head"]
+    return out
+
+
+def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:
+    """TensorRT-LLM module name → (whole linear, tp role); q/k/v are fused per rank later."""
+    out: dict[str, tuple[LinearWeights, str]] = {"lm_head": (src.linears["lm_head"], "column")}
+    for i in range(src.info.num_layers):
+        for hf, (trt, role) in MODULES.items():
+            block = "self_attn" if hf == "o_proj" else "mlp"
+            out[f"transformer.layers.{i}.{trt}"] = (
+                src.linears[f"model.layers.{i}.{block}.{hf}"],
+                role,
+            )
+    return out
+
+
+def _grow(t: torch.Tensor, size: int, dim: int, *, repeat_last: bool = False) -> torch.Tensor:
+    """`t` grown to `size` along `dim`: zeros, or copies of its last slice."""
+    extra = size - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = [*t.shape]
+    shape[dim] = extra
+    last = t.narrow(dim, t.shape[dim] - 1, 1)
+    fill = last.expand(shape) if repeat_last else torch.zeros(shape, dtype=t.dtype)
+    return torch.cat([t, fill], dim)
+
+
+def pad_linear(lin: LinearWeights, rows: int, cols: int) -> LinearWeights:
+    """`lin` grown to `rows` × `cols` at the end with zero weights: padded outputs are 0 and
+    padded inputs contribute nothing. Scales repeat the last row's (a per-tensor scale stays
+    one value) and the last group's; pre-quant scales grow with ones."""
+    scale, zero, pqs = lin.scale, lin.zero_point, lin.pre_quant_scale
+    if scale is not None:
+        scale = _grow(scale, rows, 0, repeat_last=True)
+        if lin.scheme.strategy == "group":
+            group = lin.scheme.group_size or lin.in_features // scale.shape[1]
+            scale = _grow(scale, -(-cols // group), 1, repeat_last=True)
+            zero = None if zero is None else _grow(zero, -(-cols // group), 1)
+    if zero is not None:
+        zero = _grow(zero, rows, 0)
+    return replace(
+        lin,
+        weight=_grow(_grow(lin.weight, rows, 0), cols, 1),
+        scale=scale,
+        zero_point=zero,
+        bias=None if lin.bias is None else _grow(lin.bias, rows, 0),
+        pre_quant_scale=None if pqs is None else torch.cat([pqs, torch.ones(cols - len(pqs))]),
+    )
+
+
+def _pad_groupwise(lin: LinearWeights, algo: str, role: str, tp: int) -> LinearWeights:
+    """One rank's group-wise linear padded to the shapes TensorRT-LLM's group-wise layer
+    creates (conformance.padded_features): each rank's own slice, zeros after it."""
+    if algo not in GROUPWISE or lin.scale is None:
+        return lin
+    group = lin.scheme.group_size or lin.in_features // lin.scale.shape[1]
+    column = role == "column"
+    w4a8 = algo == "W4A8_AWQ"
+    rows = padded_features(lin.out_features * (tp if column else 1), group, tp, w4a8=w4a8)
+    cols = padded_features(lin.in_features * (1 if column else tp), group, tp, w4a8=w4a8)
+    return pad_linear(lin, rows // tp if column else rows, cols if column else cols // tp)
+
+
+def _rank_tensors(
+    src: Source,
+    modules: dict[str, tuple[LinearWeights, str]],
+    algo: str,
+    tp: int,
+    rank: int,
+    dtype: torch.dtype,
+    pre_quant: bool,
+    notes: list[str],
+) -> dict[str, torch.Tensor]:
+    info, zero_point = src.info, not src.symmetric
+    globals_ = _weight_globals(src)
+    out: dict[str, torch.Tensor] = {
+        "transformer.vocab_embedding.weight": src.tensors["model.embed_tokens.weight"].to(dtype),
+        "transformer.ln_f.weight": src.tensors["model.norm.weight"].to(dtype),
+    }
+    for name, (lin, role) in modules.items():
+        if name == "lm_head" and lin.out_features % tp:
+            lin = pad_linear(lin, -(-lin.out_features // tp) * tp, lin.in_features)
+        sharded = _pad_groupwise(_shard(lin, role, tp, rank), algo, role, tp)
+        out.update(
+            _tensors(name, sharded, algo, role, dtype, pre_quant, zero_point, globals_.get(name))
+        )
+        out.update(_bias(name, sharded, dtype))
+    for i in range(info.num_layers):
+        prefix = f"model.layers.{i}.self_attn"
+        parts = [
+            src.linears[f"{prefix}.{proj}"].rows(_head_rows(heads, info.head_dim, tp, rank))
+            for proj, heads in (
+                ("q_proj", info.num_heads),
+                ("k_proj", info.num_kv_heads),
+                ("v_proj", info.num_kv_heads),
+            )
+        ]
+        qkv = _pad_groupwise(fuse_linears(parts, algo, notes, f"layer {i} qkv"), algo, "column", tp)
+        layer = f"transformer.layers.{i}"
+        qkv_prefix = f"{layer}.attention.qkv"
+        out.update(
+            _tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point,
+                     globals_.get(qkv_prefix))
+        )  # fmt: skip
+        out.update(_bias(qkv_prefix, qkv, dtype))
+        out[f"{layer}.input_layernorm.weight"] = src.tensors[
+            f"model.layers.{i}.input_layernorm.weight"
+        ].to(dtype)
+        out[f"{layer}.post_layernorm.weight"] = src.tensors[
+            f"model.layers.{i}.post_attention_layernorm.weight"
+        ].to(dtype)
+        if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
+            for norm in ("input_layernorm", "post_layernorm"):
+                out[f"{layer}.{norm}.scale_to_int"] = torch.ones(1, dtype=dtype)
+        if i in src.kv_scales:
+            out[f"{layer}.attention.kv_cache_scaling_factor"] = src.kv_scales[i].reshape(1)
+    return out

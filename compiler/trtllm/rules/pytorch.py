@@ -1,0 +1,260 @@
+"""What TensorRT-LLM's PyTorch backend loads from a ModelOpt HF checkpoint, as data.
+
+The PyTorch backend (`trtllm-serve --backend pytorch`) reads a quantised Hugging Face
+directory whose `hf_quant_config.json` names a ModelOpt quant_algo; it shards the tensors
+itself at load time, so one directory serves every tensor-parallel size, but not every size
+loads. Each rule cites the TensorRT-LLM file and function it was read from (NVIDIA/
+TensorRT-LLM; ModelOpt's modelopt/torch/export/ for what its own writer emits); none of their
+code is used or copied. `check_hf_checkpoint(dir, tp)` lists every rule a directory breaks
+for Llama-family decoders (Llama, Mistral, Qwen2); the engine path's rules are in
+conformance.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.compiler.trtllm.rules.conformance import FLOATS, Param
+from safetensors import safe_open
+
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+# _torch/model_config.py `ModelConfig.load_modelopt_quant_config` /
+# `_build_modelopt_quant_config`: the `quantization` keys it reads from hf_quant_config.json.
+HF_QUANT_KEYS = frozenset(
+    {
+        "quant_algo",
+        "kv_cache_quant_algo",
+        "group_size",
+        "has_zero_point",
+        "pre_quant_scale",
+        "exclude_modules",
+    }
+)
+# The algos kiln writes in this format (the PyTorch backend reads more: conformance
+# PYTORCH_LOADS["modelopt"]).
+HF_ALGOS = frozenset({"FP8", "W4A16_AWQ"})
+HF_KV_ALGOS = frozenset({"FP8"})
+# _torch/models/checkpoints/hf/weight_mapper.py `HfWeightMapper.map_weights`: q/k/v load
+# into one fused qkv_proj and gate/up into gate_up_proj; o_proj and down_proj load alone
+# ("vanilla"). Column-parallel linears split output rows, row-parallel ones input columns
+# (_torch/modules/linear.py `TensorParallelMode.split_dim`).
+FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class HfLinear:
+    """One projection: full HF module name, whole (out, in) features and its tp role."""
+
+    name: str
+    out_features: int
+    in_features: int
+
+    @property
+    def short(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+    @property
+    def row_parallel(self) -> bool:
+        return self.short in ROW_PARALLEL
+
+
+def hf_linears(config: dict[str, Any]) -> list[HfLinear]:
+    """Every decoder projection of a Llama-family config.json, by HF module name."""
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    head = int(config.get("head_dim") or hidden // heads)
+    shapes = {
+        "q_proj": (heads * head, hidden),
+        "k_proj": (kv_heads * head, hidden),
+        "v_proj": (kv_heads * head, hidden),
+        "o_proj": (hidden, heads * head),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    out = []
+    for i in range(int(config["num_hidden_layers"])):
+        for short, (n, k) in shapes.items():
+            block = "mlp" if short in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            out.append(HfLinear(f"model.layers.{i}.{block}.{short}", n, k))
+    return out
+
+
+def linear_params(lin: HfLinear, algo: str | None, quant: dict[str, Any]) -> dict[str, Param]:
+    """The tensors the PyTorch backend reads for `lin` under `algo` (None: float), whole
+    (it shards them itself), as ModelOpt's HF writer stores them."""
+    n, k = lin.out_features, lin.in_features
+    if algo is None:  # _torch/modules/linear.py UnquantizedLinearMethod
+        return {f"{lin.name}.weight": Param((n, k), FLOATS)}
+    if algo == "FP8":
+        # linear.py FP8QDQLinearMethod: float8_e4m3fn weight (out, in); `load_weight_scales`
+        # reads weight_scale and input_scale with reshape([]) (one value each; q/k/v and
+        # gate/up keep their own and are rescaled to the largest in `rescale_fused_weights`).
+        # ModelOpt writes them as 0-d float32 (quant_utils.py / unified_export_hf.py).
+        return {
+            f"{lin.name}.weight": Param((n, k), ("F8_E4M3",)),
+            f"{lin.name}.weight_scale": Param((), ("F32",)),
+            f"{lin.name}.input_scale": Param((), ("F32",)),
+        }
+    # W4A16_AWQ, linear.py W4A16_AWQ_LinearMethod: the checkpoint weight is (out/2, in)
+    # bytes, two output rows per byte (ModelOpt quant_utils.py `pack_int4_in_uint8`: row 2r
+    # in the low nibble), which load_weights_* transpose and hand to
+    # preprocess_weights_for_mixed_gemm as quint4x2; weight_scale (out, in/group) is
+    # transposed on load. load_weights_vanilla (o_proj, down_proj) reads pre_quant_scale
+    # unconditionally; the fused loaders read none (ModelOpt folds it into the norms).
+    group = int(quant["group_size"])
+    params = {
+        f"{lin.name}.weight": Param((n // 2, k), ("U8", "I8")),
+        f"{lin.name}.weight_scale": Param((n, k // group), FLOATS),
+    }
+    if lin.row_parallel:
+        params[f"{lin.name}.pre_quant_scale"] = Param((k,), FLOATS)
+    return params
+
+
+def tp_problems(
+    config: dict[str, Any], algo: str | None, quant: dict[str, Any], tp: int
+) -> list[str]:
+    """Why the PyTorch backend cannot load the checkpoint at tensor parallel `tp`."""
+    problems = []
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    if heads % tp:
+        problems.append(f"tp={tp}: {heads} attention heads do not split evenly")
+    # weight_mapper.py `HfWeightMapper._duplicate_kv`: KV heads split evenly, or are
+    # repeated when tp is a multiple of them.
+    if kv_heads % tp and tp % kv_heads:
+        problems.append(f"tp={tp}: {kv_heads} KV heads neither split nor repeat evenly")
+    if algo != "W4A16_AWQ":
+        return problems
+    group = int(quant["group_size"])
+    if tp > kv_heads:
+        # `_duplicate_kv_weights` repeats only weight and bias (and NVFP4's weight_scale):
+        # the packed int4 rows would be repeated and their group scales not.
+        problems.append(
+            f"tp={tp} exceeds the {kv_heads} KV heads: the PyTorch backend repeats a W4A16 "
+            "AWQ k/v weight but not its weight_scale"
+        )
+    excluded = set(quant.get("exclude_modules") or [])
+    for lin in (x for x in hf_linears(config) if x.name not in excluded):
+        if lin.row_parallel and (lin.in_features % tp or (lin.in_features // tp) % group):
+            # linear.py W4A16_AWQ_LinearMethod.create_weights: "in_features must be
+            # divisible by group_size" on each rank's slice.
+            problems.append(
+                f"tp={tp}: {lin.name} has {lin.in_features} input features, "
+                f"{lin.in_features / tp:g} per rank, not a multiple of group {group}"
+            )
+        if not lin.row_parallel and lin.out_features % (2 * tp):
+            # linear.py `load_weight_shard` splits the packed (out/2, in) rows by
+            # ceil(rows / tp): each rank needs whole byte rows of its own outputs.
+            problems.append(
+                f"tp={tp}: {lin.name}'s {lin.out_features} output rows do not split into "
+                "whole int4 byte pairs per rank"
+            )
+    return sorted(set(problems), key=problems.index)
+
+
+def expected_hf_tensors(config: dict[str, Any], quant: dict[str, Any]) -> dict[str, Param]:
+    """Every tensor a ModelOpt HF checkpoint of this config must hold for the PyTorch backend."""
+    algo = quant.get("quant_algo")
+    excluded = set(quant.get("exclude_modules") or [])
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    params = {
+        "model.embed_tokens.weight": Param((vocab, hidden), FLOATS),
+        "model.norm.weight": Param((hidden,), FLOATS),
+    }
+    # weight_mapper.py `should_skip_module`: a tied lm_head is not loaded.
+    if not config.get("tie_word_embeddings"):
+        params["lm_head.weight"] = Param((vocab, hidden), FLOATS)
+    for lin in hf_linears(config):
+        params.update(linear_params(lin, None if lin.name in excluded else algo, quant))
+        if config.get("model_type") == "qwen2" and lin.short in ("q_proj", "k_proj", "v_proj"):
+            params[f"{lin.name}.bias"] = Param((lin.out_features,), FLOATS)
+    for i in range(int(config["num_hidden_layers"])):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            params[f"model.layers.{i}.{norm}.weight"] = Param((hidden,), FLOATS)
+        if quant.get("kv_cache_quant_algo"):
+            # ModelOpt quant_utils.py `_KV_CACHE_REPLACEMENTS`: k_bmm/v_bmm amax / maxbound
+            # become `k_proj.k_scale` and `v_proj.v_scale`; linear.py
+            # FP8QDQLinearMethod.load_kv_scales reads them from the q/k/v weights.
+            prefix = f"model.layers.{i}.self_attn"
+            params[f"{prefix}.k_proj.k_scale"] = Param((), ("F32",))
+            params[f"{prefix}.v_proj.v_scale"] = Param((), ("F32",))
+    return params
+
+
+def fused_problems(config: dict[str, Any], quant: dict[str, Any]) -> list[str]:
+    """q/k/v and gate/up load into one fused linear with one quant method (weight_mapper.py
+    `map_weights`): kiln refuses a group that is part float, part quantised, rather than
+    rely on how exclude_modules names would be matched against the fused module."""
+    excluded = set(quant.get("exclude_modules") or [])
+    problems = []
+    for i in range(int(config["num_hidden_layers"])):
+        for block, members in (("self_attn", FUSED[:3]), ("mlp", FUSED[3:])):
+            names = [f"model.layers.{i}.{block}.{m}" for m in members]
+            floats = [n for n in names if n in excluded]
+            if floats and len(floats) != len(names):
+                problems.append(
+                    f"{', '.join(floats)} excluded but not the rest of its fused group "
+                    f"({', '.join(members)})"
+                )
+    return problems
+
+
+def check_quant_config(quant: dict[str, Any]) -> list[str]:
+    """Rules the `quantization` section of hf_quant_config.json breaks."""
+    problems = [
+        f"hf_quant_config.json: {k} is not read by _build_modelopt_quant_config"
+        for k in sorted(set(quant) - HF_QUANT_KEYS)
+    ]
+    algo, kv_algo = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
+    if algo not in HF_ALGOS:
+        problems.append(f"quant_algo {algo!r}: kiln writes {', '.join(sorted(HF_ALGOS))}")
+    if kv_algo is not None and kv_algo not in HF_KV_ALGOS:
+        problems.append(f"kv_cache_quant_algo {kv_algo!r}: the PyTorch backend's KV cache is fp8")
+    if algo == "W4A16_AWQ":
+        if quant.get("has_zero_point"):
+            # linear.py W4A16_AWQ_LinearMethod.apply calls finegrained_mixed_dtype_gemm
+            # with zeros=None: zero points are never read.
+            problems.append("has_zero_point: the W4A16 AWQ GEMM reads no zero points")
+        if not quant.get("group_size"):
+            problems.append("W4A16_AWQ needs group_size (W4A16_AWQ_LinearMethod.create_weights)")
+    return problems
+
+
+def check_hf_checkpoint(model_dir: Path, tp: int) -> list[str]:
+    """Every rule the ModelOpt HF checkpoint in `model_dir` breaks for TensorRT-LLM's PyTorch
+    backend at tensor parallel `tp`; empty when it would load. A tensor it needs and cannot
+    find is a KeyError at load; one of the wrong shape fails `copy_weight`; kiln writes no
+    tensor the loader does not read."""
+    model_dir = Path(model_dir)
+    path = model_dir / QUANT_CONFIG_FILE
+    if not path.is_file():
+        return [f"{QUANT_CONFIG_FILE} is missing: the PyTorch backend would read it as float"]
+    quant = json.loads(path.read_text()).get("quantization") or {}
+    config = json.loads((model_dir / "config.json").read_text())
+    problems = check_quant_config(quant)
+    if problems:
+        return problems
+    problems += fused_problems(config, quant)
+    problems += tp_problems(config, quant.get("quant_algo"), quant, tp)
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                s = f.get_slice(name)
+                found[name] = (tuple(s.get_shape()), s.get_dtype())
+    want = expected_hf_tensors(config, quant)
+    problems += [f"{n} is required but not provided" for n in sorted(set(want) - set(found))]
+    problems += [f"{n} is provided but never read" for n in sorted(set(found) - set(want))]
+    for name in sorted(set(want) & set(found)):
+        (shape, dtype), rule = found[name], want[name]
+        if shape != rule.shape or dtype not in rule.dtypes:
+            problems.append(
+                f"{name} is {dtype}{list(shape)}; the PyTorch backend reads "
+                f"{'/'.join(rule.dtypes)}{list(rule.shape)}"
+            )
+    return problems

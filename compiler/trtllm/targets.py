@@ -1,0 +1,366 @@
+"""GPU target profiles and the TensorRT-LLM quantisation × GPU support matrix.
+
+A profile is data: adding a GPU means adding one `TargetProfile` to `PROFILES`; what it
+can run comes from its compute-capability family in `SUPPORT`.
+
+Figures and their sources:
+- `memory_gb` is the datasheet label (decimal GB as NVIDIA prints it); `memory_mib` is the
+  total the driver reports (nvidia-smi "Memory-Usage" total, MiB = 2**20 bytes), which is
+  what the planner divides up. The MiB totals were read from published nvidia-smi output.
+- Bandwidth (GB/s = 1e9 B/s) and tensor TFLOPS are NVIDIA datasheet figures, dense (the
+  datasheets' headline figures are with 2:4 sparsity, twice these). None: no such tensor
+  cores.
+- `nvlink_gb_s` is the total NVLink bandwidth per GPU; None for PCIe-only parts (H100 PCIe
+  takes an optional 2-way bridge; we plan it as PCIe).
+
+Support matrix (`SUPPORT`), per path:
+- pytorch: TensorRT-LLM's PyTorch backend (`trtllm-serve`, HF quantised checkpoints), from
+  its docs' hardware matrix (docs/source/features/quantization.md): Blackwell sm100/103
+  NVFP4, FP8 per-tensor and block, FP8 KV, no INT4 weight-only, no W4A8; sm120 NVFP4, FP8
+  per-tensor, FP8 KV; Hopper FP8 (per-tensor, block, rowwise), W4A8 AWQ, W4A16 AWQ/GPTQ;
+  Ada FP8 per-tensor, W4A8 AWQ, W4A16 AWQ/GPTQ; Ampere W4A16 AWQ/GPTQ; FP8 KV everywhere.
+  Per-channel INT8/INT4 weight-only (W8A16, W4A16) runs through its
+  `WeightOnlyQuantLinearMethod` on sm80-sm90. No INT8 SmoothQuant, no INT8 KV cache.
+- engine: TensorRT-LLM 1.2.x `trtllm-build`. Weight-only INT8/INT4 (per channel and
+  groupwise), INT8 SmoothQuant and INT8 KV run on sm80+; FP8 and W4A8 AWQ need sm89+
+  ("INT4 AWQ and GPTQ with FP8 activations require SM >= 89"); FP8 rowwise has sm89/sm90
+  kernels only (trtllm-build refuses `fp8_rowwise_gemm_plugin` on sm100); NVFP4 is
+  Blackwell only. On Blackwell (SM 100-119) the builder itself (tensorrt_llm/builder.py
+  `build`) raises for INT8/INT4 weight-only, SmoothQuant, per-channel/per-token scaling and
+  INT8 KV, so the engine row there holds only NO_QUANT, FP8 and NVFP4 with an FP8 KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.compiler.trtllm.export.modelopt_hf import conversion_problem
+from kiln.compiler.trtllm.export.writer import CHECKPOINT_ALGO, NOT_EXPORTED
+from kiln.compiler.trtllm.rules.conformance import INT4_GROUP_SIZES, group_problem, pytorch_problem
+from kiln.quant.backends import BACKENDS
+from kiln.quant.schemes import Problem, resolve
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.base.errors import KilnError, UsageError
+
+PATHS = ("engine", "pytorch")
+PATH_LABELS = {
+    "engine": "engine path (TensorRT-LLM 1.2.x trtllm-build)",
+    "pytorch": "PyTorch path (trtllm-serve)",
+}
+
+WEIGHT_ONLY = frozenset({"W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W8A16_GPTQ"})
+SMOOTHQUANT = frozenset(
+    {
+        "W8A8_SQ_PER_CHANNEL",
+        "W8A8_SQ_PER_TENSOR_PLUGIN",
+        "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+        "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
+        "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN",
+    }
+)
+FP8_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A8_AWQ"})
+FP4_ALGOS = frozenset({"NVFP4", "W4A8_NVFP4_FP8", "W4A8_MXFP4_FP8", "W4A16_MXFP4"})
+INT4_ALGOS = frozenset({"W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ"})
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSupport:
+    """What TensorRT-LLM runs on one compute-capability family, per path."""
+
+    family: str
+    engine_quant: frozenset[str]
+    engine_kv: frozenset[str]
+    pytorch_quant: frozenset[str]
+    pytorch_kv: frozenset[str]
+
+
+_AMPERE_ENGINE = frozenset({"NO_QUANT"}) | WEIGHT_ONLY | SMOOTHQUANT
+_ADA_ENGINE = _AMPERE_ENGINE | {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W4A8_AWQ"}
+_AMPERE_PYTORCH = frozenset({"NO_QUANT", "W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ"})
+_ADA_PYTORCH = _AMPERE_PYTORCH | {"FP8", "W4A8_AWQ"}
+
+SUPPORT: dict[str, ArchSupport] = {
+    "sm80": ArchSupport("Ampere", _AMPERE_ENGINE, frozenset({"INT8", "FP8"}),
+                        _AMPERE_PYTORCH, frozenset({"FP8"})),
+    "sm89": ArchSupport("Ada Lovelace", _ADA_ENGINE, frozenset({"INT8", "FP8"}),
+                        _ADA_PYTORCH, frozenset({"FP8"})),
+    "sm90": ArchSupport("Hopper", _ADA_ENGINE, frozenset({"INT8", "FP8"}),
+                        _ADA_PYTORCH | {"FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES"},
+                        frozenset({"FP8"})),
+    "sm100": ArchSupport("Blackwell", frozenset({"NO_QUANT", "FP8", "NVFP4"}),
+                         frozenset({"FP8"}),
+                         frozenset({"NO_QUANT", "FP8", "FP8_BLOCK_SCALES", "NVFP4"}),
+                         frozenset({"FP8", "NVFP4"})),
+    "sm120": ArchSupport("Blackwell (sm120)", frozenset({"NO_QUANT", "FP8", "NVFP4"}),
+                         frozenset({"FP8"}), frozenset({"NO_QUANT", "FP8", "NVFP4"}),
+                         frozenset({"FP8"})),
+}  # fmt: skip
+
+
+def family_of(compute_capability: tuple[int, int]) -> str:
+    """The `SUPPORT` key of a compute capability: (8, 6) → sm80, (10, 3) → sm100."""
+    major, minor = compute_capability
+    if major == 8:
+        return "sm89" if minor == 9 else "sm80"
+    return f"sm{major}0"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetProfile:
+    """One GPU model: memory, bandwidth, dense tensor throughput and what TRT-LLM runs on it."""
+
+    name: str
+    marketing_name: str
+    compute_capability: tuple[int, int]
+    memory_gb: float  # datasheet label, decimal GB
+    memory_mib: int  # total reported by the driver, MiB (2**20 B)
+    memory_bandwidth_gb_s: float  # 1e9 B/s
+    bf16_tflops: float  # dense
+    fp8_tflops: float | None  # dense; None: no FP8 tensor cores
+    fp4_tflops: float | None  # dense; None: no FP4 tensor cores
+    nvlink_gb_s: float | None  # per GPU, total; None: PCIe only
+
+    @property
+    def sm(self) -> str:
+        """The compute capability as TensorRT-LLM spells it, e.g. sm90."""
+        major, minor = self.compute_capability
+        return f"sm{major}{minor}"
+
+    @property
+    def support(self) -> ArchSupport:
+        return SUPPORT[family_of(self.compute_capability)]
+
+    @property
+    def architecture(self) -> str:
+        return self.support.family
+
+    @property
+    def nvlink(self) -> bool:
+        return self.nvlink_gb_s is not None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory the driver reports, in bytes."""
+        return self.memory_mib * 2**20
+
+    def quant_algos(self, path: str) -> frozenset[str]:
+        """TensorRT-LLM QuantAlgo names this GPU runs on `path` (engine or pytorch)."""
+        s = self.support
+        return s.engine_quant if _check_path(path) == "engine" else s.pytorch_quant
+
+    def kv_cache_algos(self, path: str) -> frozenset[str]:
+        """KV cache quant algos (FP8, INT8, NVFP4) this GPU runs on `path`."""
+        s = self.support
+        return s.engine_kv if _check_path(path) == "engine" else s.pytorch_kv
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able description, for the manifest."""
+        return {
+            "name": self.name,
+            "marketing_name": self.marketing_name,
+            "architecture": self.architecture,
+            "sm": self.sm,
+            "compute_capability": f"{self.compute_capability[0]}.{self.compute_capability[1]}",
+            "memory_gb": self.memory_gb,
+            "memory_mib": self.memory_mib,
+            "memory_bandwidth_gb_s": self.memory_bandwidth_gb_s,
+            "bf16_tflops": self.bf16_tflops,
+            "fp8_tflops": self.fp8_tflops,
+            "fp4_tflops": self.fp4_tflops,
+            "nvlink_gb_s": self.nvlink_gb_s,
+            **{f"{p}_quant_algos": sorted(self.quant_algos(p)) for p in PATHS},
+            **{f"{p}_kv_cache_algos": sorted(self.kv_cache_algos(p)) for p in PATHS},
+        }
+
+
+PROFILES: dict[str, TargetProfile] = {
+    p.name: p
+    for p in (
+        TargetProfile("h100-sxm", "NVIDIA H100 SXM5 80GB", (9, 0), 80, 81559, 3350,
+                      989.4, 1978.9, None, 900),
+        TargetProfile("h100-pcie", "NVIDIA H100 PCIe 80GB", (9, 0), 80, 81559, 2000,
+                      756.5, 1513.0, None, None),
+        TargetProfile("h100-nvl", "NVIDIA H100 NVL 94GB", (9, 0), 94, 95830, 3900,
+                      835.5, 1670.5, None, 600),
+        TargetProfile("h200", "NVIDIA H200 SXM 141GB", (9, 0), 141, 143771, 4800,
+                      989.4, 1978.9, None, 900),
+        TargetProfile("b200", "NVIDIA B200 180GB (HGX B200)", (10, 0), 180, 183359, 8000,
+                      2250.0, 4500.0, 9000.0, 1800),
+        TargetProfile("gb200", "NVIDIA GB200 186GB (Blackwell GPU of GB200 NVL72)", (10, 0),
+                      186, 189471, 8000, 2500.0, 5000.0, 10000.0, 1800),
+        TargetProfile("l40s", "NVIDIA L40S 48GB", (8, 9), 48, 46068, 864,
+                      362.05, 733.0, None, None),
+        TargetProfile("l4", "NVIDIA L4 24GB", (8, 9), 24, 23034, 300,
+                      121.0, 242.5, None, None),
+        TargetProfile("rtx-6000-ada", "NVIDIA RTX 6000 Ada Generation 48GB", (8, 9), 48,
+                      49140, 960, 364.2, 728.5, None, None),
+        TargetProfile("a100-80gb", "NVIDIA A100 80GB SXM4", (8, 0), 80, 81920, 2039,
+                      312.0, None, None, 600),
+        TargetProfile("a100-40gb", "NVIDIA A100 40GB SXM4", (8, 0), 40, 40960, 1555,
+                      312.0, None, None, 600),
+    )
+}  # fmt: skip
+
+
+def get_profile(name: str) -> TargetProfile:
+    """The profile called `name`; UsageError listing the known names otherwise."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise UsageError(
+            f"unknown GPU target {name!r} — known targets: {', '.join(PROFILES)}"
+        ) from None
+
+
+def _check_path(path: str) -> str:
+    if path not in PATHS:
+        raise UsageError(f"unknown TensorRT-LLM path {path!r} — use engine, pytorch or both")
+    return path
+
+
+def quant_algo(spec: QuantSpec) -> tuple[str, str | None]:
+    """TensorRT-LLM (QuantAlgo, KV cache quant algo) names for a kiln QuantSpec.
+
+    The mapping itself lives with the schemes (`quant.schemes.resolve`); a spec that
+    resolves to nothing raises its PreflightError (a UsageError).
+    """
+    scheme = resolve(spec)
+    return scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
+
+
+# Each QuantAlgo kiln can produce: (short name, how a recipe asks for it).
+RECIPE_FOR = {
+    "FP8": ("FP8", "method: fp8"),
+    "FP8_PER_CHANNEL_PER_TOKEN": ("FP8 rowwise", "method: fp8_dynamic"),
+    "W4A16_AWQ": ("W4A16 AWQ", "method: awq"),
+    "W4A16_GPTQ": ("W4A16 GPTQ", "method: gptq"),
+    "W8A16": ("W8A16", "method: gptq, weight_bits: 8"),
+    "W4A8_AWQ": ("W4A8 AWQ", "method: awq, activations: fp8_static, backend: modelopt"),
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": ("W8A8 SmoothQuant", "method: smoothquant"),
+    "NVFP4": ("NVFP4", "method: nvfp4, backend: modelopt"),
+}
+
+
+def describe(algo: str) -> str:
+    """`algo` with the recipe that produces it, e.g. `W8A16 (method: gptq, weight_bits: 8)`."""
+    name, recipe = RECIPE_FOR.get(algo, (algo, ""))
+    return f"{name} ({recipe})" if recipe else name
+
+
+def _why_not(algo: str, target: TargetProfile, path: str) -> str:
+    """The reason `algo` does not run on `target` on `path`, in the field's words."""
+    gpu = f"{target.name} ({target.architecture}, {target.sm})"
+    blackwell = target.compute_capability[0] >= 10
+    if algo in FP4_ALGOS and not blackwell:
+        return f"{gpu} has no FP4 tensor cores; NVFP4 needs Blackwell (sm100/sm120)"
+    if algo in FP8_ALGOS and target.compute_capability < (8, 9):
+        return f"{gpu} has no FP8 tensor cores"
+    if algo in SMOOTHQUANT and path == "pytorch":
+        return "TensorRT-LLM runs INT8 SmoothQuant only in TensorRT engines (1.2.x)"
+    if algo in INT4_ALGOS | WEIGHT_ONLY and blackwell and path == "pytorch":
+        return f"TensorRT-LLM's PyTorch backend has no INT4/INT8 weight-only kernels for {gpu}"
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN" and blackwell:
+        return f"TensorRT-LLM has no FP8 rowwise (per-channel × per-token) GEMMs for {gpu}"
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return "TensorRT-LLM's PyTorch backend runs FP8 rowwise on Hopper only"
+    return f"TensorRT-LLM does not list {algo} for {gpu}"
+
+
+def _alternatives(target: TargetProfile, path: str, algo: str) -> str:
+    """What would work instead: algos this GPU runs on `path`, then a GPU that runs `algo`."""
+    runs = [describe(a) for a in RECIPE_FOR if a in target.quant_algos(path)]
+    if "FP8" in target.kv_cache_algos(path):
+        runs.append("an FP8 KV cache alone (kv_cache: fp8)")
+    other = next((p.name for p in PROFILES.values() if algo in p.quant_algos(path)), None)
+    text = "use " + ", ".join(runs) if runs else "keep method none"
+    return f"{text}; or target {other}" if other else text
+
+
+def check_algos(
+    algo: str, kv_algo: str | None, target: TargetProfile, path: str = "both"
+) -> list[Problem]:
+    """Problems running TensorRT-LLM `algo` (+ `kv_algo`) on `target` on `path`.
+
+    `path` is engine, pytorch, or both (the artifact must work on both).
+    """
+    paths = PATHS if path == "both" else (_check_path(path),)
+    problems: list[Problem] = []
+    bad = [p for p in paths if algo not in target.quant_algos(p)]
+    if bad:
+        where = " or ".join(PATH_LABELS[p] for p in bad)
+        spared = [p for p in PATHS if p not in bad and algo in target.quant_algos(p)]
+        note = f"; the {spared[0]} path runs it" if spared else ""
+        problems.append(
+            Problem(
+                "quantization.method",
+                f"{algo} does not run on {target.name} on the {where}: "
+                f"{_why_not(algo, target, bad[0])}{note}",
+                _alternatives(target, bad[0], algo),
+            )
+        )
+    if kv_algo is not None:
+        for p in paths:
+            if kv_algo not in target.kv_cache_algos(p):
+                kinds = " or ".join(sorted(target.kv_cache_algos(p)))
+                problems.append(
+                    Problem(
+                        "quantization.kv_cache",
+                        f"{kv_algo} KV cache does not run on {target.name} on the "
+                        f"{PATH_LABELS[p]}, whose KV cache takes {kinds}",
+                        ", ".join(k.lower() for k in sorted(target.kv_cache_algos(p))) + " or none",
+                    )
+                )
+    return problems
+
+
+def _unloadable(spec: QuantSpec, algo: str, path: str) -> str | None:
+    """Why what kiln writes for `spec` cannot be loaded on `path` (None: it can), judged
+    from the recipe alone: the engine path needs kiln's checkpoint export of the scheme, the
+    PyTorch path a checkpoint format its loader reads (conformance.pytorch_problem), or
+    an exact ModelOpt HF conversion of it (modelopt_hf.conversion_problem)."""
+    if path == "engine":
+        if algo in NOT_EXPORTED:
+            return f"{algo} has no TensorRT-LLM checkpoint export: {NOT_EXPORTED[algo]}"
+        return None if algo in CHECKPOINT_ALGO else f"{algo} has no TensorRT-LLM checkpoint export"
+    backend = BACKENDS.get(spec.backend)
+    fmt = "float" if algo == "NO_QUANT" else backend.format if backend else None
+    why = None if fmt is None else pytorch_problem(fmt, algo)
+    if why is None or fmt != "compressed-tensors":
+        return why
+    kv_algo = quant_algo(spec)[1]
+    converts = conversion_problem(
+        algo, kv_algo, symmetric=spec.symmetric, group_size=spec.group_size
+    )
+    return None if converts is None else f"{why}; nor does kiln convert it exactly: {converts}"
+
+
+def check_target(spec: QuantSpec, target_name: str, path: str = "both") -> list[Problem]:
+    """Everything that stops `spec` running on GPU `target_name`; empty when it can.
+
+    `path`: engine (TensorRT-LLM 1.2.x engines), pytorch (trtllm-serve) or both.
+    """
+    if path != "both":
+        _check_path(path)
+    if target_name not in PROFILES:
+        return [Problem("targets", f"unknown GPU target {target_name!r}", ", ".join(PROFILES))]
+    try:
+        algo, kv_algo = quant_algo(spec)
+    except KilnError:  # quant.schemes.check reports what is wrong with the spec itself
+        return [Problem("targets", f"cannot check {target_name}: the quantization section "
+                        "does not resolve to a TensorRT-LLM scheme", "fix the quantization "
+                        "problems first")]  # fmt: skip
+    problems = check_algos(algo, kv_algo, PROFILES[target_name], path)
+    paths = PATHS if path == "both" else (path,)
+    blocked = {p: why for p in paths if (why := _unloadable(spec, algo, p)) is not None}
+    if not problems and len(blocked) == len(paths):
+        where = "; ".join(f"{PATH_LABELS[p]}: {why}" for p, why in blocked.items())
+        problems.append(Problem("deploy.trtllm_path", f"{target_name}, {where}",
+                                "quantization.backend: modelopt for the PyTorch path, or a "
+                                "scheme kiln exports for the engine path"))  # fmt: skip
+    why = group_problem(algo, spec.group_size)
+    if why is not None:
+        sizes = " or ".join(map(str, INT4_GROUP_SIZES))
+        problems.append(Problem("quantization.group_size", f"quantization.{why} ({target_name})",
+                                f"set quantization.group_size to {sizes}"))  # fmt: skip
+    return problems

@@ -1,0 +1,481 @@
+"""The artifact registry: gate runs, release channels, and promotion / rollback history.
+
+One SQLite file (WAL journal). Every write runs inside `BEGIN IMMEDIATE`, which takes the
+database's write lock before reading, so two processes promoting to one channel at once
+are serialised: the second sees the first's result and is judged against it. A refused
+promotion raises before COMMIT and changes nothing.
+
+Which baseline a channel requires (`channels.baseline_rule`):
+- ``current`` (default): a passing gate run of the candidate against the artifact the
+  channel serves now; an empty channel opens only with a passing run against a float
+  source checkpoint (baseline kind `source`: the model before quantisation), never one
+  against another artifact or an endpoint, which would only say the candidate is no worse
+  than something the channel never vouched for.
+- ``fixed``: a passing gate run against the channel's configured `baseline_digest` (for
+  example the float source's content digest), whatever the channel serves.
+
+A gate run is bound to both digests: it is recorded only for the artifact its verdict names
+as the candidate, and never when candidate and baseline are the same content; such a run
+counts for nothing.
+
+Rollback replays the channel's events as a stack (promote pushes, rollback pops) and moves
+to the digest below the top, so repeated rollbacks walk back through history.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.runtime.base.errors import ArtifactError, UsageError, VerdictFailure
+from kiln.runtime.formats.artifact import json_dumps, load_manifest
+from kiln.runtime.formats.artifact.verified import Mode, verify_artifact
+
+ENV_VAR = "KILN_REGISTRY"
+BASELINE_RULES = ("current", "fixed")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS artifacts (
+    digest TEXT PRIMARY KEY, name TEXT NOT NULL, path TEXT NOT NULL,
+    recipe TEXT NOT NULL, manifest TEXT NOT NULL, registered_at TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS gate_runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, candidate_digest TEXT NOT NULL,
+    baseline TEXT NOT NULL, baseline_kind TEXT NOT NULL, passed INTEGER NOT NULL,
+    verdict TEXT NOT NULL, created_at TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS gate_runs_candidate ON gate_runs (candidate_digest);
+CREATE TABLE IF NOT EXISTS channels (
+    name TEXT PRIMARY KEY,
+    baseline_rule TEXT NOT NULL DEFAULT 'current' CHECK (baseline_rule IN ('current', 'fixed')),
+    baseline_digest TEXT, current_digest TEXT, updated_at TEXT);
+CREATE TABLE IF NOT EXISTS promotion_events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, channel TEXT NOT NULL, digest TEXT,
+    previous_digest TEXT, action TEXT NOT NULL CHECK (action IN ('promote', 'rollback')),
+    reason TEXT NOT NULL, actor TEXT NOT NULL, created_at TEXT NOT NULL);
+"""
+
+
+def default_path() -> Path:
+    """$KILN_REGISTRY, else $XDG_DATA_HOME/kiln/registry.db (~/.local/share by default)."""
+    if os.environ.get(ENV_VAR):
+        return registry_path(os.environ[ENV_VAR])
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "kiln" / "registry.db"
+
+
+def registry_path(spec: str) -> Path:
+    """A path, or an SQLAlchemy-style URL: sqlite:///relative.db, sqlite:////abs/path.db."""
+    if "://" not in spec:
+        return Path(spec).expanduser()
+    if not spec.startswith("sqlite:///"):
+        raise UsageError(
+            f"registry {spec!r}: only SQLite is supported; pass a file path or "
+            "sqlite:///relative.db / sqlite:////absolute/path.db"
+        )
+    return Path(spec[len("sqlite:///") :]).expanduser()
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def default_actor() -> str:
+    """$KILN_ACTOR, else user@host: who a promotion event is attributed to."""
+    return os.environ.get("KILN_ACTOR") or f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+@dataclass(slots=True)
+class ChannelState:
+    name: str
+    baseline_rule: str
+    baseline_digest: str | None
+    current_digest: str | None
+    current_name: str | None
+    current_path: str | None
+    updated_at: str | None
+
+
+class Registry:
+    """Gate runs, channels and promotions in one SQLite file."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = registry_path(str(path)) if path is not None else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA busy_timeout = 60000")
+        self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.execute("PRAGMA foreign_keys = ON")
+        with self._write() as db:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction holding the write lock from its first read."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- artifacts and gate runs ------------------------------------------------------
+
+    def _upsert_artifact(self, db: sqlite3.Connection, path: Path) -> str:
+        manifest = load_manifest(path)
+        db.execute(
+            "INSERT INTO artifacts (digest, name, path, recipe, manifest, registered_at) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (digest) DO UPDATE SET path = excluded.path",
+            (
+                manifest.digest,
+                manifest.name,
+                str(path.resolve()),
+                json_dumps(manifest.recipe),
+                json_dumps(manifest.to_dict()),
+                _now(),
+            ),
+        )
+        return manifest.digest
+
+    def record_gate_run(self, verdict: dict[str, Any], artifact_path: str | Path | None) -> int:
+        """Store a gate.json verdict (and register the candidate artifact, which must be the
+        one the verdict names); returns its id."""
+        candidate, baseline = verdict["candidate"], verdict["baseline"]
+        if candidate["digest"] == baseline["digest"]:
+            raise UsageError(
+                f"gate run of {candidate['digest'][:12]}: its baseline is the candidate itself; "
+                "such a run proves nothing and is not recorded"
+            )
+        with self._write() as db:
+            if artifact_path is not None:
+                registered = self._upsert_artifact(db, Path(artifact_path))
+                if registered != candidate["digest"]:
+                    raise UsageError(
+                        f"{artifact_path}: its digest is {registered[:12]}, but the verdict is "
+                        f"for {candidate['digest'][:12]}; record a verdict with the artifact "
+                        "it judged"
+                    )
+            cursor = db.execute(
+                "INSERT INTO gate_runs (candidate_digest, baseline, baseline_kind, passed, "
+                "verdict, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    candidate["digest"],
+                    baseline["digest"],
+                    baseline["kind"],
+                    int(bool(verdict["passed"])),
+                    json_dumps(verdict),
+                    _now(),
+                ),
+            )
+            return int(cursor.lastrowid or 0)
+
+    def gate_runs(self, candidate_digest: str | None = None) -> list[dict[str, Any]]:
+        """Gate runs, newest first (of one candidate digest when given)."""
+        sql = "SELECT id, candidate_digest, baseline, baseline_kind, passed, created_at "
+        sql += "FROM gate_runs"
+        rows = (
+            self._db.execute(
+                sql + " WHERE candidate_digest = ? ORDER BY id DESC", (candidate_digest,)
+            )
+            if candidate_digest
+            else self._db.execute(sql + " ORDER BY id DESC")
+        )
+        return [dict(r) for r in rows]
+
+    def verdict(self, run_id: int) -> dict[str, Any]:
+        """The stored gate.json of one run."""
+        row = self._db.execute("SELECT verdict FROM gate_runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise UsageError(f"gate run {run_id}: no such run; `kiln registry ls` lists them")
+        return dict(json.loads(row["verdict"]))
+
+    # -- channels ---------------------------------------------------------------------
+
+    def configure_channel(
+        self, channel: str, baseline_rule: str = "current", baseline_digest: str | None = None
+    ) -> None:
+        """Create or change a channel's baseline rule (see the module docstring)."""
+        if baseline_rule not in BASELINE_RULES:
+            raise UsageError(
+                f"channel {channel}: baseline rule {baseline_rule!r} is not one of "
+                f"{', '.join(BASELINE_RULES)}"
+            )
+        if baseline_rule == "fixed" and not baseline_digest:
+            raise UsageError(
+                f"channel {channel}: rule `fixed` needs a baseline digest (the artifact or "
+                "source digest every candidate must be gated against)"
+            )
+        with self._write() as db:
+            db.execute(
+                "INSERT INTO channels (name, baseline_rule, baseline_digest, updated_at) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET "
+                "baseline_rule = excluded.baseline_rule, "
+                "baseline_digest = excluded.baseline_digest",
+                (channel, baseline_rule, baseline_digest, _now()),
+            )
+
+    def channel(self, name: str) -> ChannelState | None:
+        row = self._db.execute(
+            "SELECT c.*, a.name AS current_name, a.path AS current_path FROM channels c "
+            "LEFT JOIN artifacts a ON a.digest = c.current_digest WHERE c.name = ?",
+            (name,),
+        ).fetchone()
+        return None if row is None else _channel_state(row)
+
+    def ls(self) -> list[ChannelState]:
+        """Every channel with what it serves now."""
+        rows = self._db.execute(
+            "SELECT c.*, a.name AS current_name, a.path AS current_path FROM channels c "
+            "LEFT JOIN artifacts a ON a.digest = c.current_digest ORDER BY c.name"
+        )
+        return [_channel_state(r) for r in rows]
+
+    def artifacts(self) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT digest, name, path, registered_at FROM artifacts ORDER BY registered_at"
+        )
+        return [dict(r) for r in rows]
+
+    def history(self, channel: str) -> list[dict[str, Any]]:
+        """The channel's promotion events, oldest first."""
+        rows = self._db.execute(
+            "SELECT * FROM promotion_events WHERE channel = ? ORDER BY id", (channel,)
+        )
+        return [dict(r) for r in rows]
+
+    # -- promotion --------------------------------------------------------------------
+
+    def promote(
+        self,
+        artifact_path: str | Path,
+        channel: str,
+        reason: str = "",
+        actor: str | None = None,
+        verify: Mode = "fast",
+        gate_run: int | None = None,
+    ) -> dict[str, Any]:
+        """Point `channel` at the artifact, if it verifies and a passing gate run allows it;
+        returns the event. `gate_run`: only that run may allow it (a caller promoting on the
+        verdict it just got), judged against what the channel requires when it is promoted."""
+        path = Path(artifact_path)
+        # Hashing is slow: outside the write lock.
+        manifest = verify_artifact(path, mode=verify, action=f"promote it to {channel}").manifest
+        digest, actor = manifest.digest, actor or default_actor()
+        with self._write() as db:
+            db.execute("INSERT OR IGNORE INTO channels (name) VALUES (?)", (channel,))
+            state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
+            current = state["current_digest"]
+            if current == digest:
+                raise UsageError(
+                    f"{path}: {manifest.name} ({digest[:12]}) already serves {channel}"
+                )
+            fixed = state["baseline_rule"] == "fixed"
+            required = state["baseline_digest"] if fixed else current
+            why = "its fixed baseline" if fixed else "what it serves now"
+            self._require_passing_run(db, path, manifest.name, digest, channel, required, why,
+                                      gate_run)  # fmt: skip
+            self._upsert_artifact(db, path)
+            db.execute(
+                "UPDATE channels SET current_digest = ?, updated_at = ? WHERE name = ?",
+                (digest, _now(), channel),
+            )
+            return self._event(db, channel, digest, current, "promote", reason, actor)
+
+    def _require_passing_run(
+        self,
+        db: sqlite3.Connection,
+        path: Path,
+        name: str,
+        digest: str,
+        channel: str,
+        required: str | None,
+        why: str,
+        run_id: int | None = None,
+    ) -> None:
+        refusal = f"{path}: refusing to promote {name} ({digest[:12]}) to {channel}"
+        if run_id is not None:
+            _require_run(db, run_id, refusal, digest, channel, required, why)
+        gated = db.execute(
+            "SELECT baseline, baseline_kind, passed FROM gate_runs WHERE candidate_digest = ? "
+            "AND baseline != candidate_digest",
+            (digest,),
+        ).fetchall()
+        # An empty channel: only a run against the float source opens it.
+        runs = [r for r in gated if required is not None or r["baseline_kind"] == "source"]
+        if any(r["passed"] and (required is None or r["baseline"] == required) for r in runs):
+            return
+        if required is None:
+            against, hint = "against its float source", "<the float source checkpoint>"
+        else:
+            row = db.execute("SELECT path FROM artifacts WHERE digest = ?", (required,)).fetchone()
+            against, hint = f"against {required[:12]}", row["path"] if row else required
+        fix = f"run `kiln gate {path} --baseline {hint}` first"
+        if not gated:
+            raise UsageError(f"{refusal}: it has never been gated; {fix}")
+        if not runs:
+            kinds = ", ".join(sorted({f"{r['baseline_kind']} {r['baseline'][:12]}" for r in gated}))
+            raise UsageError(
+                f"{refusal}: {channel} serves nothing yet, so it opens only with a passing gate "
+                f"run against the float source (the model before quantisation), and this "
+                f"artifact was gated only against {kinds}; {fix}"
+            )
+        if required is not None and not any(r["baseline"] == required for r in runs):
+            others = ", ".join(sorted({r["baseline"][:12] for r in runs}))
+            raise UsageError(
+                f"{refusal}: {channel} requires a passing gate run {against} ({why}), "
+                f"but it was gated only against {others}; {fix}"
+            )
+        raise VerdictFailure(
+            f"{refusal}: its gate runs {against} failed; fix the candidate or the gate "
+            f"thresholds, then {fix}"
+        )
+
+    def rollback(
+        self, channel: str, reason: str = "", actor: str | None = None, verify: Mode = "fast"
+    ) -> dict[str, Any]:
+        """Move the channel back to the artifact it served before its current one, once that
+        artifact verifies against the digest the channel recorded for it."""
+        actor = actor or default_actor()
+        target, _ = self._rollback_step(self._db, channel)
+        row = self._db.execute("SELECT path FROM artifacts WHERE digest = ?", (target,)).fetchone()
+        where = Path(row["path"]) if row else None
+        if where is None or not where.is_dir():
+            raise ArtifactError(
+                f"channel {channel}: refusing to roll back to {target[:12]}: the artifact is not "
+                f"on disk ({where or 'no path registered'}); restore it there, or promote "
+                "another artifact"
+            )
+        action = f"roll {channel} back to it"
+        verify_artifact(where, mode=verify, expect_digest=target, action=action)
+        with self._write() as db:
+            now_target, current = self._rollback_step(db, channel)
+            if now_target != target:
+                raise UsageError(
+                    f"channel {channel}: it changed while {target[:12]} was being verified; "
+                    "run `kiln rollback` again"
+                )
+            db.execute(
+                "UPDATE channels SET current_digest = ?, updated_at = ? WHERE name = ?",
+                (target, _now(), channel),
+            )
+            return self._event(db, channel, target, current, "rollback", reason, actor)
+
+    @staticmethod
+    def _rollback_step(db: sqlite3.Connection, channel: str) -> tuple[str, str]:
+        """(the digest a rollback moves `channel` to, the one it serves now)."""
+        state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
+        if state is None:
+            raise UsageError(f"channel {channel}: no such channel; `kiln registry ls` lists them")
+        stack: list[str] = []
+        for event in db.execute(
+            "SELECT action, digest FROM promotion_events WHERE channel = ? ORDER BY id",
+            (channel,),
+        ):
+            if event["action"] == "promote":
+                stack.append(event["digest"])
+            elif stack:
+                stack.pop()
+        if len(stack) < 2:
+            raise UsageError(
+                f"channel {channel}: nothing to roll back to (it has served only "
+                f"{stack[0][:12] if stack else 'nothing'}); promote an artifact instead"
+            )
+        return stack[-2], stack[-1]
+
+    @staticmethod
+    def _event(
+        db: sqlite3.Connection,
+        channel: str,
+        digest: str,
+        previous: str | None,
+        action: str,
+        reason: str,
+        actor: str,
+    ) -> dict[str, Any]:
+        event = {
+            "channel": channel,
+            "digest": digest,
+            "previous_digest": previous,
+            "action": action,
+            "reason": reason,
+            "actor": actor,
+            "created_at": _now(),
+        }
+        db.execute(
+            "INSERT INTO promotion_events (channel, digest, previous_digest, action, reason, "
+            "actor, created_at) VALUES (:channel, :digest, :previous_digest, :action, :reason, "
+            ":actor, :created_at)",
+            event,
+        )
+        return event
+
+
+def _require_run(
+    db: sqlite3.Connection,
+    run_id: int,
+    refusal: str,
+    digest: str,
+    channel: str,
+    required: str | None,
+    why: str,
+) -> None:
+    """Refuse (`refusal` names the artifact and channel) unless gate run `run_id` judged this
+    candidate against what `channel` requires now (`required`, because `why`): read inside
+    the write transaction, so a promotion since the gate started shows here."""
+    run = db.execute(
+        "SELECT candidate_digest, baseline, baseline_kind, passed FROM gate_runs WHERE id = ?",
+        (run_id,),
+    ).fetchone()
+    if run is None or run["candidate_digest"] != digest:
+        raise UsageError(
+            f"{refusal}: gate run {run_id} is not a gate run of this artifact; gate it and "
+            "promote then"
+        )
+    judged = f"{run['baseline_kind']} {run['baseline'][:12]}"
+    if not run["passed"]:
+        raise VerdictFailure(f"{refusal}: gate run {run_id} against {judged} failed")
+    if required is None and run["baseline_kind"] != "source":
+        raise UsageError(
+            f"{refusal}: gate run {run_id} judged it against {judged}, but {channel} serves "
+            "nothing now, so it opens only with a pass against the float source; gate it "
+            "against its source and promote then"
+        )
+    if required is not None and run["baseline"] != required:
+        raise UsageError(
+            f"{refusal}: gate run {run_id} judged it against {judged}, but {channel} now "
+            f"requires a pass against {required[:12]} ({why}): the channel changed since "
+            f"the gate started; gate it against {required[:12]} (`kiln compile --promote "
+            f"{channel}` again does) and promote then"
+        )
+
+
+def _channel_state(row: sqlite3.Row) -> ChannelState:
+    return ChannelState(
+        name=row["name"],
+        baseline_rule=row["baseline_rule"],
+        baseline_digest=row["baseline_digest"],
+        current_digest=row["current_digest"],
+        current_name=row["current_name"],
+        current_path=row["current_path"],
+        updated_at=row["updated_at"],
+    )

@@ -1,0 +1,125 @@
+"""Quantisation: schemes, calibration data, backends, and the error report.
+
+`quantize()` is the one entry point the compiler's quantise stage calls: float Hugging Face
+checkpoint in, quantised Hugging Face checkpoint out (compressed-tensors or ModelOpt).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kiln.quant import calibration as calib_data
+from kiln.quant.memory import calibration_dtype
+from kiln.quant.registry import SCHEMES, Problem
+from kiln.quant.schemes import check, resolve
+from kiln.quant.spec import CalibrationSpec, QuantSpec, Scheme
+from kiln.runtime.base.errors import CalibrationDataError, PreflightError, StageFailure
+from kiln.runtime.base.versions import versions
+from kiln.runtime.formats.artifact import CalibrationRecord, SchemeRecord
+
+__all__ = [
+    "SCHEMES",
+    "CalibrationSpec",
+    "Problem",
+    "QuantSpec",
+    "Scheme",
+    "check",
+    "quantize",
+    "resolve",
+]
+
+
+def quantize(
+    model_dir: Path,
+    spec: QuantSpec,
+    calibration: CalibrationSpec,
+    out_dir: Path,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> SchemeRecord:
+    """Quantise the float checkpoint in `model_dir` into the empty directory `out_dir`.
+
+    Returns the manifest's `scheme` record: scheme, backend, format, TensorRT-LLM algorithm
+    names, calibration data, library versions and seconds taken. Raises PreflightError or
+    CalibrationDataError for a spec or data that cannot work (before loading the model) and
+    StageFailure when the quantisation library fails.
+    """
+    from kiln.quant.backends import BACKENDS, QuantJob
+    from kiln.runtime.formats.model_info import ModelInfo
+
+    say = progress or (lambda _msg: None)
+    start = time.perf_counter()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    info = ModelInfo.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    problems = check(spec, info)
+    if problems:
+        raise PreflightError("\n".join(str(p) for p in problems))
+    scheme = resolve(spec)
+    backend = BACKENDS[spec.backend]
+    quantised = scheme.name != "NO_QUANT"
+    record = SchemeRecord(
+        scheme=scheme.name,
+        label=scheme.label,
+        backend=backend.name,
+        format=backend.format if quantised else "float",
+        trtllm_quant_algo=scheme.trtllm_quant_algo,
+        trtllm_kv_cache_quant_algo=scheme.trtllm_kv_cache_quant_algo,
+        group_size=scheme.group_size,
+        symmetric=scheme.symmetric,
+        activations=scheme.activations,
+        kv_cache=scheme.kv_cache,
+        ignore=list(spec.ignore),
+        versions=versions(("torch", "transformers", *(backend.packages if quantised else ()))),
+    )
+    if not quantised:
+        say("method none: copying the float checkpoint")
+        shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+        record.seconds = round(time.perf_counter() - start, 3)
+        return record
+
+    if scheme.needs_calibration:
+        problems = calib_data.check(calibration)
+        if problems:
+            raise CalibrationDataError("\n".join(str(p) for p in problems))
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, calibration_dtype(info.torch_dtype))
+    say(f"loading {model_dir} ({dtype}, CPU)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.eval()
+    samples: list[list[int]] = []
+    if scheme.needs_calibration:
+        texts = calib_data.load_texts(calibration, tokenizer)
+        samples = calib_data.tokenize(texts, tokenizer, calibration.max_seq_len)
+        record.calibration = CalibrationRecord(
+            dataset=calibration.dataset,
+            digest=calib_data.dataset_digest(calibration),
+            num_samples=len(samples),
+            tokens=sum(map(len, samples)),
+            max_seq_len=calibration.max_seq_len,
+            seed=calibration.seed,
+        )
+        say(f"calibrating {scheme.label} with {backend.name} on {len(samples)} samples")
+    else:
+        say(f"quantising {scheme.label} with {backend.name} (no calibration data needed)")
+    try:
+        with torch.no_grad():
+            backend.run(QuantJob(model, tokenizer, scheme, spec, samples, out_dir, say))
+    except Exception as exc:
+        raise StageFailure(
+            f"{backend.name} failed to produce {scheme.label} from {model_dir}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    tokenizer.save_pretrained(out_dir)
+    source_generation = model_dir / "generation_config.json"
+    if source_generation.is_file() and not (out_dir / "generation_config.json").exists():
+        shutil.copy2(source_generation, out_dir / "generation_config.json")
+    record.seconds = round(time.perf_counter() - start, 3)
+    return record

@@ -1,0 +1,3 @@
+"""The model's linear layers, one module per weight format, and the exact greedy LM head;
+`kernels.make_linear` picks one per layer.
+"""

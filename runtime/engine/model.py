@@ -1,0 +1,196 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Plain tensors and functions rather than nn.Modules: the engine only runs inference, and the
+forward reads top to bottom like the architecture. q/k/v and gate/up projections are stacked
+into one matmul each when their encodings allow. Logits are computed only for the rows the
+engine asks for (each sequence's last token, plus prompt rows when prompt log-probabilities
+are wanted), which skips the vocabulary projection for most prefill tokens.
+
+On CPU, where the native kernels load (native.py), the elementwise steps run fused: the
+residual add with the next RMSNorm, silu(gate) * up, and the rotary embedding of the
+queries and keys (in place, tables picked by position), each one pass
+(runtime/engine/native/csrc/elementwise.cpp; same roundings as torch's operators). SmolLM2-135M's
+2048- token prefill, bf16, one thread: RMSNorm 0.56 vs 2.0 ms, add + RMSNorm 0.8 vs 2.6 ms, silu *
+up 1.6 vs 3.9 ms, rotary 0.9 vs 2.6 ms per layer; at one token each is one operator call instead of
+two to eight. A step of decodes only then attends in one call per layer straight from the rotated
+qkv (attention.decode_attention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from kiln.runtime.engine import native
+from kiln.runtime.engine.attention import (
+    AttentionMetadata,
+    PagedKVCache,
+    decode_attention,
+    fused_decode,
+    paged_attention,
+)
+from kiln.runtime.engine.layers.greedy_head import GreedyHead
+from kiln.runtime.engine.layers.linear import Linear
+from kiln.runtime.engine.sampling import greedy_tokens
+from kiln.runtime.formats.model_info import ModelInfo
+
+
+def rope_inv_freq(config: ModelInfo) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or Llama-3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        return inv_freq / factor
+    # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
+
+
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class CausalLM:
+    """Embedding, decoder layers, final norm and LM head, run over a paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelInfo,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: Linear,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        # Greedy steps on a bf16 head on kiln's CPU kernel read an int8 screen of it first.
+        self.greedy_head = GreedyHead.build(lm_head)
+        self.dtype = embed.dtype
+        self.dtype_reason = "the weights' dtype"  # the loader says why it chose this dtype
+        self.device = embed.device
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
+        # Tables for x * cos + rotate_half(x) * sin with rotate_half's sign folded into sin.
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(
+            device=self.device, dtype=self.dtype
+        )
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(
+            device=self.device, dtype=self.dtype
+        )
+        self.scale = config.head_dim**-0.5
+        self.fused = (
+            self.device.type == "cpu"
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and all(t.dtype == self.dtype for t in self._norms())
+            and native.available()
+        )
+
+    def _norms(self) -> list[torch.Tensor]:
+        return [
+            self.norm,
+            *(w for layer in self.layers for w in (layer.input_norm, layer.post_norm)),
+        ]
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.kiln.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its RMSNorm); the fused kernel adds into `residual` in place."""
+        if self.fused:
+            normed = torch.ops.kiln.add_rms_norm_(residual, delta, weight, self.config.rms_norm_eps)
+            return residual, normed
+        residual = residual + delta
+        return residual, self._rms_norm(residual, weight)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.kiln.silu_mul(gate_up.contiguous())
+        half = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,
+        greedy: bool = False,
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(logits_rows), vocab], or with `greedy`
+        each row's argmax (int64 [len(logits_rows)], the first maximum) instead."""
+        c = self.config
+        heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
+        qk_size = (heads + kv_heads) * dim
+        if not self.fused:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
+        # one native call per layer for a decode-only step (queries and keys rotated in place)
+        fused_attention = self.fused and fused_decode(meta, token_ids.shape[0], self.dtype)
+        residual = F.embedding(token_ids, self.embed)
+        normed = self._rms_norm(residual, self.layers[0].input_norm) if self.layers else residual
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(normed)
+            # Queries and keys are rotated in one pass: they sit side by side in qkv.
+            if self.fused:
+                torch.ops.kiln.rope_(qkv, positions, self.cos, self.sin, heads + kv_heads, dim)
+            if fused_attention:
+                attended = decode_attention(index, qkv, heads, cache, meta, self.scale)
+            else:
+                if self.fused:
+                    qk = qkv[:, :qk_size].unflatten(-1, (heads + kv_heads, dim))
+                else:
+                    qk = self._rope(
+                        qkv[:, :qk_size].unflatten(-1, (heads + kv_heads, dim)), cos, sin
+                    )
+                v = qkv[:, qk_size:].unflatten(-1, (kv_heads, dim))
+                attended = paged_attention(
+                    index, qk[:, :heads], qk[:, heads:], v, cache, meta, self.scale
+                )
+            if attended.dtype != self.dtype:
+                attended = attended.to(self.dtype)
+            residual, normed = self._add_rms_norm(residual, layer.o_proj(attended), layer.post_norm)
+            activated = self._silu_mul(layer.gate_up(normed))
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else None
+            if following is None:
+                residual = residual + layer.down(activated)
+            else:
+                residual, normed = self._add_rms_norm(residual, layer.down(activated), following)
+        selected = self._rms_norm(residual.index_select(0, logits_rows), self.norm)
+        if greedy and self.greedy_head is not None:
+            return self.greedy_head.argmax(selected)
+        logits = self.lm_head(selected)
+        return greedy_tokens(logits) if greedy else logits.float()

@@ -1,0 +1,336 @@
+"""The kiln artifact format: the single definition every package reads and writes through.
+
+An artifact is one directory named `<name>-<digest12>` holding:
+
+    manifest.json             what this is: digests, resolved recipe, source, scheme, tools,
+                              stage status and timings, targets, gate verdict, and the
+                              digests of engines built into it after publication
+    model/                    the quantised Hugging Face checkpoint (compressed-tensors or
+                              ModelOpt HF export) with its tokenizer
+    reports/quantization.json per-layer weight error, KL divergence and top-1 agreement
+
+The digest is the sha256 over the digests of every file but the manifest, so two artifacts
+with the same content have the same name. An artifact is assembled in a hidden temporary
+directory beside its final place and renamed into place only when complete.
+
+A published artifact's manifest is rewritten (a gate recorded, a manifest refreshed) only
+under its manifest lock, an exclusive flock on the artifact directory itself (no file is
+added to the artifact): `update_manifest` reads, changes and writes it under the lock, so
+two processes never lose each other's update. Each write goes through a temporary of its
+own (`.manifest.json.<pid>.<random>.tmp`) and one rename, so a reader sees the old manifest
+or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.formats.artifact.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    BuildRecord,
+    CalibrationRecord,
+    ExportRecord,
+    FileEntry,
+    GateRecord,
+    Manifest,
+    SchemeRecord,
+    SourceRecord,
+    SpeculativeRecord,
+    StageRecord,
+    TargetRecord,
+    TargetSpeculation,
+)
+
+__all__ = [
+    "ENGINES_DIR",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MANIFEST_TEMPORARIES",
+    "MODEL_DIR",
+    "QUANT_REPORT",
+    "READABLE_VERSIONS",
+    "REPORTS_DIR",
+    "BuildRecord",
+    "CalibrationRecord",
+    "ExportRecord",
+    "FileEntry",
+    "GateRecord",
+    "Manifest",
+    "SchemeRecord",
+    "SourceRecord",
+    "SpeculativeRecord",
+    "StageRecord",
+    "Staging",
+    "TargetRecord",
+    "TargetSpeculation",
+    "assemble",
+    "content_digest",
+    "engine_file",
+    "file_digests",
+    "json_dumps",
+    "load_manifest",
+    "manifest_lock",
+    "record_engines",
+    "sha256_file",
+    "update_manifest",
+    "verify",
+    "write_manifest",
+]
+
+MANIFEST = "manifest.json"
+MODEL_DIR = "model"
+ENGINES_DIR = "engines"
+REPORTS_DIR = "reports"
+QUANT_REPORT = f"{REPORTS_DIR}/quantization.json"
+# What a manifest rewrite leaves behind if killed mid-way (also the old fixed name).
+MANIFEST_TEMPORARIES = f".{MANIFEST}*.tmp"
+# A rewrite holds the lock for milliseconds; this long means the holder is stuck.
+MANIFEST_LOCK_WAIT_S = 30.0
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of one file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(root: Path) -> dict[str, FileEntry]:
+    """{relative path: (sha256, size)} for every file under root except the manifest."""
+    out: dict[str, FileEntry] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST:
+            continue
+        out[rel] = FileEntry(sha256_file(path), path.stat().st_size)
+    return out
+
+
+def engine_file(rel: str) -> bool:
+    """A file of a TensorRT-LLM engine directory, `engines/<target>/engine/...`: what a
+    builder's `build.sh` writes into the artifact after it was published."""
+    parts = rel.split("/")
+    return len(parts) > 3 and parts[0] == ENGINES_DIR and parts[2] == "engine"
+
+
+def content_digest(files: dict[str, FileEntry] | dict[str, str]) -> str:
+    """The artifact digest: sha256 over the sorted `sha256  path` lines of its files (given
+    as file entries, or as their sha256s)."""
+    sha256s = {rel: e if isinstance(e, str) else e.sha256 for rel, e in files.items()}
+    lines = "".join(f"{sha256s[rel]}  {rel}\n" for rel in sorted(sha256s))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read an artifact's manifest; raises ArtifactError naming the path when it cannot."""
+    root = Path(path)
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        raise ArtifactError(
+            f"{root}: not a kiln artifact (no {MANIFEST}); pass the directory that "
+            "`kiln compile` printed as `artifact`"
+        )
+    try:
+        data = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(
+            f"{manifest_path}: invalid JSON ({exc}); the artifact is damaged"
+        ) from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ArtifactError(
+            f"{manifest_path}: not a kiln manifest (format is "
+            f"{data.get('format') if isinstance(data, dict) else data!r}, expected {FORMAT!r})"
+        )
+    version = data.get("format_version", 0)
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ArtifactError(
+            f"{manifest_path}: format_version {version} is newer than this kiln reads "
+            f"({FORMAT_VERSION}); upgrade kiln"
+        )
+    if version not in READABLE_VERSIONS:
+        raise ArtifactError(
+            f"{manifest_path}: format_version {version!r} is not one this kiln reads "
+            f"({', '.join(map(str, READABLE_VERSIONS))}); recompile the artifact"
+        )
+    return Manifest.from_dict(data, str(manifest_path))
+
+
+def verify(path: str | Path, outside: Callable[[str], bool] | None = None) -> list[str]:
+    """Re-hash every file; return one line per problem (empty when the artifact is intact).
+    `outside` names files the manifest does not record and that are no problem."""
+    root = Path(path)
+    manifest = load_manifest(root)
+    problems: list[str] = []
+    recorded = {**manifest.files, **manifest.engines}
+    actual = file_digests(root)
+    if outside is not None:
+        actual = {rel: e for rel, e in actual.items() if rel in recorded or not outside(rel)}
+    for rel, want in sorted(recorded.items()):
+        got = actual.get(rel)
+        if got is None:
+            problems.append(f"{rel}: missing")
+        elif got.sha256 != want.sha256:
+            problems.append(f"{rel}: sha256 {got.sha256[:12]}… != recorded {want.sha256[:12]}…")
+    for rel in sorted(set(actual) - set(recorded)):
+        hint = " (an engine built later: `kiln inspect --record-engines` records it)"
+        problems.append(f"{rel}: not recorded in the manifest{hint if engine_file(rel) else ''}")
+    if not problems and content_digest(manifest.files) != manifest.digest:
+        problems.append("manifest digest does not match its file list")
+    return problems
+
+
+def json_dumps(data: Any) -> str:
+    """The one JSON style of every file kiln writes into an artifact: sorted, indented."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Write manifest.json atomically: a temporary of this writer's own, then one rename.
+    A published artifact's manifest is rewritten under `manifest_lock` (update_manifest)."""
+    tmp = root / f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        with os.fdopen(os.open(tmp, flags, 0o644), "w") as handle:
+            handle.write(json_dumps(manifest.to_dict()))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, root / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def manifest_lock(root: str | Path, wait_s: float = MANIFEST_LOCK_WAIT_S) -> Iterator[None]:
+    """Hold the artifact's manifest lock, waiting up to `wait_s` for another writer; then an
+    ArtifactError naming the artifact, and the manifest is left as it is."""
+    root = Path(root)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ArtifactError(
+            f"{root}: cannot lock the artifact to rewrite its manifest ({exc.strerror}); "
+            "pass the artifact directory that `kiln compile` printed"
+        ) from None
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ArtifactError(
+                        f"{root}: another kiln process has held the artifact's manifest lock "
+                        f"for {wait_s:g} s (a `kiln compile` recording its gate, or `kiln "
+                        "inspect --record-engines`); the manifest was left as it is: wait for "
+                        "that process to finish, then retry"
+                    ) from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def update_manifest(
+    root: str | Path, change: Callable[[Manifest], None], wait_s: float = MANIFEST_LOCK_WAIT_S
+) -> Manifest:
+    """Apply `change` to the manifest as it is on disk now and write it back, all under the
+    artifact's manifest lock: no concurrent writer's update is lost. Returns what was written."""
+    root = Path(root)
+    with manifest_lock(root, wait_s):
+        manifest = load_manifest(root)
+        change(manifest)
+        write_manifest(root, manifest)
+    return manifest
+
+
+def record_engines(root: str | Path) -> Manifest:
+    """Record the sha256 of every engine file built into the published artifact after
+    publication in its manifest's `engines` (under the manifest lock), so `verify` checks
+    them from then on; the artifact's digest, and so its name, stays what it was."""
+    root = Path(root)
+    files = load_manifest(root).files
+    # Engines run to gigabytes: hashed before the lock is taken, never while holding it.
+    found = {
+        path.relative_to(root).as_posix(): path
+        for path in sorted((root / ENGINES_DIR).glob("*/engine/**/*"))
+        if path.is_file() and not path.is_symlink()
+    }
+    engines = {
+        rel: FileEntry(sha256_file(path), path.stat().st_size)
+        for rel, path in found.items()
+        if rel not in files
+    }
+    return update_manifest(root, lambda manifest: setattr(manifest, "engines", engines))
+
+
+def _recorded_engines(root: Path) -> dict[str, FileEntry]:
+    try:
+        return load_manifest(root).engines
+    except ArtifactError:
+        return {}  # a damaged manifest: the refresh replaces it
+
+
+@dataclass
+class Staging:
+    """A directory being assembled (`dir`) and, once published, its final place (`path`)."""
+
+    dir: Path
+    path: Path | None = None
+
+
+@contextmanager
+def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> Iterator[Staging]:
+    """Yield a hidden staging directory; on success hash it and rename it into place.
+
+    The caller fills `staging.dir`; `manifest.digest`, `files` and `created_at` are set here
+    and `staging.path` receives the final directory. On any exception the staging directory
+    is removed, so nothing half-written is ever visible. `stamp=False` leaves `created_at`
+    empty: a nested artifact's manifest is one of its parent's files, and a time in it would
+    change the parent's digest on every rebuild.
+    """
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{manifest.name}-", suffix=".partial", dir=parent))
+    handle = Staging(dir=staging)
+    try:
+        yield handle
+        manifest.files = file_digests(staging)
+        manifest.digest = content_digest(manifest.files)
+        if stamp:
+            manifest.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write_manifest(staging, manifest)
+        final = parent / f"{manifest.name}-{manifest.digest[:12]}"
+        if final.exists():
+            # Same content already published: keep the existing directory, refresh its
+            # manifest, and keep the engines recorded on it since (they are still there).
+            with manifest_lock(final):
+                manifest.engines = _recorded_engines(final)
+                write_manifest(final, manifest)
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, final)
+        handle.path = final
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,0 +1,161 @@
+"""What a model is, read once from its Hugging Face config.json and never from its weights.
+
+One record serves the runtime's forward pass (runtime/engine/model.py) and the compiler's checks,
+planner and quantisers; GGUF metadata is mapped to the same config fields
+(compiler/sources/metadata.py), so a GGUF yields the same record as its checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.runtime.base.errors import ArtifactError
+
+# The families the runtime's forward pass runs, by Hugging Face model_type (which is also
+# llama.cpp's architecture name for these three) → the transformers class a config names. kiln
+# compiles exactly what its runtime runs: the gate evaluates an artifact through it.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
+SUPPORTED = f"kiln compiles and serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' own default where a config.json names no max_position_embeddings.
+DEFAULT_MAX_POSITIONS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A model's shapes and the settings its forward pass needs, from config.json."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_scaling: dict[str, Any] | None = None  # the scaling parameters, unless rope_type default
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)  # config.json as read
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the dense model: decoder layers, embedding, LM head unless tied."""
+        per_layer = sum(o * i for o, i in self.linear_shapes().values()) + self.hidden_size * 2
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + self.hidden_size
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of each decoder linear, by its HF module name."""
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (q_out, self.hidden_size),
+            "k_proj": (kv_out, self.hidden_size),
+            "v_proj": (kv_out, self.hidden_size),
+            "o_proj": (self.hidden_size, q_out),
+            "gate_proj": (self.intermediate_size, self.hidden_size),
+            "up_proj": (self.intermediate_size, self.hidden_size),
+            "down_proj": (self.hidden_size, self.intermediate_size),
+        }
+
+    def unsupported(self) -> list[str]:
+        """Why the runtime cannot run this model (so kiln cannot compile it); empty if it can."""
+        problems = []
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            problems.append(f"architecture {self.architecture} is not supported; {SUPPORTED}")
+        if self.hidden_act != "silu":
+            problems.append(
+                f"hidden_act {self.hidden_act!r} is not supported; the runtime has silu"
+            )
+        if self.rope_type not in ROPE_TYPES:
+            problems.append(
+                f"rope type {self.rope_type!r} is not supported; the runtime has "
+                f"{', '.join(ROPE_TYPES)}"
+            )
+        return problems
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelInfo:
+        """Parse a config.json dict (Llama, Mistral, Qwen2 field names).
+
+        Raises ValueError naming the field when one the shapes need is missing or unusable
+        (configs of other families name them differently: GPT-2's n_embd, n_layer).
+        """
+        arch = _architecture(config)
+        try:
+            return cls._parse(config, arch)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"no usable {exc} for architecture {arch}; {SUPPORTED}") from None
+
+    @classmethod
+    def for_runtime(cls, config: dict[str, Any], source: str) -> ModelInfo:
+        """config.json for the forward pass; ArtifactError naming `source` if it cannot run."""
+        try:
+            info = cls.from_hf_config(config)
+        except ValueError as exc:
+            raise ArtifactError(f"{source}: config.json has {exc}") from None
+        problems = info.unsupported()
+        if problems:
+            raise ArtifactError(f"{source}: {'; '.join(problems)}")
+        return info
+
+    @classmethod
+    def _parse(cls, config: dict[str, Any], arch: str) -> ModelInfo:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+        window = config.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+            window = None
+        eos = config.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab_size=int(config["vocab_size"]),
+            max_position_embeddings=int(
+                config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)
+            ),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            hidden_act=str(config.get("hidden_act", "silu")),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_type=rope_type,
+            rope_scaling=rope if rope_type != "default" else None,
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            sliding_window=int(window) if window else None,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            config=dict(config),
+        )
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    """The class a config names; from its model_type where it names none, as transformers does."""
+    if config.get("architectures"):
+        return str(config["architectures"][0])
+    if config.get("model_type"):
+        model_type = str(config["model_type"])
+        return ARCHITECTURES.get(model_type, f"{model_type} (model_type)")
+    return "<missing>"

@@ -1,0 +1,200 @@
+"""Linear layers: the weight encodings the compiler emits, decoded into one canonical form.
+
+`LinearWeights` is one projection's tensors decoded from disk (signed integer codes, per-row
+scales, optional zero points, or FP8 values, and an optional per-input-column pre-quant
+scale); `rows`/`columns` slice it, `concat` stacks projections that share an input;
+`dequantize` and `effective_weight` are the reference meaning of every encoding. The layers
+that run them without dequantising live in kernels.py, the unquantised layer in dense.py;
+the ones here are the generic fallback that dequantises on every call (used where no
+low-bit kernel fits, see kernels.py) and the wrappers that split or pre-scale a layer's
+input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationScheme:
+    """How a layer's input activations are quantised: int or float, per token or tensor."""
+
+    type: str = "int"
+    num_bits: int = 8
+    strategy: str = "token"
+    dynamic: bool = True
+    symmetric: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WeightScheme:
+    """How a layer's weight is stored: dense float, integer codes or FP8, at what granularity."""
+
+    type: str = "dense"
+    num_bits: int = 16
+    strategy: str = "tensor"
+    group_size: int | None = None
+    symmetric: bool = True
+    activations: ActivationScheme | None = None
+
+
+@dataclass(slots=True)
+class LinearWeights:
+    """One projection decoded from disk.
+
+    weight: dense float [N, K], signed int8 codes [N, K], or float8_e4m3fn [N, K].
+    scale: float32 [N, groups] (tensor and channel strategies are expanded to [N, 1]).
+    zero_point: int8 [N, groups] or None; g_idx: int [K] group of each input column or None.
+    input_scale: float32 () static activation scale, or None.
+    pre_quant_scale: float32 [K] multiplying the input before the layer (AWQ, SmoothQuant
+    checkpoints that keep it separate), or None: y = (x * pre_quant_scale) @ W^T.
+    """
+
+    scheme: WeightScheme
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    pre_quant_scale: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    def rows(self, index: torch.Tensor) -> LinearWeights:
+        """The output channels `index` (a tensor-parallel or per-head slice)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return replace(
+            self,
+            weight=self.weight[index],
+            scale=pick(self.scale),
+            zero_point=pick(self.zero_point),
+            bias=pick(self.bias),
+        )
+
+    def columns(self, start: int, end: int) -> LinearWeights:
+        """The input channels start:end; raises ValueError where that cuts a scale group."""
+        if self.g_idx is not None:
+            raise ValueError("act-order (g_idx) weights cannot be split by input channel")
+        scale, zero = self.scale, self.zero_point
+        if scale is not None and self.scheme.strategy == "group":
+            group = self.scheme.group_size or self.in_features // scale.shape[1]
+            if start % group or (end % group and end != self.in_features):
+                raise ValueError(
+                    f"input channels {start}:{end} cut a quantisation group of {group}"
+                )
+            first, last = start // group, -(-end // group)
+            scale = scale[:, first:last]
+            zero = None if zero is None else zero[:, first:last]
+        pqs = self.pre_quant_scale
+        return replace(
+            self,
+            weight=self.weight[:, start:end],
+            scale=scale,
+            zero_point=zero,
+            pre_quant_scale=None if pqs is None else pqs[start:end],
+        )
+
+
+def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A stored weight scale (per tensor, per row, or per row and group) as float32
+    [rows, groups], the `LinearWeights` convention."""
+    scale = scale.to(torch.float32)
+    scale = scale.reshape(rows, -1) if scale.numel() >= rows else scale.reshape(1, 1)
+    return scale.expand(rows, -1).contiguous()
+
+
+def concat(parts: list[LinearWeights]) -> LinearWeights | None:
+    """Stack projections that share an input (q/k/v, gate/up) into one, when exact."""
+    first = parts[0]
+    same = all(
+        p.scheme == first.scheme
+        and p.g_idx is None
+        and (p.scale is None) == (first.scale is None)
+        and (p.zero_point is None) == (first.zero_point is None)
+        and _same_optional(p.input_scale, first.input_scale)
+        and _same_optional(p.pre_quant_scale, first.pre_quant_scale)
+        for p in parts
+    )
+    if not same:
+        return None
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat(
+            [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+        )
+    return replace(
+        first,
+        weight=torch.cat([p.weight for p in parts]),
+        scale=_cat_optional([p.scale for p in parts]),
+        zero_point=_cat_optional([p.zero_point for p in parts]),
+        bias=bias,
+    )
+
+
+def _cat_optional(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = [t for t in tensors if t is not None]
+    return torch.cat(present) if present else None
+
+
+def _same_optional(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def dequantize(w: LinearWeights, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [N, K] an encoding stores: (code - zero) * scale (the input's
+    pre-quant scale, if any, is not folded in: see `effective_weight`)."""
+    if w.scale is None:
+        return w.weight.to(dtype)
+    codes = w.weight.to(torch.float32)
+    groups = w.scale.shape[1]
+    if w.g_idx is not None:
+        index = w.g_idx.long()
+    else:
+        # compressed-tensors rounds the group count up: when in_features is not a multiple of
+        # group_size (SmolLM2's 576 at group 128) the last group is narrower.
+        size = w.scheme.group_size or w.in_features // groups
+        index = torch.arange(w.in_features, device=codes.device) // size
+    if w.zero_point is not None:
+        codes = codes - w.zero_point.to(torch.float32)[:, index]
+    return (codes * w.scale.to(torch.float32)[:, index]).to(dtype)
+
+
+def effective_weight(w: LinearWeights, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [N, K] the layer computes with: dequantised, pre-quant scale folded
+    into its input columns (y = x @ W^T)."""
+    weight = dequantize(w, torch.float32)
+    if w.pre_quant_scale is not None:
+        weight = weight * w.pre_quant_scale.to(torch.float32)[None, :]
+    return weight.to(dtype)
+
+
+def weights_to(w: LinearWeights, device: torch.device) -> LinearWeights:
+    """The same encoding with every tensor on `device`."""
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return replace(
+        w,
+        weight=w.weight.to(device),
+        scale=move(w.scale),
+        zero_point=move(w.zero_point),
+        g_idx=move(w.g_idx),
+        input_scale=move(w.input_scale),
+        bias=move(w.bias),
+        pre_quant_scale=move(w.pre_quant_scale),
+    )

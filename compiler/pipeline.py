@@ -224,8 +224,9 @@ def _report(
     key = input_key("report", build.quant_key, calib_inputs, calibration_inputs(spec, True))
 
     def run_report(out: Path) -> dict[str, Any]:
-        from kiln.quant.layer_report import quantization_report
         from transformers import AutoTokenizer
+
+        from kiln.quant.layer_report import quantization_report
 
         if job.imported is not None:
             reason = "imported pre-quantised checkpoint: there is no float model to compare with"

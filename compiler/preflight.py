@@ -17,7 +17,8 @@ from kiln.compiler.draft.speculation import SpeculativePlan, check_speculative
 from kiln.compiler.recipe.schema import Recipe, load_recipe
 from kiln.compiler.stages import output_problem
 from kiln.compiler.trtllm.capacity import Plan, plan
-from kiln.compiler.trtllm.targets import PROFILES, check_target
+from kiln.compiler.trtllm.rules.support import check_target
+from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant import calibration, schemes
 from kiln.quant.memory import estimate_calibration_bytes
 from kiln.quant.prequantized import convert as prequantized

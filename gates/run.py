@@ -26,13 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.gates.decide.compare import Comparisons, compare_results
 from kiln.gates.decide.rules import GatePolicy
 from kiln.gates.decide.verdict import (
     GateVerdict,
-    PerplexityComparison,
-    TaskComparison,
     build_verdict,
-    compare_task,
 )
 from kiln.gates.measure.divergence import DivergenceSummary, kl_topk, summarize
 from kiln.gates.measure.divergence_texts import divergence_ids, divergence_texts, resolve_path
@@ -44,12 +42,12 @@ from kiln.gates.measure.eval_cache import (
     files_digest,
 )
 from kiln.gates.measure.noise_floor import NoiseFloor, control_dtype, describe_control
-from kiln.gates.measure.shadow import ShadowReport, compare_pair, summarize_pairs
+from kiln.gates.measure.shadow import compare_pair, summarize_pairs
 from kiln.gates.measure.shadow_step import Progress, ShadowSetup, shadow_step
 from kiln.gates.measure.sides import SideSpec, check_distinct, resolve_side
 from kiln.gates.measure.tasks import BUILTIN_TASKS_DIR, TaskResult
 from kiln.gates.releases import Registry
-from kiln.gates.report.markdown import write_reports
+from kiln.gates.report import write_reports
 from kiln.gates.settings import GatesSection
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.versions import GATE_TOOLS, versions
@@ -116,7 +114,9 @@ def _run_lm(
         )
     topk = ids = None
     if gates.divergence.enabled and texts:
-        ids = divergence_ids(texts, lm.tok_encode, gates)
+        ids = divergence_ids(
+            texts, lm.tok_encode, gates.divergence.tokens, gates.divergence.max_seq_len
+        )
         topk = topk_fn(ids, gates.divergence.top_k)
     return _SideEval(results, topk, ids)
 
@@ -197,23 +197,6 @@ def _evaluate_baseline(
     return found["baseline"], control_eval
 
 
-def compare_results(
-    base: dict[str, TaskResult], cand: dict[str, TaskResult], policy: GatePolicy
-) -> tuple[list[TaskComparison], list[PerplexityComparison]]:
-    """Per task: a paired comparison of per-item scores, or a perplexity ratio."""
-    tasks, ppl = [], []
-    for name, c in cand.items():
-        b = base[name]
-        if c.is_perplexity:
-            ppl.append(PerplexityComparison(name, c.metric, b.value, c.value))
-            continue
-        binary = all(v in (0.0, 1.0) for v in (*b.per_item.values(), *c.per_item.values()))
-        tasks.append(
-            compare_task(name, c.metric, b.per_item, c.per_item, policy, c.higher_is_better, binary)
-        )
-    return tasks, ppl
-
-
 def run_gate(
     candidate: str,
     baseline: str,
@@ -256,13 +239,14 @@ def run_gate(
             "the gate has nothing to measure: gates.tasks is empty, gates.divergence is off "
             "and no traffic was given; set one of them"
         )
-    tasks: list[TaskComparison] = []
-    ppl: list[PerplexityComparison] = []
-    divergence: DivergenceSummary | None = None
-    noise_floor: NoiseFloor | None = None
+    compared = Comparisons()
     cand_engine = base_engine = None
     if model_sides and (gates.tasks or gates.divergence.enabled):
-        texts = divergence_texts(gates, base_dir) if gates.divergence.enabled else []
+        texts = (
+            divergence_texts(gates.divergence.texts, gates.divergence.num_texts, base_dir)
+            if gates.divergence.enabled
+            else []
+        )
         say(f"candidate: {', '.join(gates.tasks) or 'no tasks'} through the runtime")
         c_eval, max_length = _evaluate_side(cand, gates, texts, None, base_dir)
         cand_engine = c_eval.engine
@@ -273,17 +257,16 @@ def run_gate(
             base, gates, texts, max_length, base_dir, say, control
         )
         base_engine = b_eval.engine
-        tasks, ppl = compare_results(b_eval.results, c_eval.results, policy)
-        divergence = _divergence(b_eval, c_eval, gates, notes)
+        compared = compare_results(b_eval.results, c_eval.results, policy)
+        compared.divergence = _divergence(b_eval, c_eval, gates, notes)
         if ctrl_eval is not None and control is not None:
-            noise_floor = _noise_floor(b_eval, ctrl_eval, control, gates, policy)
+            compared.noise_floor = _noise_floor(b_eval, ctrl_eval, control, gates, policy)
         elif gates.noise_floor != "off":
             notes.append(
                 f"no noise floor: the baseline is {base.kind}, not a float model source whose "
                 "weights a control could serve"
             )
         gc.collect()
-    shadow: ShadowReport | None = None
     if records and traffic_path is not None:
         # Cached baseline timings were measured under another moment's load: a gated timing
         # ratio replays the baseline again.
@@ -294,13 +277,11 @@ def run_gate(
             gates.shadow.settings(),
             EvaluationCache() if gates.baseline_cache else None,
             {"shadow-baseline"} if timed is not None else set(),
+            gates.shadow.timeout_s,
+            gates.noise_floor != "off",
         )
-        shadow = shadow_step(cand, base, (cand_engine, base_engine), gates, setup, notes, say)
-    return _decide(
-        cand, base, policy, out_dir, registry, notes, began,
-        tasks=tasks, perplexity=ppl, divergence=divergence, shadow=shadow,
-        noise_floor=noise_floor,
-    )  # fmt: skip
+        compared.shadow = shadow_step(cand, base, (cand_engine, base_engine), setup, notes, say)
+    return _finish(cand, base, policy, compared, out_dir, registry, notes, began)
 
 
 def _divergence(
@@ -330,7 +311,8 @@ def _noise_floor(
     base: _SideEval, control: _SideEval, dtype: str, gates: GatesSection, policy: GatePolicy
 ) -> NoiseFloor:
     """The control's comparison with the baseline, as the verdict reports it."""
-    tasks, ppl = compare_results(base.results, control.results, policy)
+    compared = compare_results(base.results, control.results, policy)
+    tasks, ppl = compared.tasks, compared.perplexity
     return NoiseFloor(
         control=describe_control(dtype),
         dtype=dtype,
@@ -376,7 +358,8 @@ def gate_mirror_log(
         "settings; the primary's latency was measured under live load"
     ]
     policy = gates.policy(cand.weight_bits)
-    return _decide(cand, base, policy, out_dir, registry, notes, began, shadow=shadow)
+    compared = Comparisons(shadow=shadow)
+    return _finish(cand, base, policy, compared, out_dir, registry, notes, began)
 
 
 def _check_mirrored(log: str | Path, entry: MirrorEntry, cand: SideSpec, base: SideSpec) -> None:
@@ -392,34 +375,25 @@ def _check_mirrored(log: str | Path, entry: MirrorEntry, cand: SideSpec, base: S
             )
 
 
-def _decide(
+def _finish(
     cand: SideSpec,
     base: SideSpec,
     policy: GatePolicy,
+    compared: Comparisons,
     out_dir: str | Path,
     registry: Registry | None,
     notes: list[str],
     began: float,
-    *,
-    tasks: list[TaskComparison] | None = None,
-    perplexity: list[PerplexityComparison] | None = None,
-    divergence: DivergenceSummary | None = None,
-    shadow: ShadowReport | None = None,
-    noise_floor: NoiseFloor | None = None,
 ) -> GateOutcome:
-    """The verdict on what was measured, its reports and its registry record."""
+    """The verdict on what was compared, its reports and its registry record."""
     verdict = build_verdict(
         cand.to_dict(),
         base.to_dict(),
         policy,
-        tasks,
-        perplexity,
-        divergence,
-        shadow,
+        compared,
         tools=versions(GATE_TOOLS, python=True),
         notes=notes,
         seconds=round(time.perf_counter() - began, 3),
-        noise_floor=noise_floor,
     )
     reports = write_reports(verdict, out_dir)
     run_id = None

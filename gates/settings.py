@@ -40,9 +40,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from kiln.gates.decide.rules import GatePolicy, default_policy
-from kiln.gates.measure.replay import ReplaySettings
-from kiln.runtime.base.errors import UsageError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -51,6 +48,10 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+
+from kiln.gates.decide.rules import GatePolicy, default_policy
+from kiln.gates.measure.replay import ReplaySettings
+from kiln.runtime.base.errors import UsageError
 
 DEFAULT_TASKS = ["kiln_ppl", "kiln_cloze", "kiln_next_word"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from kiln.quant.schemes import Problem
+from kiln.quant.registry import Problem
 from kiln.quant.spec import CalibrationSpec
 from kiln.runtime.base.errors import CalibrationDataError
 from kiln.runtime.base.jsonlines import json_objects

@@ -143,8 +143,9 @@ def quantization_report(
     float_dir: Path, quant_dir: Path, texts: list[str], max_seq_len: int = 256
 ) -> dict[str, Any]:
     """Per-layer weight error and next-token KL, top-1 agreement and perplexity on `texts`."""
-    from kiln.quant.calibration import tokenize
     from transformers import AutoTokenizer
+
+    from kiln.quant.calibration import tokenize
 
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
     float_model = _load_float(float_dir)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kiln.quant.backends import BACKENDS
 from kiln.quant.registry import (
     ACTIVATIONS,
     GROUP_SIZES,
@@ -86,8 +87,6 @@ def _spec_problems(spec: QuantSpec) -> tuple[SchemeDef | None, list[Problem]]:
 
 
 def _backend_problems(spec: QuantSpec, scheme: SchemeDef) -> list[Problem]:
-    from kiln.quant.backends import BACKENDS  # registry; imports no heavy library
-
     backend = BACKENDS.get(spec.backend)
     if backend is None:
         return [

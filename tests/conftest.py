@@ -66,6 +66,7 @@ def smollm2_float(tmp_path_factory: pytest.TempPathFactory) -> Path:
     the suite, whatever its number of workers (its Q4_1 GGUF dequantised through transformers:
     ~50 s on a 2-core EPYC)."""
     from filelock import FileLock
+
     from kiln.compiler import sources
 
     # One copy for all of a run's workers: they share their base temporary folder's parent.

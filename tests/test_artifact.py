@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats import artifact
 

@@ -1,19 +1,21 @@
 """`kiln bench URL`: load an OpenAI-compatible server and report latency and throughput.
 
-The compiler's CLI mounts `COMMANDS`. Exit codes: 0 done (failed requests are counted in the
+Exit codes: 0 done (failed requests are counted in the
 report, not fatal), 2 usage error (bad options, or no server at URL), 3 every request failed.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
-from kiln.compiler.cli.exits import handle_errors
 from rich.console import Console, Group
 from rich.table import Table
+
+from kiln.compiler.cli.exits import handle_errors
 
 if TYPE_CHECKING:
     from kiln.runtime.client.bench import BenchReport, Distribution
@@ -56,63 +58,76 @@ if TYPE_CHECKING:
 @click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token [$KILN_API_KEY].")
 @click.option("--json", "json_file", type=click.Path(path_type=Path), help="Write the report.")
 @handle_errors
-def bench(
-    url: str,
-    model: str | None,
-    prompts_file: Path | None,
-    input_len: int,
-    output_len: int | None,
-    tokenizer_dir: Path | None,
-    chat: bool,
-    num_requests: int | None,
-    concurrency: int | None,
-    request_rate: float,
-    ignore_eos: bool,
-    slo: str,
-    seed: int,
-    timeout_s: float,
-    api_key: str | None,
-    json_file: Path | None,
-) -> None:
+def bench(**given: Any) -> None:
     """Benchmark the OpenAI-compatible server at URL (kiln, vLLM, llama-server, trtllm-serve)."""
+    run_bench_command(BenchOptions(**given))
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """`kiln bench`'s command line, as click parsed it."""
+
+    url: str
+    model: str | None
+    prompts_file: Path | None
+    input_len: int
+    output_len: int | None
+    tokenizer_dir: Path | None
+    chat: bool
+    num_requests: int | None
+    concurrency: int | None
+    request_rate: float
+    ignore_eos: bool
+    slo: str
+    seed: int
+    timeout_s: float
+    api_key: str | None
+    json_file: Path | None
+
+
+def run_bench_command(opts: BenchOptions) -> None:
+    """Build the requests, send them, print the report (and write it with --json)."""
     from kiln.runtime.base.errors import StageFailure, UsageError
     from kiln.runtime.client import bench as b
 
-    limits = b.parse_slo(slo)
-    if num_requests is not None and num_requests < 1:
-        raise UsageError(f"--num-requests {num_requests}: must be at least 1")
-    if prompts_file is not None:
+    limits = b.parse_slo(opts.slo)
+    if opts.num_requests is not None and opts.num_requests < 1:
+        raise UsageError(f"--num-requests {opts.num_requests}: must be at least 1")
+    if opts.prompts_file is not None:
         requests = b.file_requests(
-            prompts_file, output_len=output_len, chat=chat, ignore_eos=ignore_eos
+            opts.prompts_file,
+            output_len=opts.output_len,
+            chat=opts.chat,
+            ignore_eos=opts.ignore_eos,
         )
     else:
         requests = b.synthetic_requests(
-            num_requests or 64,
-            input_len,
-            output_len or 128,
-            tokenizer_dir=tokenizer_dir,
-            chat=chat,
-            ignore_eos=ignore_eos,
-            seed=seed,
+            opts.num_requests or 64,
+            opts.input_len,
+            opts.output_len or 128,
+            tokenizer_dir=opts.tokenizer_dir,
+            chat=opts.chat,
+            ignore_eos=opts.ignore_eos,
+            seed=opts.seed,
         )
-    requests = b.repeat_to(requests, num_requests or len(requests))
+    requests = b.repeat_to(requests, opts.num_requests or len(requests))
     report = b.run_bench(
-        url,
+        opts.url,
         requests,
-        model=model,
-        concurrency=concurrency,
-        request_rate=request_rate,
+        model=opts.model,
+        concurrency=opts.concurrency,
+        request_rate=opts.request_rate,
         slo=limits,
-        seed=seed,
-        timeout_s=timeout_s,
-        api_key=api_key,
+        seed=opts.seed,
+        timeout_s=opts.timeout_s,
+        api_key=opts.api_key,
     )
     Console(highlight=False).print(report_table(report))
-    if json_file is not None:
-        b.write_json(report, json_file)
+    if opts.json_file is not None:
+        b.write_json(report, opts.json_file)
     if report.completed == 0:
         first = next(iter(report.errors), "no answer")
-        raise StageFailure(f"{url}: all {report.num_requests} requests failed; first: {first}")
+        raise StageFailure(f"{opts.url}: all {report.num_requests} requests failed; first: {first}")
 
 
 def report_table(report: BenchReport) -> Group:
@@ -157,6 +172,3 @@ def report_table(report: BenchReport) -> Group:
     for name, value in totals:
         summary.add_row(name, value)
     return Group(table, summary)
-
-
-COMMANDS = [bench]

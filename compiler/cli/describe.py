@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.runtime.formats.artifact import QUANT_REPORT, Manifest, SpeculativeRecord
 from rich.console import Console
 from rich.table import Table
+
+from kiln.runtime.formats.artifact import QUANT_REPORT, Manifest, SpeculativeRecord
 
 MIB = 1 << 20
 

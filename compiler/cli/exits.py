@@ -14,6 +14,7 @@ from functools import wraps
 from typing import Any, TypeVar
 
 import click
+
 from kiln.runtime.base.errors import KilnError
 
 F = TypeVar("F", bound=Callable[..., Any])

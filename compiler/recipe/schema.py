@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
 from kiln.compiler.recipe.reader import Key, Origins, read_yaml
 from kiln.compiler.trtllm.capacity import DeploySpec
 from kiln.gates.settings import GatesSection
@@ -30,15 +40,6 @@ from kiln.quant.registry import (
 )
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import RecipeError
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):

@@ -30,7 +30,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kiln.compiler.trtllm.targets import TargetProfile, check_algos, describe, quant_algo
+from kiln.compiler.trtllm.rules.support import check_algos, describe, quant_algo
+from kiln.compiler.trtllm.targets import TargetProfile
 from kiln.quant.selection import is_ignored
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import UsageError

@@ -44,8 +44,9 @@ from kiln.compiler.trtllm.rules.conformance import (
     pytorch_problem,
 )
 from kiln.compiler.trtllm.rules.pytorch import HF_ALGOS, check_hf_checkpoint
+from kiln.compiler.trtllm.rules.support import check_target
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
-from kiln.compiler.trtllm.targets import PROFILES, check_target
+from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import KilnError, StageFailure
 from kiln.runtime.formats.artifact import (

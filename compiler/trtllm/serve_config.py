@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan
-from kiln.compiler.trtllm.targets import check_algos, get_profile
+from kiln.compiler.trtllm.rules.support import check_algos
+from kiln.compiler.trtllm.targets import get_profile
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import PreflightError
 

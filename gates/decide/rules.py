@@ -144,27 +144,22 @@ def recovery_of(baseline: float, candidate: float, higher_is_better: bool = True
 def decide(
     baseline: Sequence[float],
     candidate: Sequence[float],
+    policy: GatePolicy,
     *,
-    rule: str = "recovery_or_noninferior",
-    recovery_threshold: float = 0.99,
-    margin: float = 0.02,
-    confidence: float = 0.95,
     paired: bool = True,
     higher_is_better: bool = True,
-    inconclusive: str = "pass",
-    power: float = DEFAULT_POWER,
     task: str = "task",
 ) -> Decision:
-    """Apply a decision rule to per-item scores of both sides (see the module docstring)."""
+    """Apply the policy's decision rule to per-item scores of both sides (see the module
+    docstring): its rule, recovery threshold, margin, confidence, inconclusive and power."""
+    rule, recovery_threshold = policy.rule, policy.recovery_min
+    margin, confidence = policy.margin, policy.confidence
     if rule not in DECISION_RULES:
         raise ValueError(f"decision rule {rule!r} is not one of {', '.join(DECISION_RULES)}")
     if not 0.5 <= confidence < 1:
         raise ValueError(f"confidence {confidence} must be in [0.5, 1)")
     if rule == "mcnemar":
-        return _decide_mcnemar(
-            baseline, candidate, recovery_threshold, margin, confidence, paired,
-            higher_is_better, inconclusive, power, task,
-        )  # fmt: skip
+        return _decide_mcnemar(baseline, candidate, policy, paired, higher_is_better, task)
     base, cand = score_stats(baseline), score_stats(candidate)
     sign = 1.0 if higher_is_better else -1.0
     paired = paired and len(baseline) == len(candidate) and len(baseline) > 0
@@ -207,16 +202,14 @@ def decide(
 def _decide_mcnemar(
     baseline: Sequence[float],
     candidate: Sequence[float],
-    recovery_threshold: float,
-    margin: float,
-    confidence: float,
+    policy: GatePolicy,
     paired: bool,
     higher_is_better: bool,
-    inconclusive: str,
-    power: float,
     task: str,
 ) -> Decision:
     """The three-outcome rule: exact McNemar for 0/1 scores, paired normal bounds otherwise."""
+    margin, confidence, power = policy.margin, policy.confidence, policy.power
+    inconclusive = policy.inconclusive
     if inconclusive not in ("pass", "fail"):
         raise ValueError(f"inconclusive must be 'pass' or 'fail', not {inconclusive!r}")
     sign = 1.0 if higher_is_better else -1.0
@@ -249,7 +242,7 @@ def _decide_mcnemar(
         rule="mcnemar",
         passed=outcome == "pass" or (outcome == "inconclusive" and inconclusive == "pass"),
         recovery=recovery_of(stats[0].mean, stats[1].mean, higher_is_better),
-        recovery_threshold=recovery_threshold,
+        recovery_threshold=policy.recovery_min,
         diff=-bounds.loss,
         diff_stderr=se,
         paired=paired,
@@ -266,32 +259,6 @@ def _decide_mcnemar(
         min_detectable_loss=bounds.min_detectable_loss,
         power=power,
     )
-
-
-NO_THRESHOLD = "reported only (no threshold set)"  # the detail of a check that is not gated
-
-
-@dataclass(slots=True)
-class Check:
-    """One thresholded check of the verdict: `value op threshold` and whether it held."""
-
-    name: str
-    value: float | None
-    threshold: float | None
-    op: str  # ">=", "<=", "rule" (a decision rule: see `detail`)
-    passed: bool
-    detail: str = ""
-    outcome: str = ""  # a rule's "pass", "fail" or "inconclusive"; else pass/fail of `passed`
-
-
-def threshold_check(name: str, value: float | None, op: str, threshold: float | None) -> Check:
-    """`value op threshold`; a missing value fails, a missing threshold is report-only."""
-    if threshold is None:
-        return Check(name, value, None, op, True, NO_THRESHOLD)
-    if value is None or math.isnan(value):
-        return Check(name, value, threshold, op, False, "no value was measured")
-    passed = value >= threshold if op == ">=" else value <= threshold
-    return Check(name, value, threshold, op, passed)
 
 
 @dataclass(slots=True)

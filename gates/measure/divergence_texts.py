@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln.gates.measure.tasks import BUILTIN_TASKS_DIR
-from kiln.gates.settings import GatesSection
 from kiln.runtime.base.errors import UsageError
 
 
@@ -42,30 +41,30 @@ def _read_texts(path: Path) -> list[str]:
     return texts
 
 
-def divergence_texts(gates: GatesSection, base_dir: Path) -> list[str]:
-    """Held-out texts for next-token KL, in order (at most `num_texts` when set)."""
-    given = resolve_path(gates.divergence.texts, base_dir)
+def divergence_texts(texts_file: str | None, num_texts: int | None, base_dir: Path) -> list[str]:
+    """Held-out texts for next-token KL, in order: `texts_file` (gates.divergence.texts,
+    relative to `base_dir`) or the built-in ones; at most `num_texts` when set."""
+    given = resolve_path(texts_file, base_dir)
     paths = [given] if given else [BUILTIN_TASKS_DIR / name for name in BUILTIN_DIVERGENCE_TEXTS]
     texts = []
     for path in paths:
         if not path.is_file():
             raise UsageError(f"gates.divergence.texts: {path} not found")
         texts += _read_texts(path)
-    return texts[: gates.divergence.num_texts]
+    return texts[:num_texts]
 
 
 def divergence_ids(
-    texts: list[str], encode: Callable[[str], list[int]], gates: GatesSection
+    texts: list[str], encode: Callable[[str], list[int]], tokens: int, max_seq_len: int
 ) -> list[list[int]]:
-    """Token ids of the texts KL is measured on: each cut to max_seq_len, taken in order
+    """Token ids of the texts KL is measured on: each cut to `max_seq_len`, taken in order
     until `tokens` next-token positions are scored (a text of n tokens scores n - 1)."""
-    section = gates.divergence
     chosen: list[list[int]] = []
     scored = 0
     for text in texts:
-        if scored >= section.tokens:
+        if scored >= tokens:
             break
-        ids = encode(text)[: section.max_seq_len]
+        ids = encode(text)[:max_seq_len]
         if len(ids) > 1:
             chosen.append(ids)
             scored += len(ids) - 1

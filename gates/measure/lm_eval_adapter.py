@@ -30,10 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.base.errors import UsageError
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from kiln.runtime.base.errors import UsageError
 
 DEFAULT_MAX_LENGTH = 2048
 
@@ -55,6 +56,7 @@ class KilnLM(TemplateLM):
         super().__init__()
         if engine is None:
             import torch
+
             from kiln.runtime import Engine
 
             # lm-eval's CLI passes device="cuda" by default; without a GPU run on the CPU.
@@ -278,8 +280,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     import sys
     import tempfile
 
-    from kiln.gates.measure.tasks import prepare_task_dir
     from lm_eval.__main__ import cli_evaluate
+
+    from kiln.gates.measure.tasks import prepare_task_dir
 
     args = list(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="kiln-tasks-") as tmp:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-from kiln.gates.decide.rules import Check, GatePolicy, threshold_check
+
 from kiln.runtime.formats.answer import SideAnswer
 from kiln.runtime.formats.traffic import TrafficRecord
 
@@ -221,68 +221,3 @@ def summarize_pairs(
         settings=dict(settings or {}),
         worst=least_alike[:worst],
     )
-
-
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
-
-
-def exact_match_check(report: ShadowReport, minimum: float | None) -> Check:
-    """Exact match against its threshold, beside the control's. Greedy decoding turns a
-    rounding difference into a different answer from that token on: where the lossless
-    control itself falls below the threshold, no candidate can be expected to meet it, so
-    the check is reported, not gated (like flips, which the paired task rule accounts for)."""
-    name, rate, control = (
-        "shadow: exact match",
-        report.exact_match_rate,
-        report.control_exact_match_rate,
-    )
-    if control is None:
-        return threshold_check(name, rate, ">=", minimum)
-    floor = f"control ({report.control}) {control:.1%}"
-    if minimum is not None and control < minimum:
-        return Check(
-            name, rate, None, ">=", True,
-            f"{floor} < {minimum:.0%}: greedy answers diverge on rounding alone on this "
-            "traffic, so exact match is reported, not gated",
-        )  # fmt: skip
-    check = threshold_check(name, rate, ">=", minimum)
-    check.detail = f"{floor}; {check.detail}" if check.detail else floor
-    return check
-
-
-def shadow_checks(report: ShadowReport, policy: GatePolicy) -> list[Check]:
-    """The shadow thresholds of a policy applied to a shadow comparison's report."""
-    deviation = abs(report.length_ratio - 1.0)
-    format_increase = report.candidate_format_error_rate - report.baseline_format_error_rate
-    base_lat, cand_lat = report.baseline_latency, report.candidate_latency
-    return [
-        exact_match_check(report, policy.shadow_exact_match_min),
-        threshold_check(
-            "shadow: format errors (candidate - baseline)",
-            format_increase,
-            "<=",
-            policy.shadow_format_error_increase_max,
-        ),
-        threshold_check(
-            "shadow: candidate error rate",
-            report.candidate_error_rate,
-            "<=",
-            policy.shadow_error_rate_max,
-        ),
-        threshold_check(
-            "shadow: |length ratio - 1|", deviation, "<=", policy.shadow_length_ratio_deviation_max
-        ),
-        threshold_check(
-            "shadow: TTFT p50 ratio",
-            _ratio(cand_lat.ttft_p50, base_lat.ttft_p50),
-            "<=",
-            policy.shadow_ttft_p50_ratio_max,
-        ),
-        threshold_check(
-            "shadow: TPOT p50 ratio",
-            _ratio(cand_lat.tpot_p50, base_lat.tpot_p50),
-            "<=",
-            policy.shadow_tpot_p50_ratio_max,
-        ),
-    ]

@@ -19,7 +19,6 @@ from kiln.gates.measure.replay import ReplaySettings, Side, replay
 from kiln.gates.measure.replay_cache import CachedSide, replay_key
 from kiln.gates.measure.shadow import ShadowReport
 from kiln.gates.measure.sides import EngineSide, HttpSide, SideSpec
-from kiln.gates.settings import GatesSection
 from kiln.runtime.formats.traffic import TrafficRecord
 
 Progress = Callable[[str], None]
@@ -39,6 +38,7 @@ def _served_dtype(side: SideSpec, engine: Any) -> str:
     if engine is not None:
         return engine_dtype(engine)
     import torch
+
     from kiln.runtime.engine.dtype import choose_dtype
     from kiln.runtime.formats.artifact import MODEL_DIR
     from kiln.runtime.formats.checkpoint.files import read_config
@@ -65,13 +65,14 @@ class ShadowSetup:
     settings: ReplaySettings
     cache: EvaluationCache | None
     fresh: set[str]  # roles whose cached answers are not used (replayed again)
+    timeout_s: float  # per request, each side
+    control: bool  # whether a model baseline is replayed against its control too
 
 
 def shadow_step(
     cand: SideSpec,
     base: SideSpec,
     engines: tuple[Any, Any],
-    gates: GatesSection,
     setup: ShadowSetup,
     notes: list[str],
     say: Progress,
@@ -81,7 +82,7 @@ def shadow_step(
     precision (float32 if it serves in 16 bits, else bfloat16), the shadow noise floor.
     The baseline's and the control's answers come from the cache where it holds them."""
     cand_engine, base_engine = engines
-    timeout = gates.shadow.timeout_s
+    timeout = setup.timeout_s
     base_side: Side
     served = ""
     if base.kind == "http":
@@ -102,7 +103,7 @@ def shadow_step(
     )
     if not isinstance(base_side, CachedSide):
         return shadow
-    if gates.noise_floor != "off":
+    if setup.control:
         dtype = "bfloat16" if served == "float32" else "float32"
         control = _model_side(
             base, "shadow-control", dtype, lambda: EngineSide.load(base, dtype=dtype), setup

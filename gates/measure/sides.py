@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.client.http import OpenAIClient
 from kiln.runtime.engine.answer import answer_alone

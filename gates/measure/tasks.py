@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kiln.runtime.base.errors import UsageError
 
 PLACEHOLDER = "${KILN_TASKS_DIR}"

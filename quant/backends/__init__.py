@@ -1,86 +1,10 @@
-"""Quantisation backends: what each can produce, and the function that produces it.
-
-A backend registers itself with `@register_backend(...)` on the function that quantises a
-loaded model and saves it, `run(job: QuantJob)`; the declared capabilities are what
-`quant.schemes.check` reads, so a refused combination names what the backend can do.
-Backends import their library inside the run function: importing this package stays cheap.
+"""Quantisation backends, one module each (llm-compressor, ModelOpt), registered in
+`BACKENDS` on import (base.py declares what a backend is). Backends import their library
+inside the run function: importing this package stays cheap.
 """
 
-from __future__ import annotations
+import kiln.quant.backends.llmcompressor
+import kiln.quant.backends.modelopt  # noqa: F401
+from kiln.quant.backends.base import BACKENDS, Backend, QuantJob
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kiln.quant.spec import QuantSpec, Scheme
-
-
-@dataclass(frozen=True)
-class QuantJob:
-    """What a backend's run function quantises (in place) and where it saves the result."""
-
-    model: Any  # a transformers causal LM, loaded in its calibration dtype
-    tokenizer: Any
-    scheme: Scheme
-    spec: QuantSpec
-    samples: list[list[int]]  # token-id lists, already cut to max_seq_len
-    out_dir: Path
-    progress: Callable[[str], None]
-
-
-RunFn = Callable[[QuantJob], None]
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A registered backend and the schemes, activation and KV cache modes it supports."""
-
-    name: str
-    format: str  # the checkpoint format it writes
-    schemes: frozenset[str]
-    activations: frozenset[str]
-    kv_cache: frozenset[str]
-    asymmetric: frozenset[str]  # schemes it can do with zero points
-    per_channel: frozenset[str]  # grouped schemes it can also do with group_size null
-    packages: tuple[str, ...]  # distributions whose versions the manifest records
-    run: RunFn
-
-
-BACKENDS: dict[str, Backend] = {}
-
-
-def register_backend(
-    name: str,
-    *,
-    format: str,
-    schemes: set[str],
-    activations: set[str],
-    kv_cache: set[str],
-    asymmetric: set[str] = frozenset(),  # type: ignore[assignment]
-    per_channel: set[str] = frozenset(),  # type: ignore[assignment]
-    packages: tuple[str, ...] = (),
-) -> Callable[[RunFn], RunFn]:
-    """Decorator: register `fn` as the run function of backend `name`."""
-
-    def decorate(fn: RunFn) -> RunFn:
-        BACKENDS[name] = Backend(
-            name=name,
-            format=format,
-            schemes=frozenset(schemes),
-            activations=frozenset(activations),
-            kv_cache=frozenset(kv_cache),
-            asymmetric=frozenset(asymmetric),
-            per_channel=frozenset(per_channel),
-            packages=packages,
-            run=fn,
-        )
-        return fn
-
-    return decorate
-
-
-# Registration happens on import.
-import kiln.quant.backends.llmcompressor  # noqa: E402
-import kiln.quant.backends.modelopt  # noqa: E402, F401
+__all__ = ["BACKENDS", "Backend", "QuantJob"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.quant.backends import QuantJob, register_backend
+from kiln.quant.backends.base import QuantJob, register_backend
 from kiln.quant.selection import ignore_regexes
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ def build_recipe(scheme: Scheme, spec: QuantSpec) -> list[Any]:
 def run(job: QuantJob) -> None:
     """Quantise the model in place with oneshot and save it compressed into job.out_dir."""
     from datasets import Dataset
-    from kiln.quant.backends.cpu_workarounds import llmcompressor_on_cpu
     from llmcompressor import oneshot
+
+    from kiln.quant.backends.cpu_workarounds import llmcompressor_on_cpu
 
     samples = job.samples
     dataset = None

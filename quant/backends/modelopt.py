@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.quant.backends import QuantJob, register_backend
+from kiln.quant.backends.base import QuantJob, register_backend
 from kiln.quant.selection import is_ignored
 
 if TYPE_CHECKING:
@@ -123,10 +123,11 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
     comparable with the float model's.
     """
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from kiln.runtime.formats import nvfp4
     from kiln.runtime.formats.checkpoint import open_checkpoint
     from kiln.runtime.formats.weights import LinearWeights, dequantize, effective_weight
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     ckpt = open_checkpoint(Path(path))
     config = AutoConfig.from_pretrained(path)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.quant.schemes import SCHEMES, Problem
+from kiln.quant.registry import SCHEMES, Problem
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import SourceError
 from kiln.runtime.formats.artifact import SchemeRecord

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.client.http import (
     CHAT_COMPLETIONS,

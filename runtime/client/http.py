@@ -23,6 +23,7 @@ from itertools import pairwise
 from typing import Any
 
 import httpx
+
 from kiln.runtime.base.errors import UsageError
 
 COMPLETIONS = "/v1/completions"

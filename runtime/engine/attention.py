@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.engine import native
 
 FP8_MAX = 448.0

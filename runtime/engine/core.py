@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
 import torch
+
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from kiln.runtime.engine.allocator import keep_freed_memory
 from kiln.runtime.engine.config import EngineConfig, engine_config

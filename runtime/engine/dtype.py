@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine.native.cpu import NATIVE_BF16_FLAGS, cpu_flags, native_bf16
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine.attention import PagedKVCache
 from kiln.runtime.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig

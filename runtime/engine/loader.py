@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.engine.dtype import choose_dtype
 from kiln.runtime.engine.layers.kernels import make_linear

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.engine import native
 from kiln.runtime.engine.attention import (
     AttentionMetadata,

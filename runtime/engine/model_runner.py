@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kiln.runtime.engine.attention import (
     AttentionMetadata,
     PagedKVCache,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine import native
 

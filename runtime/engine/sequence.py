@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from kiln.runtime.engine.sampling import Logprob, SamplingParams
 
 

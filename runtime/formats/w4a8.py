@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 
 FP8_MAX = 448.0

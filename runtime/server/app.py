@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from kiln.runtime.base.errors import KilnError, UsageError
 from kiln.runtime.engine.sampling import SamplingParams
 from kiln.runtime.server import routes
@@ -30,7 +32,6 @@ from kiln.runtime.server.mirror import Mirror
 from kiln.runtime.server.protocol import error_body, now
 from kiln.runtime.server.record import TrafficRecorder
 from kiln.runtime.server.state import APIError, ServerConfig, ServerState
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kiln.serve")
 DRAIN_POLL_S = 0.05

@@ -15,10 +15,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+from starlette.requests import Request
+
 from kiln.runtime.engine.sampling import SamplingParams
 from kiln.runtime.server.formatting import ChoiceResult
 from kiln.runtime.server.state import ServerState
-from starlette.requests import Request
 
 T = TypeVar("T")
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kiln.runtime.engine.outputs import EngineStats
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kiln.runtime.engine.outputs import EngineStats
 
 PREFIX = "vllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -13,10 +13,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from kiln.runtime.base.errors import UsageError
-from kiln.runtime.engine.sampling import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.engine.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16

@@ -13,6 +13,8 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
 from kiln.runtime.engine.sampling import SamplingParams
 from kiln.runtime.formats.answer import SideAnswer
 from kiln.runtime.formats.mirror_log import MirrorEntry
@@ -32,7 +34,6 @@ from kiln.runtime.server.mirror import MirrorJob
 from kiln.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from kiln.runtime.server.record import prompt_digest
 from kiln.runtime.server.state import APIError, ServerState
-from starlette.concurrency import run_in_threadpool
 
 ChunkFn = Callable[[ChoiceResult, bool], dict[str, Any] | None]
 

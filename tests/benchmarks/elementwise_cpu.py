@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from kiln.runtime.engine import native
 
+from kiln.runtime.engine import native
 from tests.benchmarks.cpu_comparison import machine
 
 HIDDEN, INTERMEDIATE, HEADS, DIM, VOCAB = 576, 1536, 12, 64, 49152

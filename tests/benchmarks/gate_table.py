@@ -29,7 +29,6 @@ from kiln.compiler import sources
 from kiln.gates.decide.verdict import GateVerdict
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gates
-
 from tests.gates.test_calibration import W8A8_RECIPE, calibration_candidates
 
 _TAIL = """calibration: {dataset: builtin:licenses, num_samples: 32, max_seq_len: 128}

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kiln.runtime import Engine, SamplingParams
 
+from kiln.runtime import Engine, SamplingParams
 from tests.benchmarks.cpu_comparison import machine
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from kiln.runtime.engine import native
 from kiln.runtime.engine.layers import kernels
 from kiln.runtime.engine.layers.kernels import Int4Linear, make_linear
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
-
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_linear import SHAPES, STREAM_BYTES
 

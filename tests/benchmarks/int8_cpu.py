@@ -21,11 +21,11 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+
 from kiln.runtime.engine.layers import kernels
 from kiln.runtime.engine.layers.dense import DenseLinear
 from kiln.runtime.engine.layers.kernels import Int8Linear, make_linear
 from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme
-
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_linear import SHAPES, cpu_ms
 

@@ -33,13 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 import kiln.runtime.engine.attention as attention
 import kiln.runtime.engine.layers.dense as dense
 import kiln.runtime.engine.layers.linear as linear
-import torch
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.engine import native
-
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_serving import smollm2_dir
 

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 import torch
+
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.engine.attention import PagedKVCache
 from kiln.runtime.engine.loader import read_config
 from kiln.runtime.formats.model_info import ModelInfo
-
 from tests.benchmarks.runtime_serving import make_prompts, smollm2_dir
 
 

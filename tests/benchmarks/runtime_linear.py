@@ -30,11 +30,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.engine import native
 from kiln.runtime.engine.layers.dense import DenseLinear
 from kiln.runtime.engine.layers.linear import onednn_runs_bf16
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
-
 from tests.benchmarks.cpu_comparison import machine
 
 SHAPES = {  # name: (out_features, in_features, calls per decode step)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from kiln.compiler.draft.acceptance import decode_ms_per_token
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.engine.model import CausalLM

@@ -7,7 +7,6 @@ from pathlib import Path
 from kiln.runtime.engine.attention import PagedKVCache
 from kiln.runtime.engine.loader import read_config
 from kiln.runtime.formats.model_info import ModelInfo
-
 from tests.benchmarks.runtime_kv_capacity import contiguous_capacity
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from kiln.compiler.cli.main import main
 
 BINARY = bytes(range(255, -1, -1)) * 8  # neither UTF-8 nor text, from its first byte

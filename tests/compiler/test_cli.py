@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+
 from kiln.compiler.cli.exits import handle_errors
 from kiln.compiler.cli.main import main
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from kiln.compiler.cli.main import main
 from kiln.runtime.formats import artifact
-
 from tests.tiny_models import as_bin_checkpoint
 
 REPO = Path(__file__).parents[2]

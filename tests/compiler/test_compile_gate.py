@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+
 from kiln.compiler.compile import CompileResult, compile_recipe
 from kiln.compiler.gating import gate_compiled
 from kiln.compiler.recipe.schema import Recipe, load_recipe
 from kiln.gates.releases import Registry
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from kiln.runtime.formats import artifact
-
 from tests.compiler.test_compile import kiln, published
 from tests.gates.conftest import build_artifact
 
@@ -142,10 +142,10 @@ def test_promote_without_a_gate_is_refused_before_any_work(
 def test_one_layer_with_corrupted_scales_fails_a_gate_with_tightened_kl_and_top1(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
-    from kiln.gates.run import run_gate
-    from kiln.gates.settings import load_gates
     from safetensors.torch import load_file, save_file
 
+    from kiln.gates.run import run_gate
+    from kiln.gates.settings import load_gates
     from tests.gates.conftest import build_artifact
 
     # Not the default thresholds: a random tiny model's next-token distributions are nearly

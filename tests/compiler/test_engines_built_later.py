@@ -9,11 +9,11 @@ import logging
 from pathlib import Path
 
 import pytest
-from kiln.compiler.cli.serve import resolve_model
+
+from kiln.compiler.serving import resolve_model
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact.verified import verify_artifact
-
 from tests.compiler.test_compile import kiln
 from tests.gates.conftest import build_artifact
 

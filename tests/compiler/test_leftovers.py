@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from kiln.compiler.leftovers import holding, sweep_output, sweep_user_cache
 from kiln.compiler.stages import CACHE_DIR, LOCK_FILE, StageCache, output_lock
 from kiln.runtime.base.errors import UsageError
@@ -169,7 +170,6 @@ def test_a_manifest_being_rewritten_is_left_alone_and_swept_once_its_writer_is_g
     tmp_path: Path,
 ) -> None:
     from kiln.runtime.formats import artifact
-
     from tests.gates.conftest import build_artifact
 
     root = tmp_path / "out"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kiln.compiler.trtllm.capacity import DeploySpec, format_plan, linear_bytes, plan, tp_valid
 from kiln.compiler.trtllm.targets import get_profile
 from kiln.quant.spec import QuantSpec

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from kiln.compiler.cli.main import main
 from kiln.compiler.recipe.schema import load_recipe
 from kiln.runtime.base.errors import RecipeError

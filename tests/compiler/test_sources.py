@@ -20,6 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 from kiln.compiler import sources
 from kiln.compiler.sources import BuiltinModel, SourceRef
 from kiln.runtime import Engine
@@ -29,9 +32,6 @@ from kiln.runtime.formats.model_info import (
     SUPPORTED_ARCHITECTURES,
     ModelInfo,
 )
-from safetensors import safe_open
-from safetensors.torch import load_file
-
 from tests.tiny_models import as_bin_checkpoint
 
 SMOLLM2 = "smollm2-135m-instruct"

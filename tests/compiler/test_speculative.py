@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
+
 from kiln.compiler.cli.main import main
 from kiln.compiler.draft.tokenizer_match import tokenizer_differences, tokenizer_facts
 from kiln.compiler.recipe.schema import load_recipe

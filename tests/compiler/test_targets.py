@@ -5,14 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from kiln.compiler.trtllm.targets import (
-    PROFILES,
-    TargetProfile,
-    check_algos,
-    check_target,
-    get_profile,
-    quant_algo,
-)
+
+from kiln.compiler.trtllm.rules.support import check_algos, check_target, quant_algo
+from kiln.compiler.trtllm.targets import PROFILES, TargetProfile, get_profile
 from kiln.quant.schemes import Problem
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import UsageError

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kiln.compiler.trtllm.build.plan import (
     ENGINE_STAMP,
     BuildEnvironment,

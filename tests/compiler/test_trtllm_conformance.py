@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.deploy import target_failures
 from kiln.compiler.trtllm.export.writer import fuse_linears
@@ -23,8 +25,6 @@ from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.formats.artifact import TargetRecord
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
-from safetensors import safe_open
-
 from tests.compiler.test_compile import kiln, published, recipe_file
 from tests.compiler.test_trtllm_export import SPECS
 
@@ -131,7 +131,7 @@ def test_the_pytorch_backend_loads_modelopt_exports_not_weight_only_compressed_t
 def test_the_pytorch_fix_suggests_modelopt_only_to_a_recipe_not_using_it(
     spec: QuantSpec, suggests_modelopt: bool
 ) -> None:
-    from kiln.compiler.trtllm.targets import quant_algo
+    from kiln.compiler.trtllm.rules.support import quant_algo
     from kiln.quant.backends import BACKENDS
 
     why = pytorch_problem(BACKENDS[spec.backend].format, quant_algo(spec)[0])
@@ -305,7 +305,6 @@ def test_the_serve_options_kiln_writes_are_llm_api_arguments(speculation):
     from kiln.compiler.trtllm.rules.conformance import check_serve_options
     from kiln.compiler.trtllm.serve_config import serve_options
     from kiln.compiler.trtllm.targets import get_profile
-
     from tests.compiler.test_trtllm_build import FP8_KV, LLAMA_32_1B
 
     deploy = DeploySpec(max_seq_len=8192, max_batch_size=64)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import UsageError
-from safetensors import safe_open
 
 CALIBRATION = CalibrationSpec(num_samples=8, max_seq_len=64)
 SPECS = {

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.runtime.formats.checkpoint.modelopt import unpack_int4_rows
-from safetensors import safe_open
 
 
 def _calibration(tokenizer) -> list[torch.Tensor]:

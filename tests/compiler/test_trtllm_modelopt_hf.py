@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from kiln.compiler.trtllm.export.modelopt_hf import convert_to_modelopt_hf
 from kiln.compiler.trtllm.rules.pytorch import check_hf_checkpoint
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import UsageError
-from safetensors import safe_open
-
 from tests.compiler.test_trtllm_export import reference_weights
 
 CALIBRATION = CalibrationSpec(num_samples=8, max_seq_len=64)
@@ -315,7 +315,6 @@ def test_names_dtypes_shapes_and_quant_config_equal_modelopts_export(
 
 def test_compile_serves_an_llm_compressor_int4_artifact_on_the_pytorch_path(tmp_path, tiny_llama):
     from kiln.runtime.formats import artifact
-
     from tests.compiler.test_compile import kiln, recipe_file
 
     recipe = recipe_file(tmp_path, tiny_llama, samples=4, seq=32, extra="targets: [l40s]\n")
@@ -341,7 +340,7 @@ def test_compile_names_the_tp_rule_the_pytorch_backend_would_break(tmp_path, tin
 
 
 def test_validate_accepts_on_the_pytorch_path_exactly_the_schemes_that_convert():
-    from kiln.compiler.trtllm.targets import check_target
+    from kiln.compiler.trtllm.rules.support import check_target
 
     fp8_kv, awq = SPECS["fp8_kv"], QuantSpec(method="awq", weight_bits=4, group_size=128)
     assert check_target(fp8_kv, "h100-sxm", path="pytorch") == []

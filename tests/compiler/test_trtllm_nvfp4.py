@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.formats.checkpoint import open_checkpoint
 from kiln.runtime.formats.nvfp4 import unpack_e2m1
 from kiln.runtime.formats.weights import dequantize
-
 from tests.compiler.test_compile import kiln
 from tests.compiler.test_trtllm_modelopt import modelopt_exports  # noqa: F401
 from tests.compiler.trtllm_recipes import compile_conforming, quantised_per_arch, scheme_recipe

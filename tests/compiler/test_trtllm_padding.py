@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.rules.conformance import check_checkpoint, padded_features
 from kiln.runtime.formats.checkpoint.modelopt import unpack_int4_rows
-
 from tests.compiler.test_trtllm_conformance import awq_576  # noqa: F401
 
 

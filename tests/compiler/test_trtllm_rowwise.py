@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import UsageError
-
 from tests.compiler.test_compile import kiln
 from tests.compiler.test_trtllm_export import max_rel_error, reference_weights
 from tests.compiler.trtllm_recipes import compile_conforming, scheme_recipe

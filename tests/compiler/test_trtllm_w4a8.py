@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.checkpoint import open_checkpoint
 from kiln.runtime.formats.weights import effective_weight
-
 from tests.compiler.test_compile import kiln
 from tests.compiler.test_trtllm_export import max_rel_error
 from tests.compiler.test_trtllm_modelopt import (  # noqa: F401

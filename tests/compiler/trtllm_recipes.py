@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
+
 from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_serve_options
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-
 from tests.compiler.test_compile import kiln
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kiln.runtime.formats import artifact
 
 Responder = Callable[[dict[str, Any]], str]

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.gates.measure.eval_cache import EvaluationCache, decode, encode, evaluation_key
 from kiln.gates.measure.tasks import TaskResult
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gates
-
 from tests.gates.conftest import build_artifact
 from tests.gates.test_gate_e2e import perturbed_copy
 

@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
 from kiln.compiler.cli.main import main
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gates
 from kiln.runtime.formats import artifact
-from safetensors.torch import load_file, save_file
-
 from tests.gates.conftest import build_artifact
 
 # From the session's float SmolLM2 (the builtin GGUF is dequantised once per session); the

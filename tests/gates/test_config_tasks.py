@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kiln.gates.measure.tasks import (
     BUILTIN_TASKS_DIR,
     PLACEHOLDER,

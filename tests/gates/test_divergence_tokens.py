@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
 from kiln.gates.measure.divergence_texts import divergence_ids, divergence_texts
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gates
-from transformers import AutoTokenizer
-
 from tests.gates.conftest import build_artifact
 from tests.gates.test_gate_e2e import perturbed_copy
 
@@ -24,15 +24,18 @@ def _one_thread() -> None:
 def test_the_default_texts_give_ten_thousand_scored_tokens(tiny_llama: Path) -> None:
     gates = load_gates({}, "test")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
-    ids = divergence_ids(divergence_texts(gates, Path.cwd()), tokenizer.encode, gates)
+    d = gates.divergence
+    texts = divergence_texts(d.texts, d.num_texts, Path.cwd())
+    ids = divergence_ids(texts, tokenizer.encode, d.tokens, d.max_seq_len)
     scored = sum(len(i) - 1 for i in ids)
     assert gates.divergence.tokens <= scored < gates.divergence.tokens + 128
     assert all(1 < len(i) <= gates.divergence.max_seq_len for i in ids)
-    few = load_gates({"divergence": {"tokens": 300}}, "test")
+    few = load_gates({"divergence": {"tokens": 300}}, "test").divergence
+    few_texts = divergence_texts(few.texts, few.num_texts, Path.cwd())
     assert (
         sum(
             len(i) - 1
-            for i in divergence_ids(divergence_texts(few, Path.cwd()), tokenizer.encode, few)
+            for i in divergence_ids(few_texts, tokenizer.encode, few.tokens, few.max_seq_len)
         )
         < 300 + 128
     )

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
 from kiln.compiler.cli.gate import gate, promote
 from kiln.gates.releases import Registry
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gate_file
-from safetensors.torch import load_file, save_file
-
 from tests.gates.conftest import build_artifact
 
 GATE_FILE = """

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+
 from kiln.compiler.cli.main import main
-from kiln.compiler.cli.serve import resolve_model
+from kiln.compiler.serving import resolve_model
 from kiln.gates.releases import Registry
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact.verified import RACY_S, verify_artifact
-
 from tests.gates.conftest import baseline_responder, build_artifact, write_traffic
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln.gates.measure.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs, main
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
+from kiln.gates.measure.lm_eval_adapter import KilnLM, hf_source_lm, hf_topk_logprobs, main
 from tests.gates.conftest import build_artifact
 
 TEXT = "Permission is hereby granted, free of charge, to any person obtaining a copy"

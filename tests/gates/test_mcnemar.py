@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+
+from kiln.gates.decide.compare import Comparisons, compare_task
 from kiln.gates.decide.mcnemar import (
     binary_loss_bounds,
     min_detectable_loss,
@@ -13,7 +15,7 @@ from kiln.gates.decide.mcnemar import (
     paired_loss_bounds,
 )
 from kiln.gates.decide.rules import GatePolicy, decide
-from kiln.gates.decide.verdict import build_verdict, compare_task
+from kiln.gates.decide.verdict import build_verdict
 
 CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
 BASELINE = {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64}
@@ -47,7 +49,7 @@ def test_minimum_detectable_loss_at_80_percent_power() -> None:
 
 def test_a_loss_beyond_the_margin_fails() -> None:
     base, cand = paired(1000, 60, 10)  # 5 points lost
-    decision = decide(base, cand, rule="mcnemar", margin=0.02, task="kiln_qa")
+    decision = decide(base, cand, GatePolicy(rule="mcnemar", margin=0.02), task="kiln_qa")
     assert decision.outcome == "fail" and not decision.passed
     assert decision.loss_lower is not None and decision.loss_lower > 0.02
     assert decision.explanation.startswith("fail on kiln_qa: loss 5.00 points")
@@ -55,19 +57,19 @@ def test_a_loss_beyond_the_margin_fails() -> None:
 
 def test_no_loss_on_enough_items_passes_despite_many_flips() -> None:
     base, cand = paired(1000, 40, 40)  # 8% of items flip, no net change
-    decision = decide(base, cand, rule="mcnemar", margin=0.02, task="kiln_qa")
+    decision = decide(base, cand, GatePolicy(rule="mcnemar", margin=0.02), task="kiln_qa")
     assert decision.outcome == "pass" and decision.passed
     assert decision.loss_upper is not None and decision.loss_upper <= 0.02
 
 
 def test_the_same_flips_on_a_small_task_are_inconclusive_and_say_what_it_detects() -> None:
     base, cand = paired(140, 4, 3)
-    decision = decide(base, cand, rule="mcnemar", margin=0.02, task="kiln_qa")
+    decision = decide(base, cand, GatePolicy(rule="mcnemar", margin=0.02), task="kiln_qa")
     assert decision.outcome == "inconclusive"
     assert decision.explanation.startswith("inconclusive on kiln_qa (140 items detect ≥ 4.70")
     # what inconclusive means is the gate's choice
     assert decision.passed
-    strict = decide(base, cand, rule="mcnemar", margin=0.02, inconclusive="fail")
+    strict = decide(base, cand, GatePolicy(rule="mcnemar", margin=0.02, inconclusive="fail"))
     assert strict.outcome == "inconclusive" and not strict.passed
     assert "counted as fail" in strict.explanation
 
@@ -81,7 +83,7 @@ def test_no_flips_on_a_handful_of_items_is_not_evidence() -> None:
 
 def test_a_gain_never_fails() -> None:
     base, cand = paired(200, 0, 30)
-    assert decide(base, cand, rule="mcnemar", margin=0.0).outcome == "pass"
+    assert decide(base, cand, GatePolicy(rule="mcnemar", margin=0.0)).outcome == "pass"
 
 
 def test_error_rates_hold_by_simulation() -> None:
@@ -106,13 +108,17 @@ def test_scores_that_are_not_0_1_use_paired_normal_bounds() -> None:
     cand = [b - 0.1 for b in base]
     bounds = paired_loss_bounds(base, cand)
     assert bounds.method == "paired-normal" and bounds.loss == pytest.approx(0.1)
-    decision = decide(base, cand, rule="mcnemar", margin=0.02)
+    decision = decide(base, cand, GatePolicy(rule="mcnemar", margin=0.02))
     assert decision.method == "paired-normal" and decision.outcome == "fail"
 
 
 def test_lower_is_better_metrics_count_an_increase_as_a_loss() -> None:
-    decision = decide([10.0, 12.0] * 50, [11.0, 13.0] * 50, rule="mcnemar",
-                      margin=0.5, higher_is_better=False)  # fmt: skip
+    decision = decide(
+        [10.0, 12.0] * 50,
+        [11.0, 13.0] * 50,
+        GatePolicy(rule="mcnemar", margin=0.5),
+        higher_is_better=False,
+    )
     assert decision.loss == pytest.approx(1.0) and decision.outcome == "fail"
 
 
@@ -122,7 +128,7 @@ def test_the_verdict_names_inconclusive_tasks_and_keeps_per_item_scores() -> Non
     task = compare_task(
         "kiln_qa", "exact_match", dict(enumerate(base)), dict(enumerate(cand)), policy
     )
-    verdict = build_verdict(CANDIDATE, BASELINE, policy, tasks=[task])
+    verdict = build_verdict(CANDIDATE, BASELINE, policy, Comparisons(tasks=[task]))
     assert verdict.passed and task.outcome == "inconclusive"
     data = verdict.to_dict()
     assert data["inconclusive"] == ["kiln_qa: exact_match (mcnemar)"]
@@ -131,11 +137,13 @@ def test_the_verdict_names_inconclusive_tasks_and_keeps_per_item_scores() -> Non
                               "wrong_to_right": ["70", "71", "72"]}  # fmt: skip
     strict = GatePolicy(inconclusive="fail")
     task = compare_task("kiln_qa", "em", dict(enumerate(base)), dict(enumerate(cand)), strict)
-    assert not build_verdict(CANDIDATE, BASELINE, strict, tasks=[task]).passed
+    assert not build_verdict(CANDIDATE, BASELINE, strict, Comparisons(tasks=[task])).passed
 
 
 def test_sides_that_scored_different_items_get_unpaired_bounds() -> None:
-    decision = decide([1.0, 0.0] * 100, [1.0, 0.0, 0.0, 0.0] * 50, rule="mcnemar", paired=False)
+    decision = decide(
+        [1.0, 0.0] * 100, [1.0, 0.0, 0.0, 0.0] * 50, GatePolicy(rule="mcnemar"), paired=False
+    )
     assert decision.method == "unpaired-normal" and not decision.paired
     assert decision.loss == pytest.approx(0.25) and decision.outcome == "fail"
-    assert decide([1.0, 0.0, 1.0], [], rule="mcnemar").outcome == "inconclusive"
+    assert decide([1.0, 0.0, 1.0], [], GatePolicy(rule="mcnemar")).outcome == "inconclusive"

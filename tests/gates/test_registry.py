@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kiln.gates.releases import Registry, registry_path
 from kiln.runtime.base.errors import ArtifactError, UsageError, VerdictFailure
 from kiln.runtime.formats.artifact import load_manifest
-
 from tests.gates.conftest import build_artifact
 
 REPO = Path(__file__).resolve().parents[2]

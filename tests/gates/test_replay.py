@@ -7,12 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from kiln.gates.decide.checks import shadow_checks
 from kiln.gates.decide.rules import GatePolicy
 from kiln.gates.measure.replay import ReplaySettings, replay, replay_requests
-from kiln.gates.measure.shadow import shadow_checks
 from kiln.gates.measure.sides import HttpSide
 from kiln.runtime.formats.traffic import TrafficRecord, read_traffic
-
 from tests.gates.conftest import OpenAIStub, answers_with, baseline_responder, write_traffic
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.gates.measure.shadow import ShadowReport
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gates
-
 from tests.gates.conftest import build_artifact
 from tests.gates.test_gate_e2e import perturbed_copy
 

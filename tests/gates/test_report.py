@@ -9,11 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from kiln.gates.decide.checks import exact_match_check
+from kiln.gates.decide.compare import Comparisons, PerplexityComparison, compare_task
 from kiln.gates.decide.rules import GatePolicy
-from kiln.gates.decide.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.gates.decide.verdict import GateVerdict, build_verdict
 from kiln.gates.measure.divergence import summarize
-from kiln.gates.measure.shadow import LatencyStats, PairDiff, exact_match_check, summarize_pairs
-from kiln.gates.report.markdown import to_markdown, write_reports
+from kiln.gates.measure.shadow import LatencyStats, PairDiff, summarize_pairs
+from kiln.gates.report import to_markdown, write_reports
 from kiln.runtime.formats.answer import SideAnswer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,10 +40,12 @@ def full_verdict() -> GateVerdict:
         {"spec": "art/", "kind": "artifact", "name": "cand", "digest": "c" * 64},
         {"spec": "http://h/v1", "kind": "http", "name": "http://h/v1", "digest": "http://h/v1"},
         policy,
-        tasks=[compare_task("kiln_mc", "acc", base, cand, policy)],
-        perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 21.0)],
-        divergence=summarize(kl, np.array([True] * 6 + [False]), "topk-20"),
-        shadow=shadow,
+        Comparisons(
+            tasks=[compare_task("kiln_mc", "acc", base, cand, policy)],
+            perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 21.0)],
+            divergence=summarize(kl, np.array([True] * 6 + [False]), "topk-20"),
+            shadow=shadow,
+        ),
         tools={"lm-eval": "0.4.13"},
         notes=[HOSTILE],
     )
@@ -70,8 +75,10 @@ def test_markdown_says_why_with_every_check_its_value_and_threshold() -> None:
         {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64},
         {"spec": "b/", "kind": "source", "name": "base", "digest": "b" * 64},
         policy,
-        tasks=[compare_task("kiln_mc", "acc", base, {**base, 0: 1.0, 1: 0.0}, policy)],
-        perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 20.2)],
+        Comparisons(
+            tasks=[compare_task("kiln_mc", "acc", base, {**base, 0: 1.0, 1: 0.0}, policy)],
+            perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 20.2)],
+        ),
     )
     md = to_markdown(passing)
     assert "### Why it passes" in md and "All 2 passed." in md

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from kiln.gates.decide.rules import (
+    GatePolicy,
     count_flips,
     decide,
     default_policy,
@@ -43,7 +45,7 @@ def test_flips_count_changes_both_ways() -> None:
 def test_equal_accuracy_can_hide_many_flips() -> None:
     base = [1, 0] * 50
     cand = [0, 1] * 50
-    decision = decide(base, cand, rule="recovery", recovery_threshold=0.99)
+    decision = decide(base, cand, GatePolicy(rule="recovery", recovery_min=0.99))
     assert decision.passed and decision.recovery == 1.0
     assert count_flips(base, cand).rate == 1.0
 
@@ -51,21 +53,23 @@ def test_equal_accuracy_can_hide_many_flips() -> None:
 def test_recovery_rule_uses_the_point_estimate() -> None:
     base = [1.0] * 80 + [0.0] * 20
     cand = [1.0] * 78 + [0.0] * 22
-    decision = decide(base, cand, rule="recovery", recovery_threshold=0.99)
+    decision = decide(base, cand, GatePolicy(rule="recovery", recovery_min=0.99))
     assert decision.recovery == pytest.approx(78 / 80)
     assert not decision.passed
-    assert decide(base, cand, rule="recovery", recovery_threshold=0.97).passed
+    assert decide(base, cand, GatePolicy(rule="recovery", recovery_min=0.97)).passed
 
 
 def test_noninferiority_needs_a_tight_paired_bound() -> None:
     # 2 net flips out of 1000 items: d = -0.002, se ~ 0.0014, 95% bound ~ -0.0043
     base = [1.0] * 800 + [0.0] * 200
     cand = [0.0, 0.0] + [1.0] * 798 + [0.0] * 200
-    tight = decide(base, cand, rule="noninferior", margin=0.01)
+    tight = decide(base, cand, GatePolicy(rule="noninferior", margin=0.01))
     assert tight.passed and tight.lower_bound > -0.01
     # the same drop rate on 50 items cannot be told apart from a 1-point loss
     small = decide(
-        base[:40] + base[800:810], cand[:40] + cand[800:810], rule="noninferior", margin=0.01
+        base[:40] + base[800:810],
+        cand[:40] + cand[800:810],
+        GatePolicy(rule="noninferior", margin=0.01),
     )
     assert not small.passed
 
@@ -73,9 +77,9 @@ def test_noninferiority_needs_a_tight_paired_bound() -> None:
 def test_default_rule_rescues_a_noisy_point_estimate_with_a_tight_bound() -> None:
     base = [1.0] * 800 + [0.0] * 200
     cand = [0.0] * 10 + [1.0] * 790 + [0.0] * 200  # recovery 0.9875 < 0.99
-    recovery_only = decide(base, cand, rule="recovery", recovery_threshold=0.99, margin=0.02)
+    recovery_only = decide(base, cand, GatePolicy(rule="recovery", recovery_min=0.99, margin=0.02))
     combined = decide(
-        base, cand, rule="recovery_or_noninferior", recovery_threshold=0.99, margin=0.02
+        base, cand, GatePolicy(rule="recovery_or_noninferior", recovery_min=0.99, margin=0.02)
     )
     assert not recovery_only.passed
     assert combined.passed  # d = -0.0125, se ~0.0035, bound ~ -0.018 >= -0.02
@@ -86,15 +90,14 @@ def test_a_real_drop_fails_every_rule() -> None:
     base = [1.0] * 80 + [0.0] * 20
     cand = [0.0] * 15 + [1.0] * 65 + [0.0] * 20  # 15 points lost
     for rule in ("recovery", "noninferior", "recovery_or_noninferior"):
-        assert not decide(base, cand, rule=rule).passed
+        assert not decide(base, cand, GatePolicy(rule=rule)).passed
 
 
 def test_lower_is_better_metrics_invert_recovery() -> None:
     decision = decide(
         [10.0, 12.0],
         [10.5, 12.5],
-        rule="recovery",
-        recovery_threshold=0.95,
+        GatePolicy(rule="recovery", recovery_min=0.95),
         paired=True,
         higher_is_better=False,
     )
@@ -104,7 +107,7 @@ def test_lower_is_better_metrics_invert_recovery() -> None:
 
 def test_unknown_rule_is_rejected() -> None:
     with pytest.raises(ValueError, match="recovery_or_noninferior"):
-        decide([1.0], [1.0], rule="vibes")
+        decide([1.0], [1.0], GatePolicy(rule="vibes"))
 
 
 def test_default_thresholds_follow_the_weight_width() -> None:

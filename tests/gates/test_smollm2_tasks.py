@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.gates.measure.lm_eval_adapter import KilnLM
 from kiln.gates.measure.tasks import run_tasks
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from kiln.gates.decide.compare import Comparisons, PerplexityComparison, compare_task
 from kiln.gates.decide.rules import GatePolicy
-from kiln.gates.decide.verdict import GateVerdict, PerplexityComparison, build_verdict, compare_task
+from kiln.gates.decide.verdict import GateVerdict, build_verdict
 from kiln.gates.measure.divergence import kl_dense, kl_topk, summarize
 
 CANDIDATE = {"spec": "a/", "kind": "artifact", "name": "cand", "digest": "c" * 64}
@@ -33,8 +35,10 @@ def test_a_candidate_that_keeps_its_answers_passes(tmp_path: Path) -> None:
         CANDIDATE,
         BASELINE,
         policy,
-        tasks=[task],
-        perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 20.4)],
+        Comparisons(
+            tasks=[task],
+            perplexity=[PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 20.4)],
+        ),
         tools={"lm-eval": "0.4.13"},
     )
     assert verdict.passed, [c for c in verdict.failed_checks]
@@ -63,7 +67,7 @@ def test_a_candidate_that_drops_accuracy_fails_and_says_why() -> None:
         CANDIDATE,
         BASELINE,
         TWO_WAY,
-        tasks=[compare_task("qa", "em", base, cand, TWO_WAY)],
+        Comparisons(tasks=[compare_task("qa", "em", base, cand, TWO_WAY)]),
     )
     assert not verdict.passed
     failed = {c.name: c for c in verdict.failed_checks}
@@ -79,7 +83,7 @@ def test_equal_accuracy_with_many_flips_still_fails_on_flip_rate() -> None:
         CANDIDATE,
         BASELINE,
         TWO_WAY,
-        tasks=[compare_task("mc", "acc", base, cand, TWO_WAY)],
+        Comparisons(tasks=[compare_task("mc", "acc", base, cand, TWO_WAY)]),
     )
     assert [c.name for c in verdict.failed_checks] == ["mc: flip rate"]
 
@@ -91,18 +95,18 @@ def test_sides_that_scored_different_items_are_compared_unpaired() -> None:
 
 def test_a_perplexity_increase_beyond_the_limit_fails() -> None:
     ppl = PerplexityComparison("kiln_ppl", "word_perplexity", 20.0, 25.0)
-    verdict = build_verdict(CANDIDATE, BASELINE, GatePolicy(), perplexity=[ppl])
+    verdict = build_verdict(CANDIDATE, BASELINE, GatePolicy(), Comparisons(perplexity=[ppl]))
     assert not verdict.passed and verdict.checks[0].value == pytest.approx(1.25)
 
 
 def test_nothing_measured_cannot_pass() -> None:
     with pytest.raises(ValueError, match="nothing measured"):
-        build_verdict(CANDIDATE, BASELINE, GatePolicy())
+        build_verdict(CANDIDATE, BASELINE, GatePolicy(), Comparisons())
 
 
 def test_gate_json_round_trips_and_has_no_nan(tmp_path: Path) -> None:
     task = compare_task("mc", "acc", scores([0, 0]), scores([0, 0]), GatePolicy())
-    verdict = build_verdict(CANDIDATE, BASELINE, GatePolicy(), tasks=[task])
+    verdict = build_verdict(CANDIDATE, BASELINE, GatePolicy(), Comparisons(tasks=[task]))
     text = verdict.write(tmp_path).read_text()
     assert "NaN" not in text and "Infinity" not in text
     again = GateVerdict.from_dict(json.loads(text))
@@ -156,9 +160,13 @@ def test_flips_are_checked_against_the_controls_and_the_floor_is_reported(
     cand = scores([0] * 5 + [1] * 45 + [1] * 5 + [0] * 45)  # 10% flips, no net loss
     kl = summarize(np.array([0.01, 0.03]), np.array([True, False]), "topk-20")
     verdict = build_verdict(
-        CANDIDATE, BASELINE, policy, tasks=[compare_task("qa", "em", base, cand, policy)],
-        divergence=kl, noise_floor=floor,
-    )  # fmt: skip
+        CANDIDATE,
+        BASELINE,
+        policy,
+        Comparisons(
+            tasks=[compare_task("qa", "em", base, cand, policy)], divergence=kl, noise_floor=floor
+        ),
+    )
     excess = next(c for c in verdict.checks if c.name == "qa: flip rate over the control")
     assert excess.value == pytest.approx(0.08) and not excess.passed
     assert excess.detail.startswith("flips 10.0%, control 2.0%")

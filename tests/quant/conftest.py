@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 
@@ -76,10 +77,11 @@ def export_modelopt_awq(
     """Calibrate the float model at `model_dir` as SPECS[key] with ModelOpt and export it to
     `out`; returns ModelOpt's fake-quantised weights × pre_quant_scale of KEPT_SCALES."""
     import torch
-    from kiln.quant.backends.modelopt import calibrate
-    from kiln.quant.schemes import resolve
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM
+
+    from kiln.quant.backends.modelopt import calibrate
+    from kiln.quant.schemes import resolve
 
     spec = SPECS[key]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

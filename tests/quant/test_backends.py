@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from kiln.quant.backends import BACKENDS, QuantJob
 from kiln.quant.backends.modelopt import calibrate, load_checkpoint
 from kiln.quant.calibration import load_texts, tokenize
@@ -15,9 +18,6 @@ from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import PreflightError
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from tests.quant.conftest import CALIBRATION, SPECS, Quantised, export_modelopt_awq
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
+
 from kiln.quant.calibration import check, dataset_digest, load_texts, split_passages, tokenize
 from kiln.quant.spec import CalibrationSpec
 from kiln.runtime.base.errors import CalibrationDataError
 from kiln.runtime.formats.traffic import TrafficRecord, append_record
-from transformers import AutoTokenizer
 
 
 @pytest.fixture

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from llmcompressor import oneshot
+from llmcompressor.pipelines.cache import IntermediatesCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from kiln.quant.backends.cpu_workarounds import llmcompressor_on_cpu
 from kiln.quant.backends.llmcompressor import build_recipe
 from kiln.quant.calibration import load_texts, tokenize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import QuantSpec
-from llmcompressor import oneshot
-from llmcompressor.pipelines.cache import IntermediatesCache
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from tests.quant.conftest import CALIBRATION
 
 pytestmark = pytest.mark.skipif(

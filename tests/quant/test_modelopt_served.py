@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.runtime import Engine
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.engine.layers.kernels import Fp8Linear, Int4Linear, Int8Linear
 from kiln.runtime.engine.layers.linear import PreScaledLinear
-
 from tests.quant.conftest import Quantised
 from tests.runtime.conftest import assert_close_to_reference
 

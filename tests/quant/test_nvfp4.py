@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
@@ -23,8 +25,6 @@ from kiln.runtime.engine.layers.kernels import Nvfp4Linear
 from kiln.runtime.formats import nvfp4
 from kiln.runtime.formats.checkpoint import open_checkpoint
 from kiln.runtime.formats.weights import dequantize
-from safetensors import safe_open
-
 from tests.runtime.conftest import assert_close_to_reference
 
 NVFP4 = QuantSpec(method="nvfp4", weight_bits=4, activations="nvfp4", backend="modelopt")

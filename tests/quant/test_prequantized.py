@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+from safetensors.torch import load_file, save_file
+
 from kiln.compiler import sources
 from kiln.quant.prequantized import convert as prequantized
 from kiln.quant.prequantized.convert import PreQuantized
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import SourceError
-from safetensors.torch import load_file, save_file
-
 from tests.prequantized import (
     PreQuantizedCheckpoint,
     make_awq_checkpoint,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kiln.compiler.recipe.schema import (
     QuantizationSection,
     load_recipe,

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kiln.quant.calibration import load_texts
 from kiln.quant.layer_report import quantization_report
 from kiln.quant.quantize import quantize
 from kiln.quant.spec import QuantSpec
-
 from tests.quant.conftest import CALIBRATION, HELD_OUT, Quantised
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kiln.quant.memory import estimate_calibration_bytes
 from kiln.quant.schemes import Problem, check, resolve
 from kiln.quant.selection import quantised_linears

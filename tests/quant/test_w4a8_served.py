@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.quant.calibration import load_texts, tokenize
 from kiln.runtime import Engine
@@ -27,9 +30,6 @@ from kiln.runtime.formats.weights import (
     WeightScheme,
     effective_weight,
 )
-from safetensors import safe_open
-from transformers import AutoTokenizer
-
 from tests.quant.conftest import CALIBRATION, Quantised, export_modelopt_awq
 from tests.runtime.conftest import assert_close_to_reference
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from kiln.runtime import Logprob
 from kiln.runtime.engine import native
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # Tests of kiln's AVX2 kernels (bf16 weights, int4 weights): skipped where they cannot load.
 needs_avx2_kernels = pytest.mark.skipif(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.runtime.engine import allocator
 
 glibc = pytest.mark.skipif(

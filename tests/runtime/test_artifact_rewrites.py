@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats import artifact
-
 from tests.gates.conftest import build_artifact
 
 REPO = Path(__file__).resolve().parents[2]

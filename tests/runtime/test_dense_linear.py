@@ -7,15 +7,15 @@ from __future__ import annotations
 import gc
 import os
 
-import kiln.runtime.engine.layers.dense as dense
 import pytest
 import torch
 import torch.nn.functional as F
+
+import kiln.runtime.engine.layers.dense as dense
 from kiln.runtime.engine import native
 from kiln.runtime.engine.layers.dense import DenseLinear
 from kiln.runtime.engine.layers.linear import float_linear
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
-
 from tests.runtime.conftest import needs_amx_kernels, needs_avx2_kernels, needs_dpbf16_kernels
 
 CPU = torch.device("cpu")

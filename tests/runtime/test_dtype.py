@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine.dtype import choose_dtype
 from kiln.runtime.engine.native.cpu import cpu_flags, native_bf16

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kiln.runtime import AsyncEngine, Engine, SamplingParams
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from kiln.runtime.engine.answer import answer_alone
 from kiln.runtime.engine.chat import chat_token_ids
 from kiln.runtime.formats.artifact import MODEL_DIR, Manifest, assemble
-
 from tests.runtime.conftest import PROMPTS, prompt_ids
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.engine.layers.kernels import Fp8Linear, Int8Linear
-
 from tests.runtime.conftest import logprobs_of, prompt_ids
 
 pytestmark = [

@@ -8,17 +8,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import torch
+
 import kiln.runtime.engine.layers.dense as dense
 import kiln.runtime.engine.layers.greedy_head as greedy_head
 import kiln.runtime.engine.layers.linear as linear
-import pytest
-import torch
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.engine import native
 from kiln.runtime.engine.layers.dense import DenseLinear
 from kiln.runtime.engine.layers.greedy_head import GreedyHead
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
-
 from tests.runtime.test_batch_invariance import audit_prompts
 
 pytestmark = pytest.mark.skipif(

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln.runtime import Engine, SamplingParams
-from kiln.runtime.base.errors import ArtifactError, UsageError
 from safetensors.torch import load_file, save_file
 
+from kiln.runtime import Engine, SamplingParams
+from kiln.runtime.base.errors import ArtifactError, UsageError
 from tests.runtime.conftest import hf_greedy, hf_logprobs, hf_model, logprobs_of, prompt_ids
 
 ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2"]

@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import kiln.runtime.engine.attention as attention
 import pytest
 import torch
 import torch.nn.functional as F
+
+import kiln.runtime.engine.attention as attention
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.engine import native
 from kiln.runtime.engine.attention import PagedKVCache
-
 from tests.runtime.conftest import needs_amx_kernels, needs_dpbf16_kernels
 from tests.runtime.test_batch_invariance import audit_prompts
 from tests.tiny_models import make_tiny_model

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kiln.runtime.engine import native
 
 ROOT = Path(__file__).resolve().parents[2]

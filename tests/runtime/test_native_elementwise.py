@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.engine import native
 
 pytestmark = pytest.mark.skipif(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.runtime import Engine
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.engine import native
@@ -38,7 +39,6 @@ from kiln.runtime.engine.layers.kernels import (
 )
 from kiln.runtime.formats.checkpoint.compressed_tensors import unpack
 from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme, dequantize
-
 from tests.runtime.conftest import (
     assert_close_to_reference,
     hf_greedy,

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine.sampling import make_generator, sample
-
 from tests.runtime.conftest import prompt_ids
 
 

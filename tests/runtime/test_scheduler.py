@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from kiln.runtime import Engine, EngineConfig, SamplingParams
 from kiln.runtime.engine.kv_cache import KVCacheManager
 from kiln.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.engine.sequence import Request, RequestStatus
-
 from tests.runtime.conftest import logprobs_of, prompt_ids
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from scipy.stats import chisquare
+
 from kiln.compiler.draft.acceptance import measure_acceptance
 from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.base.errors import UsageError
@@ -27,8 +29,6 @@ from kiln.runtime.formats.artifact import (
     assemble,
     write_manifest,
 )
-from scipy.stats import chisquare
-
 from tests.runtime.conftest import PROMPTS, hf_model, prompt_ids
 from tests.tiny_models import make_tiny_model
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from kiln.compiler.cli.main import main
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.client.bench import (
@@ -23,7 +24,6 @@ from kiln.runtime.client.bench import (
     synthetic_requests,
 )
 from kiln.runtime.client.http import OpenAIClient, StreamResult
-
 from tests.serve.conftest import LiveServer
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kiln.gates.measure.lm_eval_adapter import KilnLM
 from kiln.gates.measure.tasks import run_tasks
-
 from tests.serve.conftest import MODEL, LiveServer, tiny_engine
 
 pytest.importorskip("lm_eval")

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from kiln.gates.measure.replay import ReplaySettings, replay_requests
 from kiln.gates.measure.sides import HttpSide
 from kiln.runtime.formats.traffic import TrafficError, read_traffic
 from kiln.runtime.server.record import RecordSettings, TrafficRecorder, prompt_digest
-
 from tests.serve.conftest import MODEL, ServerFactory
 
 CHAT = [{"role": "user", "content": "Tell me a story"}]

@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import CliRunner
+
 from kiln.compiler.cli.main import main
-from kiln.compiler.cli.serve import (
+from kiln.compiler.serving import (
     SERVE_CPU_BATCHED_TOKENS,
     choose_backend,
     parse_size,
@@ -28,7 +29,6 @@ from kiln.compiler.trtllm.build.plan import ENGINE_STAMP, BuildEnvironment, GpuI
 from kiln.gates.releases import Registry
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.traffic import read_traffic
-
 from tests.gates.conftest import build_artifact
 from tests.serve.conftest import free_socket, wait_ready
 

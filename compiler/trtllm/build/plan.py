@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan, tp_valid
-from kiln.compiler.trtllm.targets import TargetProfile, check_target, quant_algo
+from kiln.compiler.trtllm.rules.support import check_target, quant_algo
+from kiln.compiler.trtllm.targets import TargetProfile
 from kiln.quant.registry import Problem
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import PreflightError

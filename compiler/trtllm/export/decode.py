@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats.checkpoint.modelopt import unpack_int4_rows
 from kiln.runtime.formats.nvfp4 import unpack_e2m1
-from safetensors import safe_open
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HF_MLP = {"mlp.fc": "mlp.gate_proj", "mlp.gate": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}

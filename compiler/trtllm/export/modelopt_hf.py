@@ -31,43 +31,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+
 from kiln.compiler.trtllm.export.source import trtllm_algo
 from kiln.compiler.trtllm.export.writer import pack_int4_rows
-from kiln.compiler.trtllm.rules.pytorch import QUANT_CONFIG_FILE, hf_linears
+from kiln.compiler.trtllm.rules.pytorch import (
+    CONVERTS,
+    QUANT_CONFIG_FILE,
+    conversion_problem,
+    hf_linears,
+)
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.versions import kiln_version
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
 from kiln.runtime.formats.weights import LinearWeights
-from safetensors.torch import save_file
 
-# compressed-tensors' TensorRT-LLM algo → the ModelOpt quant_algo that carries it exactly.
-CONVERTS = {"FP8": "FP8", "W4A16_AWQ": "W4A16_AWQ", "W4A16_GPTQ": "W4A16_AWQ"}
-KV_CACHE_ALGOS = ("FP8",)
 NOT_COPIED = ("config.json", "recipe.yaml", QUANT_CONFIG_FILE)
-
-
-def conversion_problem(
-    algo: str, kv_algo: str | None, *, symmetric: bool, group_size: int | None
-) -> str | None:
-    """Why a compressed-tensors checkpoint of this scheme has no exact ModelOpt HF form (None:
-    it has one), judged from the recipe alone."""
-    if algo not in CONVERTS:
-        return (
-            f"{algo} from compressed-tensors has no exact ModelOpt HF form (kiln converts "
-            f"{', '.join(sorted(CONVERTS))}); quantise with backend: modelopt"
-        )
-    if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
-        return f"a {kv_algo} KV cache: the PyTorch backend's quantised KV cache is FP8"
-    if CONVERTS[algo] == "W4A16_AWQ":
-        if not symmetric:
-            return (
-                "asymmetric int4 groups: TensorRT-LLM's W4A16 AWQ layer reads no zero points "
-                "(its GEMM runs with zeros=None); set quantization.symmetric: true"
-            )
-        if group_size is None:
-            return "per-channel int4 has no ModelOpt HF form; set a group_size of 64 or 128"
-    return None
 
 
 def _int4(module: str, lin: LinearWeights) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors

@@ -59,11 +59,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+
 from kiln.compiler.trtllm.export.checkpoint_config import checkpoint_config
 from kiln.compiler.trtllm.export.source import Source, read_source
 from kiln.compiler.trtllm.rules.conformance import (
+    CHECKPOINT_ALGO,
     GROUPWISE,
     NO_EXCLUSIONS,
+    NOT_EXPORTED,
     ROWWISE,
     exclude_modules,
     padded_features,
@@ -72,27 +76,8 @@ from kiln.compiler.trtllm.rules.conformance import (
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats import nvfp4
 from kiln.runtime.formats.weights import LinearWeights, dequantize, effective_weight
-from safetensors.torch import save_file
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# Source algo → the algo the checkpoint declares.
-CHECKPOINT_ALGO = {
-    "NO_QUANT": "NO_QUANT",
-    "FP8": "FP8",
-    "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN",
-    "W4A16_AWQ": "W4A16_AWQ",
-    "W4A16_GPTQ": "W4A16_AWQ",
-    "W4A8_AWQ": "W4A8_AWQ",
-    "NVFP4": "NVFP4",
-    "W8A16": "W8A16",
-    "W4A16": "W4A16",
-    "W8A8_SQ_PER_CHANNEL": "W8A8_SQ_PER_CHANNEL",
-    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
-}
-NOT_EXPORTED = {
-    "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
-    "null (W8A16)",
-}
 INT4_AWQ = ("W4A16_AWQ", "W4A8_AWQ")  # ModelOpt's packed int4 layout
 FLOAT_WEIGHTS = ("NO_QUANT", "W8A16", "W4A16")  # trtllm-build quantises these itself
 # HF projection → (TensorRT-LLM module, tensor-parallel role)

@@ -525,3 +525,25 @@ def check_serve_options(options: dict[str, Any]) -> list[str]:
             if int(spec.get("max_draft_len") or 0) < 1:
                 problems.append(f"speculative_config.max_draft_len must be > 0 for {kind}")
     return problems
+
+
+# Source algo → the algo the checkpoint declares.
+CHECKPOINT_ALGO = {
+    "NO_QUANT": "NO_QUANT",
+    "FP8": "FP8",
+    "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN",
+    "W4A16_AWQ": "W4A16_AWQ",
+    "W4A16_GPTQ": "W4A16_AWQ",
+    "W4A8_AWQ": "W4A8_AWQ",
+    "NVFP4": "NVFP4",
+    "W8A16": "W8A16",
+    "W4A16": "W4A16",
+    "W8A8_SQ_PER_CHANNEL": "W8A8_SQ_PER_CHANNEL",
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+}
+
+
+NOT_EXPORTED = {
+    "W8A16_GPTQ": "its TensorRT-LLM layout is pre-interleaved for one GPU; use group_size: "
+    "null (W8A16)",
+}

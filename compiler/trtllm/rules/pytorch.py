@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.trtllm.rules.conformance import FLOATS, Param
 from safetensors import safe_open
+
+from kiln.compiler.trtllm.rules.conformance import FLOATS, Param
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 # _torch/model_config.py `ModelConfig.load_modelopt_quant_config` /
@@ -258,3 +259,33 @@ def check_hf_checkpoint(model_dir: Path, tp: int) -> list[str]:
                 f"{'/'.join(rule.dtypes)}{list(rule.shape)}"
             )
     return problems
+
+
+# compressed-tensors' TensorRT-LLM algo → the ModelOpt quant_algo that carries it exactly.
+CONVERTS = {"FP8": "FP8", "W4A16_AWQ": "W4A16_AWQ", "W4A16_GPTQ": "W4A16_AWQ"}
+
+
+KV_CACHE_ALGOS = ("FP8",)
+
+
+def conversion_problem(
+    algo: str, kv_algo: str | None, *, symmetric: bool, group_size: int | None
+) -> str | None:
+    """Why a compressed-tensors checkpoint of this scheme has no exact ModelOpt HF form (None:
+    it has one), judged from the recipe alone."""
+    if algo not in CONVERTS:
+        return (
+            f"{algo} from compressed-tensors has no exact ModelOpt HF form (kiln converts "
+            f"{', '.join(sorted(CONVERTS))}); quantise with backend: modelopt"
+        )
+    if kv_algo is not None and kv_algo not in KV_CACHE_ALGOS:
+        return f"a {kv_algo} KV cache: the PyTorch backend's quantised KV cache is FP8"
+    if CONVERTS[algo] == "W4A16_AWQ":
+        if not symmetric:
+            return (
+                "asymmetric int4 groups: TensorRT-LLM's W4A16 AWQ layer reads no zero points "
+                "(its GEMM runs with zeros=None); set quantization.symmetric: true"
+            )
+        if group_size is None:
+            return "per-channel int4 has no ModelOpt HF form; set a group_size of 64 or 128"
+    return None

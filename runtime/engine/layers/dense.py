@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.engine import native
 from kiln.runtime.engine.allocator import in_huge_pages
 from kiln.runtime.engine.layers.linear import Linear, bias_of, onednn_runs_bf16

@@ -37,6 +37,7 @@ its few-row limit. Elsewhere the head runs whole.
 from __future__ import annotations
 
 import torch
+
 from kiln.runtime.engine.allocator import in_huge_pages
 from kiln.runtime.engine.layers import dense
 from kiln.runtime.engine.layers.dense import DenseLinear

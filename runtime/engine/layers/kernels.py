@@ -47,6 +47,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.engine import native
 from kiln.runtime.engine.allocator import in_huge_pages
 from kiln.runtime.engine.layers.dense import DenseLinear

@@ -9,6 +9,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.formats.weights import LinearWeights, dequantize, weights_to
 
 

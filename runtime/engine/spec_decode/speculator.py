@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine.config import EngineConfig
 from kiln.runtime.engine.kv_cache import KVCacheManager, build_kv_cache

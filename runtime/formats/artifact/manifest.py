@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
-from kiln.runtime.base.errors import ArtifactError
 from pydantic import TypeAdapter, ValidationError
+
+from kiln.runtime.base.errors import ArtifactError
 
 FORMAT = "kiln-artifact"
 FORMAT_VERSION = 2

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
 from kiln.runtime.formats.checkpoint.files import TensorFiles, read_config

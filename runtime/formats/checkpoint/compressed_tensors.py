@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme, row_scales
 

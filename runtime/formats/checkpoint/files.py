@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kiln.runtime.base.errors import ArtifactError
 from safetensors import safe_open
+
+from kiln.runtime.base.errors import ArtifactError
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

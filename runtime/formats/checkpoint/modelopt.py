@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats import nvfp4, w4a8
 from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme, row_scales

@@ -14,7 +14,7 @@ from typing import Any
 from kiln.compiler.draft.speculation import Speculation, compile_draft
 from kiln.compiler.leftovers import sweep_output, sweep_user_cache
 from kiln.compiler.pipeline import ModelBuild, ModelJob, Progress, build_model, fill_artifact
-from kiln.compiler.preflight import Preflight, run_preflight
+from kiln.compiler.preflight import CompilePlan, run_preflight
 from kiln.compiler.recipe.schema import load_recipe
 from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
 from kiln.compiler.trtllm.deploy import (
@@ -82,25 +82,24 @@ def compile_recipe(
         return _run_stages(pre, cache, root, force, progress)
 
 
-def model_job(pre: Preflight) -> ModelJob:
+def model_job(pre: CompilePlan) -> ModelJob:
     """The recipe's model as a job for the pipeline."""
-    recipe = pre.recipe
     return ModelJob(
         role="",
-        name=recipe.name,
+        name=pre.recipe.name,
         source=pre.source,
         info=pre.info,
-        spec=pre.spec,
+        scheme=pre.scheme,
         calibration=pre.calibration,
-        report=recipe.report_spec(),
+        report=pre.report,
         imported=pre.imported,
-        tps=tuple(sorted({p.tp_size for p in pre.plans.values()})),
-        recipe=recipe.resolved(),
+        tps=tuple(sorted({t.tp_size for t in pre.targets.values()})),
+        recipe=pre.resolved,
     )
 
 
 def _run_stages(
-    pre: Preflight, cache: StageCache, root: Path, force: bool, progress: Progress
+    pre: CompilePlan, cache: StageCache, root: Path, force: bool, progress: Progress
 ) -> CompileResult:
     recipe = pre.recipe
     tools = versions(COMPILE_TOOLS)
@@ -113,7 +112,7 @@ def _run_stages(
                                     progress=progress)  # fmt: skip
         stages.extend(speculation.stages)
 
-    package_key = input_key("package", [s.key for s in stages], recipe.resolved(), tools,
+    package_key = input_key("package", [s.key for s in stages], pre.resolved, tools,
                             *([speculation.key] if speculation else []))  # fmt: skip
     previous = cache.lookup("package", package_key)
     if previous is not None and not force:
@@ -126,9 +125,9 @@ def _run_stages(
     manifest = model.manifest(tools, speculative=speculation.section if speculation else None)
     context = TargetContext(
         info=pre.info,
-        spec=pre.spec,
-        deploy=recipe.deploy_spec(),
-        path=recipe.config.deploy.trtllm_path,
+        scheme=pre.scheme,
+        deploy=pre.deploy,
+        path=pre.trtllm_path,
         exports={tp: model.export(tp) for tp in model.exports},
         speculative=speculation.target if speculation else None,
         model_format=model.scheme.format,
@@ -140,10 +139,10 @@ def _run_stages(
             fill_artifact(model, staging.dir)
             if speculation is not None:
                 speculation.install(staging.dir)
-            served = pytorch_checkpoint(staging.dir, context) if pre.plans else context
-            for name, target_plan in pre.plans.items():
+            served = pytorch_checkpoint(staging.dir, context) if pre.targets else context
+            for name, target in pre.targets.items():
                 progress(f"engines: {name}")
-                manifest.targets[name] = write_target(staging.dir, name, target_plan, served)
+                manifest.targets[name] = write_target(staging.dir, target, served)
             failures = [f for n, t in manifest.targets.items() for f in target_failures(n, t)]
             if failures:  # raised inside assemble: the staging directory is discarded
                 raise TargetFailure(failures, target_statuses(manifest))

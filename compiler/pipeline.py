@@ -21,10 +21,10 @@ from typing import Any
 from kiln.compiler import sources
 from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for
-from kiln.quant import calibration, schemes
+from kiln.quant import calibration
 from kiln.quant.prequantized import convert as prequantized
 from kiln.quant.prequantized.convert import PreQuantized
-from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact import (
     ExportRecord,
@@ -47,7 +47,7 @@ class ModelJob:
     name: str  # the artifact's name
     source: sources.SourceRef
     info: ModelInfo
-    spec: QuantSpec
+    scheme: Scheme  # resolved in preflight
     calibration: CalibrationSpec
     report: CalibrationSpec | None  # held-out text for the quality report; None: no report
     imported: PreQuantized | None  # a published AWQ/GPTQ checkpoint, converted as it is
@@ -171,9 +171,10 @@ def build_model(
     model_dir = src.path / src.record["model_dir"]
     stages = [src]
 
-    needs_data = job.imported is None and schemes.resolve(job.spec).needs_calibration
+    needs_data = job.imported is None and job.scheme.needs_calibration
     calib_inputs = calibration_inputs(job.calibration, needs_data)
-    quant_key = input_key("quantize", digest, dataclasses.asdict(job.spec), calib_inputs, tools)
+    spec = dataclasses.asdict(job.scheme.spec)
+    quant_key = input_key("quantize", digest, spec, calib_inputs, tools)
 
     def run_quantize(out: Path) -> dict[str, Any]:
         from kiln.quant.logs import route_library_logs_to_stderr
@@ -183,11 +184,11 @@ def build_model(
         (out / "model").mkdir()
         if job.imported is not None:
             return prequantized.convert(model_dir, out / "model").to_dict()
-        scheme = quantize(model_dir, job.spec, job.calibration, out / "model",
+        scheme = quantize(model_dir, job.scheme, job.calibration, out / "model",
                                 progress=progress)  # fmt: skip
         return scheme.to_dict()
 
-    progress(f"{who}quantize: {schemes.resolve(job.spec).name} with {job.spec.backend}")
+    progress(f"{who}quantize: {job.scheme.name} with {job.scheme.spec.backend}")
     quantized = cache.run(job.stage("quantize"), quant_key, run_quantize, force)
     stages.append(quantized)
     build = ModelBuild(job, digest, model_dir, quantized, quant_key, stages=stages)

@@ -1,4 +1,5 @@
-"""Fail before spending: check a loaded recipe completely before any weights load.
+"""Fail before spending: check a loaded recipe completely before any weights load, and
+resolve it, once, into the frozen `CompilePlan` every later stage reads.
 
 Every problem found is collected and reported at once: the model source and its
 architecture, the scheme × backend × shapes, the calibration and report data, the target
@@ -11,38 +12,50 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiln.compiler import sources
 from kiln.compiler.draft.speculation import SpeculativePlan, check_speculative
 from kiln.compiler.recipe.schema import Recipe, load_recipe
+from kiln.compiler.resolve import ResolvedScheme, resolve_scheme
 from kiln.compiler.stages import output_problem
-from kiln.compiler.trtllm.capacity import Plan, plan
+from kiln.compiler.trtllm.capacity import DeploySpec, Plan
 from kiln.compiler.trtllm.rules.support import check_target
+from kiln.compiler.trtllm.target_plan import TargetPlan, plan_target
 from kiln.compiler.trtllm.targets import PROFILES
-from kiln.quant import calibration, schemes
+from kiln.quant import calibration
 from kiln.quant.memory import estimate_calibration_bytes
-from kiln.quant.prequantized import convert as prequantized
 from kiln.quant.prequantized.convert import PreQuantized
-from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.base.errors import RecipeError, SourceError, UsageError
 from kiln.runtime.formats.model_info import ModelInfo
 
 GIB = 1 << 30
 
 
-@dataclass
-class Preflight:
-    """A recipe that passed every check, with what the checks learned on the way."""
+@dataclass(frozen=True)
+class CompilePlan:
+    """A recipe that passed every check, resolved: nothing downstream reads the recipe's
+    quantization spec or the support matrix again."""
 
     recipe: Recipe
+    resolved: dict[str, Any]  # the fully defaulted recipe (what the manifest records)
     source: sources.SourceRef
     info: ModelInfo
-    spec: QuantSpec
+    scheme: Scheme  # the model's, resolved once (or the imported checkpoint's own)
     calibration: CalibrationSpec
+    report: CalibrationSpec  # held-out text for the quality report
+    deploy: DeploySpec
+    trtllm_path: str  # deploy.trtllm_path: both | engine | pytorch
+    targets: dict[str, TargetPlan] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)
-    plans: dict[str, Plan] = field(default_factory=dict)
     imported: PreQuantized | None = None  # a pre-quantised AWQ/GPTQ source, converted as is
     speculative: SpeculativePlan | None = None  # the draft (or n-gram) to compile beside it
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        """Each target's capacity plan (`kiln plan`)."""
+        return {name: target.capacity for name, target in self.targets.items()}
 
 
 def host_memory_bytes() -> int:
@@ -50,9 +63,66 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+SourceFacts = tuple[sources.SourceRef | None, ModelInfo | None]
+
+
+def _source(recipe: Recipe, problems: list[str]) -> SourceFacts:
+    """The model source and what its config says, or the problems that stop reading it."""
+    ref: sources.SourceRef | None = None
+    try:
+        ref = sources.parse_source(recipe.config.model.source, recipe.base_dir("model.source"))
+        info = sources.inspect_source(ref)
+    except SourceError as exc:
+        # SourceError messages name the key themselves; the problem line already does.
+        problems.append(recipe.problem("model.source", exc.message.removeprefix("model.source ")))
+        return ref, None
+    problems.extend(recipe.problem("model.source", p) for p in sources.weight_problems(ref))
+    return ref, info
+
+
+def _targets(
+    recipe: Recipe, info: ModelInfo | None, quant: ResolvedScheme, problems: list[str]
+) -> dict[str, TargetPlan]:
+    """Each known target of the recipe checked for the resolved scheme on the recipe's
+    TensorRT-LLM path and planned where it runs; their problems added to `problems`."""
+    deploy, path = recipe.deploy_spec(), recipe.config.deploy.trtllm_path
+    targets: dict[str, TargetPlan] = {}
+    for index, name in enumerate(recipe.config.targets):
+        key = f"targets.{index}"
+        if name not in PROFILES:
+            known = "known targets: " + ", ".join(sorted(PROFILES))
+            problems.append(recipe.problem(key, f"unknown GPU target {name!r}", known))
+            continue
+        if quant.scheme is None:
+            problems.append(recipe.problem(key, f"cannot check {name}: the quantization "
+                                           "section does not resolve to a TensorRT-LLM scheme",
+                                           "fix the quantization problems first"))  # fmt: skip
+            continue
+        found = check_target(quant.scheme, name, path=path)
+        problems.extend(recipe.problem(key, p.problem, p.allowed) for p in found)
+        if info is None or found or not quant.usable:
+            continue
+        try:
+            target = plan_target(info, quant.scheme, name, deploy)
+        except UsageError as exc:
+            problems.append(recipe.problem("deploy", exc.message))
+            continue
+        targets[name] = target
+        if not target.capacity.fits:
+            problems.append(
+                recipe.problem(
+                    key,
+                    f"the model does not fit {name} at tp={target.tp_size} "
+                    f"for max_seq_len {deploy.max_seq_len}",
+                    "; ".join(target.capacity.suggestions) or "choose a larger GPU",
+                )
+            )
+    return targets
+
+
 def run_preflight(
     recipe: Recipe, *, check_memory: bool = True, output: Path | None = None
-) -> Preflight:
+) -> CompilePlan:
     """Check everything that can be checked without loading weights; raise RecipeError.
 
     `check_memory=False` skips the checks of the calibration host, its memory and the output
@@ -62,113 +132,68 @@ def run_preflight(
     problems: list[str] = []
     if check_memory and (problem := output_problem(output or recipe.output_dir())) is not None:
         problems.append(recipe.problem("output", problem, "a writable directory"))
-    spec = recipe.quant_spec()
-    calib = recipe.calibration_spec()
-
-    ref: sources.SourceRef | None = None
-    info: ModelInfo | None = None
-    try:
-        ref = sources.parse_source(recipe.config.model.source, recipe.base_dir("model.source"))
-        info = sources.inspect_source(ref)
-        problems.extend(recipe.problem("model.source", p) for p in sources.weight_problems(ref))
-    except SourceError as exc:
-        # SourceError messages name the key themselves; the problem line already does.
-        problems.append(recipe.problem("model.source", exc.message.removeprefix("model.source ")))
-    imported: PreQuantized | None = None
-    if info is not None:
-        arch_problems = sources.check_architecture(info)
-        problems.extend(recipe.problem("model.source", p) for p in arch_problems)
-        if not arch_problems:
-            imported = prequantized.detect(info.config)
-    if imported is not None:
-        # A published AWQ/GPTQ checkpoint: the artifact holds its scheme, converted as is.
-        for p in prequantized.check_recipe(spec, imported):
-            problems.append(recipe.problem(p.key, p.problem, p.allowed))
-        spec = imported.to_spec()
-
-    scheme_problems = schemes.check(spec, info)
-    for p in scheme_problems:
-        problems.append(recipe.problem(p.key, p.problem, p.allowed))
-    if imported is None and not scheme_problems and schemes.resolve(spec).needs_calibration:
-        for p in calibration.check(calib):
-            problems.append(recipe.problem(p.key, p.problem, p.allowed))
+    calib, resolved = recipe.calibration_spec(), recipe.resolved()
+    ref, info = _source(recipe, problems)
+    arch_problems = sources.check_architecture(info) if info is not None else []
+    problems.extend(recipe.problem("model.source", p) for p in arch_problems)
+    quant = resolve_scheme(
+        recipe, recipe.quant_spec(), info, calib, detect=info is not None and not arch_problems
+    )
+    problems += quant.problems
     for p in calibration.check(recipe.report_spec()):
         key = p.key.replace("calibration.", "report.", 1)
         problems.append(recipe.problem(key, p.problem, p.allowed))
-
-    deploy = recipe.deploy_spec()
-    plans: dict[str, Plan] = {}
-    for index, target in enumerate(recipe.config.targets):
-        key = f"targets.{index}"
-        if target not in PROFILES:
-            problems.append(
-                recipe.problem(
-                    key,
-                    f"unknown GPU target {target!r}",
-                    "known targets: " + ", ".join(sorted(PROFILES)),
-                )
-            )
-            continue
-        target_problems = check_target(spec, target, path=recipe.config.deploy.trtllm_path)
-        for p in target_problems:
-            problems.append(recipe.problem(key, p.problem, p.allowed))
-        if info is not None and not target_problems and not scheme_problems:
-            try:
-                plans[target] = plan(info, spec, PROFILES[target], deploy)
-            except UsageError as exc:
-                problems.append(recipe.problem("deploy", exc.message))
-                continue
-            if not plans[target].fits:
-                problems.append(
-                    recipe.problem(
-                        key,
-                        f"the model does not fit {target} at tp={plans[target].tp_size} "
-                        f"for max_seq_len {deploy.max_seq_len}",
-                        "; ".join(plans[target].suggestions) or "choose a larger GPU",
-                    )
-                )
+    targets = _targets(recipe, info, quant, problems)
 
     # The draft is checked like the model, its tokenizer against the model's, before any
     # calibration starts.
-    speculative, draft_problems = check_speculative(recipe, ref, info)
+    speculative, draft_problems = check_speculative(recipe, resolved, ref, info)
     problems.extend(draft_problems)
 
     memory: dict[str, int] = {}
-    if info is not None and not problems and check_memory and imported is None:
-        memory = estimate_calibration_bytes(info, spec, calib)
-        available = int(host_memory_bytes() * 0.9)  # leave room for the OS and the tokenizer
-        if memory["total"] > available:
-            problems.append(
-                recipe.problem(
-                    "calibration.num_samples",
-                    f"calibration needs about {memory['total'] / GIB:.1f} GiB but this machine has "
-                    f"{available / GIB:.1f} GiB to spare",
-                    "lower calibration.num_samples or calibration.max_seq_len, "
-                    "or run on a larger host",
-                )
-            )
+    scheme = quant.scheme
+    if info is not None and scheme is not None and not problems and check_memory:
+        memory = {} if quant.imported else estimate_calibration_bytes(info, scheme, calib)
+        problems += _memory_problems(recipe, memory) if memory else []
 
     if problems:
         raise RecipeError(problems)
-    assert ref is not None and info is not None  # no problems means both were resolved
-    return Preflight(
+    assert ref is not None and info is not None and scheme is not None  # no problems: resolved
+    return CompilePlan(
         recipe=recipe,
+        resolved=resolved,
         source=ref,
         info=info,
-        spec=spec,
+        scheme=scheme,
         calibration=calib,
+        report=recipe.report_spec(),
+        deploy=recipe.deploy_spec(),
+        trtllm_path=recipe.config.deploy.trtllm_path,
+        targets=targets,
         memory=memory,
-        plans=plans,
-        imported=imported,
+        imported=quant.imported,
         speculative=speculative,
     )
 
 
-def validate_recipe(recipe_path: str | Path) -> Recipe:
+def _memory_problems(recipe: Recipe, memory: dict[str, int]) -> list[str]:
+    """Whether calibration fits in this machine's memory."""
+    available = int(host_memory_bytes() * 0.9)  # leave room for the OS and the tokenizer
+    if memory["total"] <= available:
+        return []
+    return [
+        recipe.problem(
+            "calibration.num_samples",
+            f"calibration needs about {memory['total'] / GIB:.1f} GiB but this machine has "
+            f"{available / GIB:.1f} GiB to spare",
+            "lower calibration.num_samples or calibration.max_seq_len, or run on a larger host",
+        )
+    ]
+
+
+def validate_recipe(recipe_path: str | Path) -> CompilePlan:
     """Load and preflight a recipe without running anything (`kiln validate`)."""
-    recipe = load_recipe(recipe_path)
-    run_preflight(recipe)
-    return recipe
+    return run_preflight(load_recipe(recipe_path))
 
 
 def validate_recipe_plans(recipe_path: str | Path) -> dict[str, Plan]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kiln.quant.schemes import resolve
 from kiln.quant.selection import quantised_linears
-from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.formats.model_info import ModelInfo
 
 FP32 = 4
@@ -24,7 +23,7 @@ RUNTIME_BYTES = 550 * 2**20
 
 
 def estimate_calibration_bytes(
-    info: ModelInfo, spec: QuantSpec, calib: CalibrationSpec
+    info: ModelInfo, scheme: Scheme, calib: CalibrationSpec
 ) -> dict[str, int]:
     """Peak host bytes of calibrating `info` with `spec` on `calib`, by component.
 
@@ -47,7 +46,7 @@ def estimate_calibration_bytes(
     """
     tokens = calib.num_samples * calib.max_seq_len
     hidden, inter = info.hidden_size, info.intermediate_size
-    scheme = resolve(spec)  # raises PreflightError for a spec that check() refuses
+    spec = scheme.spec
     method, calibrated = scheme.method, scheme.needs_calibration
     linears = quantised_linears(info, spec.ignore)
     largest = max((o * i for o, i in linears.values()), default=0)

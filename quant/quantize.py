@@ -14,34 +14,23 @@ from pathlib import Path
 
 from kiln.quant import calibration as calib_data
 from kiln.quant.memory import calibration_dtype
-from kiln.quant.registry import SCHEMES, Problem
-from kiln.quant.schemes import check, resolve
-from kiln.quant.spec import CalibrationSpec, QuantSpec, Scheme
+from kiln.quant.schemes import check
+from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.base.errors import CalibrationDataError, PreflightError, StageFailure
 from kiln.runtime.base.versions import versions
 from kiln.runtime.formats.artifact import CalibrationRecord, SchemeRecord
 
-__all__ = [
-    "SCHEMES",
-    "CalibrationSpec",
-    "Problem",
-    "QuantSpec",
-    "Scheme",
-    "check",
-    "quantize",
-    "resolve",
-]
-
 
 def quantize(
     model_dir: Path,
-    spec: QuantSpec,
+    scheme: Scheme,
     calibration: CalibrationSpec,
     out_dir: Path,
     *,
     progress: Callable[[str], None] | None = None,
 ) -> SchemeRecord:
-    """Quantise the float checkpoint in `model_dir` into the empty directory `out_dir`.
+    """Quantise the float checkpoint in `model_dir` into the empty directory `out_dir` with
+    `scheme` (preflight resolved it; its `spec` carries the backend and the ignore list).
 
     Returns the manifest's `scheme` record: scheme, backend, format, TensorRT-LLM algorithm
     names, calibration data, library versions and seconds taken. Raises PreflightError or
@@ -55,10 +44,10 @@ def quantize(
     start = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     info = ModelInfo.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    problems = check(spec, info)
+    spec = scheme.spec
+    problems = check(spec, info)  # the model at hand: its shapes against the group size
     if problems:
         raise PreflightError("\n".join(str(p) for p in problems))
-    scheme = resolve(spec)
     backend = BACKENDS[spec.backend]
     quantised = scheme.name != "NO_QUANT"
     record = SchemeRecord(

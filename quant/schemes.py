@@ -195,4 +195,9 @@ def resolve(spec: QuantSpec) -> Scheme:
         needs_calibration=match.calibrated or spec.kv_cache != "none",
         trtllm_quant_algo=algo,
         trtllm_kv_cache_quant_algo=KV_CACHE[spec.kv_cache],
+        spec=spec,
     )
+
+
+# The scheme of a model kept in float (method none), for what has no quantisation of its own.
+FLOAT_SCHEME = resolve(QuantSpec())

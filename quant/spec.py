@@ -56,6 +56,7 @@ class Scheme:
     needs_calibration: bool
     trtllm_quant_algo: str
     trtllm_kv_cache_quant_algo: str | None
+    spec: QuantSpec  # what it was resolved from: the backend, ignore list and its settings
 
     @property
     def label(self) -> str:

@@ -31,19 +31,17 @@ def validate(recipe: Path, as_json: bool) -> None:
     from kiln.runtime.base.errors import RecipeError
 
     try:
-        loaded = validate_recipe(recipe)
+        plan = validate_recipe(recipe)
     except RecipeError as exc:
         if as_json:
             click.echo(json.dumps({"valid": False, "problems": exc.problems}))
             sys.exit(exc.exit_code)
         raise
     if as_json:
-        click.echo(json.dumps({"valid": True, "recipe": loaded.resolved()}))
+        click.echo(json.dumps({"valid": True, "recipe": plan.resolved}))
     else:
-        out.print(
-            f"{recipe}: ok ({loaded.name}: {loaded.quant_spec().method}, "
-            f"backend {loaded.quant_spec().backend})"
-        )
+        spec = plan.recipe.quant_spec()  # as the recipe asked, whatever an import brings
+        out.print(f"{recipe}: ok ({plan.recipe.name}: {spec.method}, backend {spec.backend})")
 
 
 @click.command()

@@ -49,14 +49,16 @@ from kiln.compiler.pipeline import (
     link_tree,
 )
 from kiln.compiler.recipe.schema import Recipe
+from kiln.compiler.resolve import resolve_scheme
 from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import SpeculativeTarget
 from kiln.compiler.trtllm.rules.support import check_target
 from kiln.compiler.trtllm.targets import PROFILES
-from kiln.quant import calibration, schemes
-from kiln.quant.prequantized import convert as prequantized
+from kiln.quant import calibration
 from kiln.quant.prequantized.convert import PreQuantized
-from kiln.quant.spec import CalibrationSpec, QuantSpec
+from kiln.quant.registry import Problem
+from kiln.quant.schemes import FLOAT_SCHEME
+from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.base.errors import SourceError
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact import SpeculativeRecord
@@ -82,14 +84,19 @@ class SpeculativePlan:
     external_draft_engine: bool = False  # also plan an engine for external draft tokens
     source: sources.SourceRef | None = None  # the draft's
     info: ModelInfo | None = None
-    spec: QuantSpec = field(default_factory=QuantSpec)
+    scheme: Scheme = FLOAT_SCHEME  # the draft's, resolved in preflight
     imported: PreQuantized | None = None  # a pre-quantised AWQ/GPTQ draft, converted as is
+    recipe_section: dict[str, Any] = field(default_factory=dict)  # speculative.draft, defaulted
 
 
 def check_speculative(
-    recipe: Recipe, target_ref: sources.SourceRef | None, target_info: ModelInfo | None
+    recipe: Recipe,
+    resolved: dict[str, Any],
+    target_ref: sources.SourceRef | None,
+    target_info: ModelInfo | None,
 ) -> tuple[SpeculativePlan | None, list[str]]:
-    """Check the `speculative:` section like the model's own; returns (plan, problems)."""
+    """Check the `speculative:` section like the model's own (`resolved`: the defaulted
+    recipe); returns (plan, problems)."""
     section = recipe.config.speculative
     if section is None:
         return None, []
@@ -101,11 +108,11 @@ def check_speculative(
         auto_max_k=section.auto_max_k,
         max_matching_ngram_size=section.max_matching_ngram_size,
         external_draft_engine=section.external_draft_engine,
+        recipe_section=(resolved.get("speculative") or {}).get("draft", {}),
     )
     draft_spec = recipe.draft_quant_spec()
     if section.draft is None or draft_spec is None:
         return out, []
-    out.spec = draft_spec
     key = "speculative.draft.source"
     problems: list[str] = []
     try:
@@ -117,33 +124,23 @@ def check_speculative(
     info = out.info
     arch_problems = sources.check_architecture(info)
     problems += [recipe.problem(key, p) for p in arch_problems]
-    quant_key = "speculative.draft.quantization"
-    out.imported = None if arch_problems else prequantized.detect(info.config)
-    if out.imported is not None:  # a published AWQ/GPTQ draft ships its own scheme
-        problems += [
-            recipe.problem(quant_key + p.key.removeprefix("quantization"), p.problem, p.allowed)
-            for p in prequantized.check_recipe(draft_spec, out.imported)
-        ]
-        draft_spec = out.spec = out.imported.to_spec()
-    scheme_problems = schemes.check(draft_spec, info)
-    problems += [
-        recipe.problem(quant_key + p.key.removeprefix("quantization"), p.problem, p.allowed)
-        for p in scheme_problems
-    ]
-    if (
-        out.imported is None
-        and not scheme_problems
-        and schemes.resolve(draft_spec).needs_calibration
-    ):
-        problems += [
-            recipe.problem(p.key, p.problem, p.allowed)
-            for p in calibration.check(recipe.calibration_spec())
-        ]
+    quant = resolve_scheme(recipe, draft_spec, info, recipe.calibration_spec(),
+                                 key="speculative.draft.quantization",
+                                 detect=not arch_problems)  # fmt: skip
+    problems += quant.problems
+    out.imported = quant.imported
+    if quant.scheme is not None:
+        out.scheme = quant.scheme
     for index, target in enumerate(recipe.config.targets):
         if target not in PROFILES:
             continue  # the model's own check names it
         path = recipe.config.deploy.trtllm_path
-        found = check_target(draft_spec, target, path=path)
+        if quant.scheme is None:
+            found = [Problem("targets", f"cannot check {target}: the quantization section "
+                             "does not resolve to a TensorRT-LLM scheme",
+                             "fix the quantization problems first")]  # fmt: skip
+        else:
+            found = check_target(quant.scheme, target, path=path)
         problems += [
             recipe.problem(f"targets.{index}", f"the draft: {p.problem}", p.allowed) for p in found
         ]
@@ -276,18 +273,17 @@ def measure_speedup(
 def draft_job(plan: SpeculativePlan, recipe: Recipe, tps: tuple[int, ...]) -> ModelJob:
     """The draft as a model to compile: its own source and scheme, the recipe's data."""
     assert plan.source is not None and plan.info is not None  # preflight resolved both
-    draft_section = (recipe.resolved().get("speculative") or {}).get("draft", {})
     return ModelJob(
         role="draft",
         name=f"{recipe.name}-draft",
         source=plan.source,
         info=plan.info,
-        spec=plan.spec,
+        scheme=plan.scheme,
         calibration=recipe.calibration_spec(),
         report=None,
         imported=plan.imported,
         tps=tps,
-        recipe={"speculative": {"draft": draft_section}, "target": recipe.name},
+        recipe={"speculative": {"draft": plan.recipe_section}, "target": recipe.name},
     )
 
 
@@ -352,7 +348,7 @@ def compile_draft(
         "draft",
         int(section.max_draft_len or 1),
         draft_dir=DRAFT_DIR,
-        spec=plan.spec,
+        scheme=plan.scheme,
         info=plan.info,
         exports={tp: draft.export(tp) for tp in job.tps},
         external_draft_engine=plan.external_draft_engine,

@@ -231,14 +231,14 @@ class Recipe:
 
     def quant_spec(self) -> QuantSpec:
         """The quantization section with per-method defaults filled in."""
-        return resolve_quantization(self.config.quantization)
+        return section_spec(self.config.quantization)
 
     def draft_quant_spec(self) -> QuantSpec | None:
         """The speculative draft's own quantization, defaulted; None without a draft."""
         spec = self.config.speculative
         if spec is None or spec.draft is None:
             return None
-        return resolve_quantization(spec.draft.quantization)
+        return section_spec(spec.draft.quantization)
 
     def calibration_spec(self) -> CalibrationSpec:
         return self._text_spec("calibration")
@@ -279,7 +279,7 @@ class Recipe:
         return data
 
 
-def resolve_quantization(q: QuantizationSection) -> QuantSpec:
+def section_spec(q: QuantizationSection) -> QuantSpec:
     """A quantization section with its method's defaults filled in."""
     filled = METHODS[q.method].fill(
         q.weight_bits, q.group_size, q.symmetric, q.activations, q.backend

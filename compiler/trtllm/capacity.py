@@ -30,10 +30,10 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kiln.compiler.trtllm.rules.support import check_algos, describe, quant_algo
+from kiln.compiler.trtllm.rules.support import check_algos, describe
 from kiln.compiler.trtllm.targets import TargetProfile
 from kiln.quant.selection import is_ignored
-from kiln.quant.spec import QuantSpec
+from kiln.quant.spec import Scheme
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.model_info import ModelInfo
 
@@ -185,31 +185,33 @@ class _Case:
     """One model × scheme × target × deploy shape, sized at any tp."""
 
     info: ModelInfo
-    spec: QuantSpec
     algo: str
     kv_algo: str | None
+    group_size: int | None
+    symmetric: bool
+    ignore: tuple[str, ...]
     target: TargetProfile
     deploy: DeploySpec
 
     def layer_bytes(self, layer: int, tp: int) -> int:
-        info, spec = self.info, self.spec
+        info = self.info
         kv_share = _kv_heads_per_gpu(info, tp) / info.num_kv_heads
         total = 2 * info.hidden_size * FLOAT16  # two norms, replicated
         for short, (out, inp) in info.linear_shapes().items():
             block = "self_attn" if short in ATTENTION else "mlp"
-            ignored = is_ignored(f"model.layers.{layer}.{block}.{short}", spec.ignore)
+            ignored = is_ignored(f"model.layers.{layer}.{block}.{short}", self.ignore)
             size = linear_bytes(out, inp, "NO_QUANT" if ignored else self.algo,
-                                spec.group_size, spec.symmetric)  # fmt: skip
+                                self.group_size, self.symmetric)  # fmt: skip
             total += int(size * kv_share) if short in ("k_proj", "v_proj") else size // tp
         return total
 
     def weights(self, tp: int) -> tuple[int, int, int]:
         """(whole model, busiest GPU, embedding table on it) in bytes."""
-        info, spec, pp = self.info, self.spec, self.deploy.pp_size
+        info, pp = self.info, self.deploy.pp_size
         embedding = info.vocab_size * info.hidden_size * FLOAT16
-        head_algo = "NO_QUANT" if is_ignored("lm_head", spec.ignore) else self.algo
-        lm_head = linear_bytes(info.vocab_size, info.hidden_size, head_algo, spec.group_size,
-                               spec.symmetric)  # fmt: skip
+        head_algo = "NO_QUANT" if is_ignored("lm_head", self.ignore) else self.algo
+        lm_head = linear_bytes(info.vocab_size, info.hidden_size, head_algo, self.group_size,
+                               self.symmetric)  # fmt: skip
         if info.tie_word_embeddings and head_algo == "NO_QUANT":
             lm_head = 0
         ln_f = info.hidden_size * FLOAT16
@@ -249,24 +251,20 @@ class _Case:
         fits = (self.fit(tp) for tp in tps if tp_valid(self.info, tp))
         return next((f for f in fits if f.fits), None)
 
-    def with_spec(self, spec: QuantSpec) -> _Case:
-        algo, _ = quant_algo(spec)
-        return replace(self, spec=spec, algo=algo, deploy=replace(self.deploy, tp_size=None))
+    def with_scheme(self, algo: str, group_size: int | None, symmetric: bool) -> _Case:
+        deploy = replace(self.deploy, tp_size=None)
+        return replace(self, algo=algo, group_size=group_size, symmetric=symmetric, deploy=deploy)
 
 
-# Smaller schemes to offer when a model does not fit, most accurate first.
-_CANDIDATES = (
-    QuantSpec(method="fp8", weight_bits=8, activations="fp8_static"),
-    QuantSpec(method="gptq", weight_bits=8, activations="none"),
-    QuantSpec(method="awq", weight_bits=4, group_size=128, symmetric=False),
-)
+# Smaller schemes to offer when a model does not fit, most accurate first, as the TensorRT-LLM
+# algorithm each recipe (describe() names it) resolves to: (algo, group size, symmetric).
+_CANDIDATES = (("FP8", None, True), ("W8A16", None, True), ("W4A16_AWQ", 128, False))
 
 
 def _smaller_scheme(case: _Case, needed: int | None) -> str | None:
     """The most accurate smaller scheme the target runs that fits on fewer GPUs."""
     for candidate in _CANDIDATES:
-        other = case.with_spec(replace(candidate, kv_cache=case.spec.kv_cache,
-                                       ignore=case.spec.ignore))  # fmt: skip
+        other = case.with_scheme(*candidate)
         if _weight_bits(other.algo) >= _weight_bits(case.algo):
             continue
         paths = [p for p in ("engine", "pytorch")
@@ -300,13 +298,14 @@ def _suggestions(case: _Case, chosen: _Fit) -> list[str]:
     return out
 
 
-def plan(info: ModelInfo, spec: QuantSpec, target: TargetProfile, deploy: DeploySpec) -> Plan:
-    """Memory, capacity and cost of serving `info` quantised by `spec` on `target`.
+def plan(info: ModelInfo, scheme: Scheme, target: TargetProfile, deploy: DeploySpec) -> Plan:
+    """Memory, capacity and cost of serving `info` quantised with `scheme` on `target`.
 
     With `deploy.tp_size` None the smallest tp that fits is chosen (tp=8 when none does).
     """
-    algo, kv_algo = quant_algo(spec)
-    case = _Case(info, spec, algo, kv_algo, target, deploy)
+    algo, kv_algo = scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
+    case = _Case(info, algo, kv_algo, scheme.group_size, scheme.symmetric, scheme.spec.ignore,
+                 target, deploy)  # fmt: skip
     if deploy.tp_size is not None and not tp_valid(info, deploy.tp_size):
         works = " or ".join(str(t) for t in TP_CHOICES if tp_valid(info, t))
         raise UsageError(f"deploy.tp_size: {deploy.tp_size} cannot split the model's "

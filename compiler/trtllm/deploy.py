@@ -44,10 +44,10 @@ from kiln.compiler.trtllm.rules.conformance import (
     pytorch_problem,
 )
 from kiln.compiler.trtllm.rules.pytorch import HF_ALGOS, check_hf_checkpoint
-from kiln.compiler.trtllm.rules.support import check_target
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
-from kiln.compiler.trtllm.targets import PROFILES
-from kiln.quant.spec import QuantSpec
+from kiln.compiler.trtllm.target_plan import TargetPlan
+from kiln.quant.schemes import FLOAT_SCHEME
+from kiln.quant.spec import Scheme
 from kiln.runtime.base.errors import KilnError, StageFailure
 from kiln.runtime.formats.artifact import (
     MODEL_DIR,
@@ -87,7 +87,7 @@ class SpeculativeTarget:
     method: str  # draft | ngram
     max_draft_len: int
     draft_dir: str | None = None  # artifact-relative nested draft artifact (method draft)
-    spec: QuantSpec = field(default_factory=QuantSpec)  # the draft's scheme
+    scheme: Scheme = FLOAT_SCHEME  # the draft's
     info: ModelInfo | None = None  # the draft's shapes
     exports: dict[int, ExportRecord] = field(default_factory=dict)  # the draft's, per tp
     ngram_size: int = 3  # method ngram: max_matching_ngram_size
@@ -101,7 +101,7 @@ class TargetContext:
     """What every target of one artifact shares: the model, its scheme, how it is deployed."""
 
     info: ModelInfo
-    spec: QuantSpec
+    scheme: Scheme
     deploy: DeploySpec
     path: str = "both"  # the recipe's deploy.trtllm_path: both | engine | pytorch
     exports: dict[int, ExportRecord] = field(default_factory=dict)  # `trtllm/tp<N>/`, per tp
@@ -192,8 +192,9 @@ def _unsupported(problems: list[Any]) -> str:
     return "unsupported: " + "; ".join(f"{p.problem} (use {p.allowed})" for p in problems)
 
 
-def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> TargetRecord:
+def write_target(root: Path, target: TargetPlan, ctx: TargetContext) -> TargetRecord:
     """Fill `root/engines/<name>/` (root is the artifact being assembled) and say what it holds."""
+    name, plan = target.name, target.capacity
     engine_dir = root / ENGINES_DIR / name
     engine_dir.mkdir(parents=True)
     (engine_dir / "plan.json").write_text(json_dumps(plan.to_dict()))
@@ -204,7 +205,7 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
     if speculative is not None:
         record.speculative = TargetSpeculation(speculative.method, speculative.max_draft_len)
 
-    engine_problems = check_target(ctx.spec, name, path="engine")
+    engine_problems = list(target.engine_problems)
     if ctx.path == "pytorch":
         record.engine = "skipped: deploy.trtllm_path is pytorch"
     elif engine_problems:
@@ -212,9 +213,9 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
     elif export.unsupported is not None:
         record.engine = f"unsupported: {export.unsupported}"
     else:
-        record.engine = _build(root, name, plan, ctx, record)
+        record.engine = _build(root, target, ctx, record)
 
-    pytorch_problems = check_target(ctx.spec, name, path="pytorch")
+    pytorch_problems = list(target.pytorch_problems)
     loads = ctx.served_problem or pytorch_problem(ctx.model_format, ctx.quant_algo)
     if loads is None and ctx.model_format == "modelopt" and ctx.quant_algo in HF_ALGOS:
         tp_rules = check_hf_checkpoint(root / ctx.served_dir, plan.tp_size)
@@ -235,7 +236,7 @@ def write_target(root: Path, name: str, plan: Plan, ctx: TargetContext) -> Targe
     elif pytorch_problems:
         record.pytorch = _unsupported(pytorch_problems)
     else:
-        options = serve_options(ctx.spec, ctx.deploy, plan, **_serve_speculation(speculative))
+        options = serve_options(ctx.scheme, ctx.deploy, plan, **_serve_speculation(speculative))
         problems = check_serve_options(options)
         if problems:
             record.pytorch = "unsupported: conformance: " + "; ".join(problems)
@@ -267,13 +268,14 @@ def _draft_build(root: Path, name: str, plan: Plan, speculative: SpeculativeTarg
         root / str(speculative.draft_dir) / checkpoint_dir(plan.tp_size),
         root / ENGINES_DIR / name / "draft-engine",
         tp_size=plan.tp_size,
-        spec=speculative.spec,
+        scheme=speculative.scheme,
         info=speculative.info,
     )
 
 
-def _build(root: Path, name: str, plan: Plan, ctx: TargetContext, record: TargetRecord) -> str:
+def _build(root: Path, target: TargetPlan, ctx: TargetContext, record: TargetRecord) -> str:
     """Plan the engine build, run it where this machine can, and record the outcome."""
+    name, plan = target.name, target.capacity
     engine_dir = root / ENGINES_DIR / name / "engine"
     speculative = ctx.speculative
     if speculative is not None and not speculative.external_draft_engine:
@@ -290,7 +292,7 @@ def _build(root: Path, name: str, plan: Plan, ctx: TargetContext, record: Target
         extra = {"--speculative_decoding_mode": "draft_tokens_external",
                  "--max_draft_len": str(speculative.max_draft_len)}  # fmt: skip
     try:
-        build = build_plan(ctx.info, ctx.spec, PROFILES[name], ctx.deploy, plan,
+        build = build_plan(ctx.info, ctx.scheme, target.profile, ctx.deploy, plan,
                            root / checkpoint_dir(plan.tp_size), engine_dir, draft=draft,
                            extra_args=extra)  # fmt: skip
     except BuildPlanError as exc:

@@ -24,12 +24,12 @@ import yaml
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan
 from kiln.compiler.trtllm.rules.support import check_algos
 from kiln.compiler.trtllm.targets import get_profile
-from kiln.quant.spec import QuantSpec
+from kiln.quant.spec import Scheme
 from kiln.runtime.base.errors import PreflightError
 
 
 def serve_options(
-    spec: QuantSpec,
+    scheme: Scheme,
     deploy: DeploySpec,
     plan: Plan,
     *,
@@ -65,7 +65,7 @@ def serve_options(
         "enable_block_reuse": True,
         "tokens_per_block": deploy.tokens_per_block,
     }
-    if spec.kv_cache == "fp8":
+    if scheme.kv_cache == "fp8":
         kv_cache["dtype"] = "fp8"
     options: dict[str, Any] = {
         "tensor_parallel_size": plan.tp_size,

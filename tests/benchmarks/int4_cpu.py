@@ -29,8 +29,9 @@ from collections.abc import Callable
 import torch
 
 from kiln.runtime.engine import native
-from kiln.runtime.engine.layers import kernels
-from kiln.runtime.engine.layers.kernels import Int4Linear, make_linear
+from kiln.runtime.engine.layers import int4
+from kiln.runtime.engine.layers.int4 import Int4Linear
+from kiln.runtime.engine.layers.kernels import make_linear
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_linear import SHAPES, STREAM_BYTES
@@ -39,14 +40,14 @@ from tests.benchmarks.runtime_linear import SHAPES, STREAM_BYTES
 PATHS = {"torch int4pack": (False, False), "kiln int4": (True, False)}
 AMX_PATH = {"kiln int4 + AMX": (True, True)}
 GROUP = 64
-_ON_AMX = kernels.on_amx_tiles
+_ON_AMX = int4.on_amx_tiles
 
 
 def take_kiln(path: tuple[bool, bool]) -> None:
     """Layers and engines built from here on run `path`."""
     on_kiln, on_amx = path
-    kernels.int4_on_kiln = lambda device: on_kiln
-    kernels.on_amx_tiles = lambda device, dtype: on_amx and _ON_AMX(device, dtype)
+    int4.int4_on_kiln = lambda device: on_kiln
+    int4.on_amx_tiles = lambda device, dtype: on_amx and _ON_AMX(device, dtype)
 
 
 def int4_layer(n: int, k: int, path: tuple[bool, bool]) -> Int4Linear:

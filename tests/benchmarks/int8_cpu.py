@@ -22,9 +22,10 @@ from functools import partial
 
 import torch
 
-from kiln.runtime.engine.layers import kernels
+from kiln.runtime.engine.layers import int8
 from kiln.runtime.engine.layers.dense import DenseLinear
-from kiln.runtime.engine.layers.kernels import Int8Linear, make_linear
+from kiln.runtime.engine.layers.int8 import Int8Linear
+from kiln.runtime.engine.layers.kernels import make_linear
 from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme
 from tests.benchmarks.cpu_comparison import machine
 from tests.benchmarks.runtime_linear import SHAPES, cpu_ms
@@ -34,7 +35,7 @@ PATHS = {"_int_mm": True, "bf16 panels": False}  # name: whether `_int_mm` is ta
 
 def take_int_mm(int_mm: bool) -> None:
     """Layers built from here on take `_int_mm` (True) or the bf16 panels (False)."""
-    kernels.int8_gemm_native = lambda flags=None: int_mm
+    int8.int8_gemm_native = lambda flags=None: int_mm
 
 
 def int8_layer(n: int, k: int, int_mm: bool) -> Int8Linear:

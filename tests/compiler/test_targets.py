@@ -6,11 +6,13 @@ import json
 
 import pytest
 
-from kiln.compiler.trtllm.rules.support import check_algos, check_target, quant_algo
+from kiln.compiler.preflight import run_preflight
+from kiln.compiler.recipe.schema import load_recipe
+from kiln.compiler.trtllm.rules.support import check_algos, check_target
 from kiln.compiler.trtllm.targets import PROFILES, TargetProfile, get_profile
-from kiln.quant.schemes import Problem
+from kiln.quant.schemes import Problem, resolve
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.errors import RecipeError, UsageError
 
 FP8 = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static")
 FP8_DYNAMIC = QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic")
@@ -134,11 +136,12 @@ def test_a_new_gpu_is_one_entry_and_takes_its_family_support():
     ],
 )  # fmt: skip
 def test_quant_spec_maps_to_trtllm_quant_algo_and_kv_cache_algo(spec, expected):
-    assert quant_algo(spec) == expected
+    scheme = resolve(spec)
+    assert (scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo) == expected
 
 
 def test_fp8_on_a100_says_why_and_what_would_work():
-    problems = check_target(FP8, "a100-80gb")
+    problems = check_target(resolve(FP8), "a100-80gb")
     assert len(problems) == 1 and isinstance(problems[0], Problem)
     problem = problems[0]
     assert problem.key == "quantization.method"
@@ -148,8 +151,8 @@ def test_fp8_on_a100_says_why_and_what_would_work():
 
 
 def test_fp8_kv_cache_alone_runs_on_ampere():
-    assert check_target(QuantSpec(method="gptq", weight_bits=4, group_size=128,
-                                  kv_cache="fp8"), "a100-80gb") == []  # fmt: skip
+    assert check_target(resolve(QuantSpec(method="gptq", weight_bits=4, group_size=128,
+                                  kv_cache="fp8")), "a100-80gb") == []  # fmt: skip
 
 
 def test_nvfp4_on_hopper_points_to_blackwell():
@@ -160,25 +163,25 @@ def test_nvfp4_on_hopper_points_to_blackwell():
 def test_awq_on_b200_fails_on_both_paths():
     # The PyTorch backend has no INT4 weight-only kernels on sm100, and trtllm-build refuses
     # weight-only schemes on SM 100-119 (tensorrt_llm/builder.py).
-    (problem,) = check_target(AWQ, "b200", path="pytorch")
+    (problem,) = check_target(resolve(AWQ), "b200", path="pytorch")
     assert "PyTorch" in problem.problem and "sm100" in problem.problem
     assert "FP8 (method: fp8)" in problem.allowed and "NVFP4" in problem.allowed
-    (engine,) = check_target(AWQ, "b200", path="engine")
+    (engine,) = check_target(resolve(AWQ), "b200", path="engine")
     assert "engine path" in engine.problem
-    assert len(check_target(AWQ, "b200")) == 1
+    assert len(check_target(resolve(AWQ), "b200")) == 1
 
 
 def test_smoothquant_needs_the_engine_path():
-    assert check_target(SMOOTHQUANT, "h100-sxm", path="engine") == []
-    (problem,) = check_target(SMOOTHQUANT, "h100-sxm", path="pytorch")
+    assert check_target(resolve(SMOOTHQUANT), "h100-sxm", path="engine") == []
+    (problem,) = check_target(resolve(SMOOTHQUANT), "h100-sxm", path="pytorch")
     assert "SmoothQuant" in problem.problem and "engines" in problem.problem
 
 
 def test_int8_kv_cache_on_the_pytorch_path_is_a_kv_cache_problem():
     spec = QuantSpec(method="smoothquant", weight_bits=8, activations="int8_static",
                      kv_cache="int8")  # fmt: skip
-    assert check_target(spec, "l40s", path="engine") == []
-    problems = check_target(spec, "l40s", path="pytorch")
+    assert check_target(resolve(spec), "l40s", path="engine") == []
+    problems = check_target(resolve(spec), "l40s", path="pytorch")
     kv = [p for p in problems if p.key == "quantization.kv_cache"]
     assert len(kv) == 1 and "INT8" in kv[0].problem and "fp8" in kv[0].allowed
 
@@ -186,22 +189,33 @@ def test_int8_kv_cache_on_the_pytorch_path_is_a_kv_cache_problem():
 def test_fp8_with_fp8_kv_cache_runs_everywhere_from_ada_on():
     spec = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static", kv_cache="fp8")
     for name, profile in PROFILES.items():
-        assert (check_target(spec, name) == []) == (profile.compute_capability >= (8, 9)), name
+        assert (check_target(resolve(spec), name) == []) == (
+            profile.compute_capability >= (8, 9)
+        ), name
 
 
 def test_unknown_target_is_a_problem_listing_the_known_ones():
-    (problem,) = check_target(FP8, "tpu-v5")
+    (problem,) = check_target(resolve(FP8), "tpu-v5")
     assert problem.key == "targets" and "h200" in problem.allowed
 
 
 def test_unknown_path_is_a_usage_error():
     with pytest.raises(UsageError):
-        check_target(FP8, "h100-sxm", path="tensorrt")
+        check_target(resolve(FP8), "h100-sxm", path="tensorrt")
 
 
-def test_spec_without_a_trtllm_scheme_is_reported_not_raised():
-    (problem,) = check_target(QuantSpec(method="gptq", weight_bits=3), "h100-sxm")
-    assert problem.key == "targets"
+def test_spec_without_a_trtllm_scheme_is_reported_not_raised(tmp_path, tiny_llama):
+    # check_target takes a resolved scheme; a spec that resolves to none is preflight's to
+    # report, per target, beside the quantization problem itself.
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"name: no-scheme\nmodel:\n  source: {tiny_llama}\nquantization:\n  method: awq\n"
+        "  activations: int8_dynamic\ntargets: [h100-sxm]\n"
+    )
+    with pytest.raises(RecipeError) as raised:
+        run_preflight(load_recipe(recipe))
+    (problem,) = [p for p in raised.value.problems if "h100-sxm" in p]
+    assert "targets.0: cannot check h100-sxm" in problem
 
 
 def test_profile_to_dict_is_json_with_the_support_matrix():

@@ -31,6 +31,7 @@ from kiln.compiler.trtllm.build.plan import (
 from kiln.compiler.trtllm.capacity import DeploySpec, plan
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
 from kiln.compiler.trtllm.targets import get_profile
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import PreflightError
 from kiln.runtime.formats.model_info import ModelInfo
@@ -54,8 +55,10 @@ TRTLLM_12 = BuildEnvironment("1.2.1", "10.13.3.9", "12.9", (H100_HERE,))
 
 
 def _plan(spec, target, deploy, tmp_path, info=LLAMA_32_1B, **kw):
-    p = plan(info, spec, target, deploy)
-    return build_plan(info, spec, target, deploy, p, tmp_path / "ckpt", tmp_path / "engine", **kw)
+    p = plan(info, resolve(spec), target, deploy)
+    return build_plan(
+        info, resolve(spec), target, deploy, p, tmp_path / "ckpt", tmp_path / "engine", **kw
+    )
 
 
 def _problems(excinfo) -> str:
@@ -374,8 +377,10 @@ def test_engine_compatibility_names_both_sides_and_the_rebuild_command(tmp_path,
 
 def test_serve_yaml_for_fp8_kv_parses_back_with_llm_api_keys(tmp_path):
     deploy = DeploySpec(max_seq_len=8192, max_batch_size=64, kv_free_fraction=0.85)
-    p = plan(LLAMA_32_1B, FP8_KV, H100, deploy)
-    path = write_serve_config(tmp_path / "serve" / "options.yaml", serve_options(FP8_KV, deploy, p))
+    p = plan(LLAMA_32_1B, resolve(FP8_KV), H100, deploy)
+    path = write_serve_config(
+        tmp_path / "serve" / "options.yaml", serve_options(resolve(FP8_KV), deploy, p)
+    )
     assert yaml.safe_load(path.read_text()) == {
         "tensor_parallel_size": 1,
         "pipeline_parallel_size": 1,
@@ -390,8 +395,8 @@ def test_serve_yaml_for_fp8_kv_parses_back_with_llm_api_keys(tmp_path):
 
 def test_serve_yaml_with_a_draft_has_a_draft_target_speculative_config(tmp_path):
     deploy = DeploySpec(max_seq_len=16384, max_batch_size=8, max_num_tokens=4096)
-    p = plan(LLAMA_32_1B, AWQ, L40S, deploy)
-    options = serve_options(AWQ, deploy, p, draft_dir=tmp_path / "draft", max_draft_len=5)
+    p = plan(LLAMA_32_1B, resolve(AWQ), L40S, deploy)
+    options = serve_options(resolve(AWQ), deploy, p, draft_dir=tmp_path / "draft", max_draft_len=5)
     loaded = yaml.safe_load(write_serve_config(tmp_path / "o.yaml", options).read_text())
     assert loaded["speculative_config"] == {
         "decoding_type": "DraftTarget",
@@ -407,8 +412,8 @@ def test_serve_options_refuse_an_int8_kv_cache_the_pytorch_backend_lacks():
     spec = QuantSpec(method="smoothquant", weight_bits=8, activations="int8_dynamic",
                      kv_cache="int8")  # fmt: skip
     deploy = DeploySpec(max_seq_len=4096)
-    p = plan(LLAMA_32_1B, spec, H100, deploy)
+    p = plan(LLAMA_32_1B, resolve(spec), H100, deploy)
     with pytest.raises(PreflightError) as e:
-        serve_options(spec, deploy, p)
+        serve_options(resolve(spec), deploy, p)
     assert "INT8 KV cache does not run on h100-sxm on the PyTorch path" in e.value.message
     assert "SmoothQuant only in TensorRT engines" in e.value.message

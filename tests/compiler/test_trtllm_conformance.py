@@ -22,6 +22,7 @@ from kiln.compiler.trtllm.rules.conformance import (
     pytorch_problem,
 )
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.formats.artifact import TargetRecord
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
@@ -34,7 +35,7 @@ DOWN_0 = r"re:model\.layers\.0\.mlp\.down_proj$"
 
 
 def _quantised(model: Path, spec: QuantSpec, out: Path) -> Path:
-    quantize(model, spec, CALIBRATION, out)
+    quantize(model, resolve(spec), CALIBRATION, out)
     return out
 
 
@@ -131,10 +132,9 @@ def test_the_pytorch_backend_loads_modelopt_exports_not_weight_only_compressed_t
 def test_the_pytorch_fix_suggests_modelopt_only_to_a_recipe_not_using_it(
     spec: QuantSpec, suggests_modelopt: bool
 ) -> None:
-    from kiln.compiler.trtllm.rules.support import quant_algo
     from kiln.quant.backends import BACKENDS
 
-    why = pytorch_problem(BACKENDS[spec.backend].format, quant_algo(spec)[0])
+    why = pytorch_problem(BACKENDS[spec.backend].format, resolve(spec).trtllm_quant_algo)
     assert why is not None
     assert ("backend: modelopt" in why) is suggests_modelopt
     if not suggests_modelopt:  # another scheme, or the engine path
@@ -271,7 +271,7 @@ def quantised_arch(tmp_path_factory, tiny_llama, tiny_qwen2):
     def get(arch: str, mode: str) -> Path:
         if (arch, mode) not in made:
             out = tmp_path_factory.mktemp(f"{arch}-{mode}")
-            quantize(models[arch], SPECS[mode], CALIBRATION, out)
+            quantize(models[arch], resolve(SPECS[mode]), CALIBRATION, out)
             made[arch, mode] = out
         return made[arch, mode]
 
@@ -308,8 +308,8 @@ def test_the_serve_options_kiln_writes_are_llm_api_arguments(speculation):
     from tests.compiler.test_trtllm_build import FP8_KV, LLAMA_32_1B
 
     deploy = DeploySpec(max_seq_len=8192, max_batch_size=64)
-    p = plan(LLAMA_32_1B, FP8_KV, get_profile("h100-sxm"), deploy)
-    assert check_serve_options(serve_options(FP8_KV, deploy, p, **speculation)) == []
+    p = plan(LLAMA_32_1B, resolve(FP8_KV), get_profile("h100-sxm"), deploy)
+    assert check_serve_options(serve_options(resolve(FP8_KV), deploy, p, **speculation)) == []
 
 
 def test_serve_options_outside_the_llm_api_are_named():

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import UsageError
 
@@ -39,7 +40,7 @@ def quantised(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Cal
     def get(mode: str) -> Path:
         if mode not in made:
             out = tmp_path_factory.mktemp(f"q-{mode}")
-            quantize(tiny_llama, SPECS[mode], CALIBRATION, out)
+            quantize(tiny_llama, resolve(SPECS[mode]), CALIBRATION, out)
             made[mode] = out
         return made[mode]
 
@@ -204,7 +205,7 @@ def test_float_checkpoint_exports_without_quantisation(exported):
 
 def test_modes_without_a_portable_layout_are_refused(tiny_llama, tmp_path):
     spec = QuantSpec(method="gptq", weight_bits=8, group_size=64)
-    quantize(tiny_llama, spec, CALIBRATION, tmp_path / "q")
+    quantize(tiny_llama, resolve(spec), CALIBRATION, tmp_path / "q")
     with pytest.raises(UsageError) as err:
         export_checkpoint(tmp_path / "q", tmp_path / "trt")
     assert "W8A16_GPTQ" in err.value.message and "group_size: null" in err.value.message

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from kiln.compiler.trtllm.export.modelopt_hf import convert_to_modelopt_hf
 from kiln.compiler.trtllm.rules.pytorch import check_hf_checkpoint
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import UsageError
 from tests.compiler.test_trtllm_export import reference_weights
@@ -48,7 +49,7 @@ def converted(tmp_path_factory, tiny_llama, tiny_qwen2) -> Callable[[str, str], 
     def get(arch: str, mode: str) -> tuple[Path, Path]:
         if (arch, mode) not in made:
             root = tmp_path_factory.mktemp(f"hf-{arch}-{mode}")
-            quantize(models[arch], SPECS[mode], CALIBRATION, root / "ct")
+            quantize(models[arch], resolve(SPECS[mode]), CALIBRATION, root / "ct")
             convert_to_modelopt_hf(root / "ct", root / "hf")
             made[arch, mode] = (root / "ct", root / "hf")
         return made[arch, mode]
@@ -203,7 +204,7 @@ def test_qwen2_biases_and_float_tensors_are_copied_as_stored(converted):
     ],
 )
 def test_schemes_that_do_not_map_one_to_one_are_refused(tiny_llama, tmp_path, spec, why):
-    quantize(tiny_llama, spec, CALIBRATION, tmp_path / "ct")
+    quantize(tiny_llama, resolve(spec), CALIBRATION, tmp_path / "ct")
     with pytest.raises(UsageError, match=why):
         convert_to_modelopt_hf(tmp_path / "ct", tmp_path / "hf")
 
@@ -343,10 +344,10 @@ def test_validate_accepts_on_the_pytorch_path_exactly_the_schemes_that_convert()
     from kiln.compiler.trtllm.rules.support import check_target
 
     fp8_kv, awq = SPECS["fp8_kv"], QuantSpec(method="awq", weight_bits=4, group_size=128)
-    assert check_target(fp8_kv, "h100-sxm", path="pytorch") == []
-    assert check_target(awq, "l40s", path="pytorch") == []
-    assert check_target(SPECS["gptq"], "a100-80gb", path="pytorch") == []
-    (why,) = check_target(QuantSpec(method="gptq", weight_bits=8), "l40s", path="pytorch")
+    assert check_target(resolve(fp8_kv), "h100-sxm", path="pytorch") == []
+    assert check_target(resolve(awq), "l40s", path="pytorch") == []
+    assert check_target(resolve(SPECS["gptq"]), "a100-80gb", path="pytorch") == []
+    (why,) = check_target(resolve(QuantSpec(method="gptq", weight_bits=8)), "l40s", path="pytorch")
     assert "nor does kiln convert it exactly: W8A16 from compressed-tensors" in why.problem
 
 
@@ -356,7 +357,7 @@ def test_tied_embeddings_and_a_float_down_proj_convert_as_excluded_modules(tmp_p
     model = make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
     ignore = ("lm_head", r"re:model\.layers\.1\.mlp\.down_proj$")
     spec = QuantSpec(method="gptq", weight_bits=4, group_size=64, ignore=ignore)
-    quantize(model, spec, CALIBRATION, tmp_path / "ct")
+    quantize(model, resolve(spec), CALIBRATION, tmp_path / "ct")
     section = convert_to_modelopt_hf(tmp_path / "ct", tmp_path / "hf")
     assert "model.layers.1.mlp.down_proj" in section["exclude_modules"]
     assert check_hf_checkpoint(tmp_path / "hf", 2) == []

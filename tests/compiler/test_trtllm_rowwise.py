@@ -14,6 +14,7 @@ import torch
 from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import UsageError
 from tests.compiler.test_compile import kiln
@@ -34,7 +35,7 @@ def rowwise(tmp_path_factory, tiny_llama, tiny_qwen2):
     def get(arch: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
         if (arch, ignore) not in made:
             out = tmp_path_factory.mktemp(f"rowwise-{arch}")
-            quantize(models[arch], replace(ROWWISE, ignore=ignore), CALIBRATION, out)
+            quantize(models[arch], resolve(replace(ROWWISE, ignore=ignore)), CALIBRATION, out)
             made[arch, ignore] = out
         return made[arch, ignore]
 
@@ -135,7 +136,7 @@ def test_rowwise_exclusions_naming_a_linear_or_splitting_norm_and_block_are_name
 
 def test_a_per_tensor_fp8_checkpoint_declared_rowwise_fails_conformance(tiny_llama, tmp_path):
     spec = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static")
-    quantize(tiny_llama, spec, CALIBRATION, tmp_path / "q")
+    quantize(tiny_llama, resolve(spec), CALIBRATION, tmp_path / "q")
     export_checkpoint(tmp_path / "q", tmp_path / "trt")
     path = tmp_path / "trt" / "config.json"
     config = json.loads(path.read_text())

@@ -14,6 +14,7 @@ import yaml
 
 from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_serve_options
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from tests.compiler.test_compile import kiln
 
@@ -27,7 +28,12 @@ def quantised_per_arch(
     def get(arch: str) -> Path:
         if arch not in made:
             made[arch] = tmp_path_factory.mktemp(f"{label}-{arch}")
-            quantize(models[arch], spec, CalibrationSpec(num_samples=4, max_seq_len=32), made[arch])
+            quantize(
+                models[arch],
+                resolve(spec),
+                CalibrationSpec(num_samples=4, max_seq_len=32),
+                made[arch],
+            )
         return made[arch]
 
     return get

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 
 CALIBRATION = CalibrationSpec(dataset="builtin:licenses", num_samples=8, max_seq_len=64)
@@ -60,7 +61,7 @@ def quantised(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Qua
     def get(key: str) -> tuple[Path, dict[str, Any]]:
         if key not in made:
             out = tmp_path_factory.mktemp(key)
-            made[key] = (out, quantize(tiny_llama, SPECS[key], CALIBRATION, out))
+            made[key] = (out, quantize(tiny_llama, resolve(SPECS[key]), CALIBRATION, out))
         return made[key]
 
     return get

@@ -117,7 +117,7 @@ def test_ignored_linears_stay_float(tiny_llama: Path, tmp_path: Path, backend: s
         ignore=("lm_head", "down_proj", r"re:.*layers\.1\.self_attn\.q_proj$"),
         backend=backend,
     )
-    quantize(tiny_llama, spec, CALIBRATION, tmp_path)
+    quantize(tiny_llama, resolve(spec), CALIBRATION, tmp_path)
     tensors = _tensors(tmp_path)
     for name in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"):
         assert tensors[f"{name}.weight"].dtype == torch.float32
@@ -126,7 +126,7 @@ def test_ignored_linears_stay_float(tiny_llama: Path, tmp_path: Path, backend: s
 
 
 def test_method_none_copies_the_float_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
-    record = quantize(tiny_llama, QuantSpec(), CALIBRATION, tmp_path)
+    record = quantize(tiny_llama, resolve(QuantSpec()), CALIBRATION, tmp_path)
     assert record.scheme == "NO_QUANT" and record.format == "float"
     for src in tiny_llama.iterdir():
         assert (tmp_path / src.name).read_bytes() == src.read_bytes()
@@ -135,7 +135,7 @@ def test_method_none_copies_the_float_checkpoint(tiny_llama: Path, tmp_path: Pat
 def test_quantize_refuses_before_loading(tiny_llama: Path, tmp_path: Path) -> None:
     spec = QuantSpec(method="gptq", weight_bits=4, group_size=32, backend="modelopt")
     with pytest.raises(PreflightError, match="modelopt cannot produce W4A16_GPTQ"):
-        quantize(tiny_llama, spec, CALIBRATION, tmp_path)
+        quantize(tiny_llama, resolve(spec), CALIBRATION, tmp_path)
     assert not any(tmp_path.iterdir())
 
 

@@ -23,7 +23,9 @@ import torch
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.runtime import Engine
 from kiln.runtime.base.errors import ArtifactError
-from kiln.runtime.engine.layers.kernels import Fp8Linear, Int4Linear, Int8Linear
+from kiln.runtime.engine.layers.fp8 import Fp8Linear
+from kiln.runtime.engine.layers.int4 import Int4Linear
+from kiln.runtime.engine.layers.int8 import Int8Linear
 from kiln.runtime.engine.layers.linear import PreScaledLinear
 from tests.quant.conftest import Quantised
 from tests.runtime.conftest import assert_close_to_reference

@@ -19,9 +19,10 @@ from safetensors import safe_open
 
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime import Engine
-from kiln.runtime.engine.layers.kernels import Nvfp4Linear
+from kiln.runtime.engine.layers.nvfp4 import Nvfp4Linear
 from kiln.runtime.formats import nvfp4
 from kiln.runtime.formats.checkpoint import open_checkpoint
 from kiln.runtime.formats.weights import dequantize
@@ -38,7 +39,7 @@ def _one_thread() -> None:
 @pytest.fixture(scope="module")
 def exported(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nvfp4")
-    quantize(tiny_llama, NVFP4, CalibrationSpec(num_samples=8, max_seq_len=64), out)
+    quantize(tiny_llama, resolve(NVFP4), CalibrationSpec(num_samples=8, max_seq_len=64), out)
     return out
 
 

@@ -22,6 +22,7 @@ from kiln.compiler import sources
 from kiln.quant.prequantized import convert as prequantized
 from kiln.quant.prequantized.convert import PreQuantized
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import SourceError
 from tests.prequantized import (
@@ -268,7 +269,7 @@ def test_config_and_tensors_are_laid_out_as_llm_compressor_writes_them(
 ) -> None:
     spec = QuantSpec(method="gptq", weight_bits=4, group_size=64, symmetric=False)
     calibration = CalibrationSpec(dataset="builtin:licenses", num_samples=2, max_seq_len=32)
-    quantize(tiny_llama, spec, calibration, tmp_path / "llmc")
+    quantize(tiny_llama, resolve(spec), calibration, tmp_path / "llmc")
     theirs = json.loads((tmp_path / "llmc" / "config.json").read_text())["quantization_config"]
     ours = json.loads((checkpoints("awq-g64")[1] / "config.json").read_text())[
         "quantization_config"

@@ -9,7 +9,7 @@ import pytest
 from kiln.compiler.recipe.schema import (
     QuantizationSection,
     load_recipe,
-    resolve_quantization,
+    section_spec,
 )
 from kiln.quant.registry import GROUP_SIZES, METHODS, SCHEMES, group_size_problem
 from kiln.quant.schemes import check
@@ -24,15 +24,13 @@ def test_every_scheme_belongs_to_registered_methods_and_every_method_has_a_schem
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_method_with_every_key_left_to_its_defaults_can_work(method: str) -> None:
-    spec = resolve_quantization(QuantizationSection(method=method))
+    spec = section_spec(QuantizationSection(method=method))
     assert check(spec) == []
 
 
 def test_gptq_at_8_bits_defaults_to_one_scale_per_output_channel() -> None:
-    assert resolve_quantization(QuantizationSection(method="gptq")).group_size == 128
-    assert (
-        resolve_quantization(QuantizationSection(method="gptq", weight_bits=8)).group_size is None
-    )
+    assert section_spec(QuantizationSection(method="gptq")).group_size == 128
+    assert section_spec(QuantizationSection(method="gptq", weight_bits=8)).group_size is None
 
 
 @pytest.mark.parametrize("group_size", [16, 48, 256])
@@ -57,7 +55,7 @@ def test_the_recipe_and_the_check_refuse_a_group_size_in_the_same_words(
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
 def test_the_group_sizes_kiln_takes_pass_both(group_size: int) -> None:
     q = QuantizationSection(method="gptq", group_size=group_size)
-    assert check(resolve_quantization(q)) == []
+    assert check(section_spec(q)) == []
 
 
 def test_weight_bits_are_refused_together_with_every_other_schema_problem(

@@ -10,6 +10,7 @@ import pytest
 from kiln.quant.calibration import load_texts
 from kiln.quant.layer_report import quantization_report
 from kiln.quant.quantize import quantize
+from kiln.quant.schemes import resolve
 from kiln.quant.spec import QuantSpec
 from tests.quant.conftest import CALIBRATION, HELD_OUT, Quantised
 
@@ -65,7 +66,7 @@ def test_modelopt_exports_are_read_back(report: Any, key: str) -> None:
 
 
 def test_float_copy_agrees_exactly(tiny_llama: Path, tmp_path: Path) -> None:
-    quantize(tiny_llama, QuantSpec(), CALIBRATION, tmp_path)
+    quantize(tiny_llama, resolve(QuantSpec()), CALIBRATION, tmp_path)
     result = quantization_report(tiny_llama, tmp_path, load_texts(HELD_OUT), max_seq_len=32)
     assert result["format"] == "float" and result["layers"] == []
     assert result["kl_mean"] == pytest.approx(0, abs=1e-6)

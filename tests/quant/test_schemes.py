@@ -259,17 +259,19 @@ def test_modelopt_refuses_what_it_lacks(spec: QuantSpec, key: str) -> None:
 def test_memory_estimate_for_smollm2_gptq() -> None:
     spec = QuantSpec(method="gptq", weight_bits=4, group_size=64)
     calib = CalibrationSpec(num_samples=64, max_seq_len=256)
-    parts = estimate_calibration_bytes(SMOLLM2, spec, calib)
+    parts = estimate_calibration_bytes(SMOLLM2, resolve(spec), calib)
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
     assert 530e6 < parts["weights"] < 560e6  # 134.5M parameters in fp32, plus scratch
     assert parts["hessians"] == (6 * 576**2 + 1536**2) * 4
     assert parts["awq"] == 0
     awq = estimate_calibration_bytes(
-        SMOLLM2, QuantSpec(method="awq", weight_bits=4, group_size=64), calib
+        SMOLLM2, resolve(QuantSpec(method="awq", weight_bits=4, group_size=64)), calib
     )
     assert awq["awq"] > 0 and awq["hessians"] == 0
     dynamic = estimate_calibration_bytes(
-        SMOLLM2, QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic"), calib
+        SMOLLM2,
+        resolve(QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic")),
+        calib,
     )
     assert dynamic["activations"] == 0  # no calibration pass at all
     assert 1.0e9 < parts["total"] < 1.6e9  # measured peak RSS: 1277 MiB (1.34e9)

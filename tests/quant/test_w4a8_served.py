@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from kiln.quant.backends.modelopt import load_checkpoint
 from kiln.quant.calibration import load_texts, tokenize
 from kiln.runtime import Engine
-from kiln.runtime.engine.layers.kernels import Fp8Linear
+from kiln.runtime.engine.layers.fp8 import Fp8Linear
 from kiln.runtime.engine.layers.linear import PreScaledLinear
 from kiln.runtime.formats.checkpoint import open_checkpoint
 from kiln.runtime.formats.weights import (

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kiln.runtime import Engine, SamplingParams
-from kiln.runtime.engine.layers.kernels import Fp8Linear, Int8Linear
+from kiln.runtime.engine.layers.fp8 import Fp8Linear
+from kiln.runtime.engine.layers.int8 import Int8Linear
 from tests.runtime.conftest import logprobs_of, prompt_ids
 
 pytestmark = [

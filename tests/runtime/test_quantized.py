@@ -28,15 +28,12 @@ import torch
 from kiln.runtime import Engine
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.engine import native
-from kiln.runtime.engine.layers import kernels
-from kiln.runtime.engine.layers.kernels import (
-    Fp8Linear,
-    Int4Linear,
-    Int8GroupLinear,
-    Int8Linear,
-    Int8WeightLinear,
-    make_linear,
-)
+from kiln.runtime.engine.layers import int4 as int4_layers
+from kiln.runtime.engine.layers import int8 as int8_layers
+from kiln.runtime.engine.layers.fp8 import Fp8Linear
+from kiln.runtime.engine.layers.int4 import Int4Linear
+from kiln.runtime.engine.layers.int8 import Int8GroupLinear, Int8Linear, Int8WeightLinear
+from kiln.runtime.engine.layers.kernels import make_linear
 from kiln.runtime.formats.checkpoint.compressed_tensors import unpack
 from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, WeightScheme, dequantize
 from tests.runtime.conftest import (
@@ -111,7 +108,7 @@ def test_weights_stay_quantised_in_memory(quantized: Callable[[str], Path]) -> N
     assert isinstance(int4, Int4Linear) and int4.packed.dtype == torch.uint8
     assert int4.packed.numel() == 512 * 128 // 2  # two 4-bit codes per byte
     assert isinstance(int8, Int8Linear)
-    if kernels.int8_on_panels(torch.device("cpu")):  # no VNNI: the codes, exact, as bf16
+    if int8_layers.int8_on_panels(torch.device("cpu")):  # no VNNI: the codes, exact, as bf16
         assert int8.codes_t is None and int8.panels is not None
         assert int8.panels.dtype == torch.bfloat16
     else:
@@ -290,8 +287,8 @@ def test_kiln_int4_pack_refuses_codes_outside_four_bits() -> None:
 
 
 def test_int4_decode_is_kiln_wherever_its_kernels_load() -> None:
-    assert kernels.int4_on_kiln(torch.device("cpu")) == native.avx2_kernels_available()
-    assert not kernels.int4_on_kiln(torch.device("cuda"))
+    assert int4_layers.int4_on_kiln(torch.device("cpu")) == native.avx2_kernels_available()
+    assert not int4_layers.int4_on_kiln(torch.device("cuda"))
 
 
 @needs_amx_kernels
@@ -323,7 +320,7 @@ def test_int4_amx_kernel_is_amx_linear_on_the_dequantised_bf16_weight(
     packed, held = ops.int4_amx_pack(codes, scale, zero, group)
     got = ops.int4_amx_linear(x, packed, held, rows, group)
     assert torch.equal(got, ops.amx_linear(x, ops.amx_pack(weight), rows, None))
-    assert torch.equal(kernels._unpack_int4_amx(packed, rows), codes)
+    assert torch.equal(int4_layers._unpack_int4_amx(packed, rows), codes)
 
 
 @needs_amx_kernels
@@ -379,7 +376,9 @@ def test_int4_layer_decodes_alike_on_either_kernel(monkeypatch: pytest.MonkeyPat
     for dtype in (torch.float32, torch.bfloat16):
         layers = {}
         for on_kiln in (True, False):
-            monkeypatch.setattr(kernels, "int4_on_kiln", lambda device, on_kiln=on_kiln: on_kiln)
+            monkeypatch.setattr(
+                int4_layers, "int4_on_kiln", lambda device, on_kiln=on_kiln: on_kiln
+            )
             layers[on_kiln] = make_linear([w], dtype, torch.device("cpu"))
             assert isinstance(layers[on_kiln], Int4Linear)
             assert (layers[on_kiln].kiln_sz is not None) == on_kiln
@@ -521,9 +520,9 @@ def test_column_slices_keep_their_groups_and_refuse_to_cut_one() -> None:
 
 
 def test_int8_gemm_is_native_only_with_vnni() -> None:
-    assert kernels.int8_gemm_native("fpu sse2 avx2 avx512f avx512_vnni")
-    assert kernels.int8_gemm_native("fpu avx2 avx_vnni")
-    assert not kernels.int8_gemm_native("fpu sse2 avx fma avx2")  # Zen 3: `_int_mm` is a loop
+    assert int8_layers.int8_gemm_native("fpu sse2 avx2 avx512f avx512_vnni")
+    assert int8_layers.int8_gemm_native("fpu avx2 avx_vnni")
+    assert not int8_layers.int8_gemm_native("fpu sse2 avx fma avx2")  # Zen 3: `_int_mm` is a loop
 
 
 @needs_avx2_kernels
@@ -546,7 +545,7 @@ def test_w8a8_native_quantising_and_scaling_give_torchs_bits(
         input_scale=None if dynamic else torch.tensor(0.02),
         bias=torch.randn(96, generator=generator),
     )
-    monkeypatch.setattr(kernels, "int8_gemm_native", lambda: vnni)
+    monkeypatch.setattr(int8_layers, "int8_gemm_native", lambda: vnni)
     for dtype in (torch.float32, torch.bfloat16):
         layer = make_linear([w], dtype, torch.device("cpu"))
         assert isinstance(layer, Int8Linear) and (layer.panels is None) == vnni
@@ -579,7 +578,7 @@ def test_w8a8_without_vnni_multiplies_the_same_integers(
     )
     layers = {}
     for vnni in (True, False):
-        monkeypatch.setattr(kernels, "int8_gemm_native", lambda vnni=vnni: vnni)
+        monkeypatch.setattr(int8_layers, "int8_gemm_native", lambda vnni=vnni: vnni)
         layers[vnni] = make_linear([w], torch.float32, torch.device("cpu"))
         assert isinstance(layers[vnni], Int8Linear)
     assert layers[True].codes_t is not None and layers[False].panels is not None

@@ -40,10 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan, tp_valid
-from kiln.compiler.trtllm.rules.support import check_target, quant_algo
+from kiln.compiler.trtllm.rules.support import check_target
 from kiln.compiler.trtllm.targets import TargetProfile
 from kiln.quant.registry import Problem
-from kiln.quant.spec import QuantSpec
+from kiln.quant.schemes import FLOAT_SCHEME
+from kiln.quant.spec import Scheme
 from kiln.runtime.base.errors import PreflightError
 from kiln.runtime.base.versions import version
 from kiln.runtime.formats.model_info import ModelInfo
@@ -75,7 +76,7 @@ class DraftBuild:
     checkpoint_dir: Path
     engine_dir: Path
     tp_size: int = 1
-    spec: QuantSpec = field(default_factory=QuantSpec)  # how the draft was quantised
+    scheme: Scheme = FLOAT_SCHEME  # how the draft was quantised
     info: ModelInfo | None = None  # its shapes, to check tp_size
 
 
@@ -295,10 +296,10 @@ def check_build_args(args: Args, target: TargetProfile) -> list[BuildProblem]:
     return problems
 
 
-def _quant_problems(spec: QuantSpec, target: TargetProfile, who: str) -> list[BuildProblem]:
+def _quant_problems(scheme: Scheme, target: TargetProfile, who: str) -> list[BuildProblem]:
     """The support matrix's engine-path verdict (it holds builder.py's SM 100 refusals too)."""
     return [BuildProblem(f"{who}{p.key}", p.problem, p.allowed)
-            for p in check_target(spec, target.name, path="engine")]  # fmt: skip
+            for p in check_target(scheme, target.name, path="engine")]  # fmt: skip
 
 
 def _tp_problems(info: ModelInfo, tp: int, who: str) -> list[BuildProblem]:
@@ -336,7 +337,7 @@ def _checkpoint_problems(
 
 def build_plan(
     info: ModelInfo,
-    spec: QuantSpec,
+    scheme: Scheme,
     target: TargetProfile,
     deploy: DeploySpec,
     plan: Plan,
@@ -353,9 +354,9 @@ def build_plan(
     optional; None for a bare switch) and is pre-checked like the rest. With `draft`, the
     target is built for externally drafted tokens and a second plan builds the draft engine.
     """
-    algo, kv_algo = quant_algo(spec)
+    algo, kv_algo = scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
     world = plan.tp_size * plan.pp_size
-    problems = _quant_problems(spec, target, "")
+    problems = _quant_problems(scheme, target, "")
     problems += _tp_problems(info, plan.tp_size, "deploy.")
     if not plan.fits:
         problems.append(BuildProblem("deploy", f"the model does not fit {target.name} at "
@@ -371,8 +372,8 @@ def build_plan(
     problems += check_build_args(args, target)
     draft_plan = None
     if draft:
-        d_algo, d_kv = quant_algo(draft.spec)
-        problems += _quant_problems(draft.spec, target, "draft.")
+        d_algo, d_kv = draft.scheme.trtllm_quant_algo, draft.scheme.trtllm_kv_cache_quant_algo
+        problems += _quant_problems(draft.scheme, target, "draft.")
         if draft.info is not None:
             problems += _tp_problems(draft.info, draft.tp_size, "draft.")
         problems += _checkpoint_problems(draft.checkpoint_dir, draft.tp_size, d_algo, d_kv,

@@ -25,9 +25,7 @@ from kiln.compiler.trtllm.targets import (
 )
 from kiln.quant.backends import BACKENDS
 from kiln.quant.registry import Problem
-from kiln.quant.schemes import resolve
-from kiln.quant.spec import QuantSpec
-from kiln.runtime.base.errors import KilnError
+from kiln.quant.spec import Scheme
 
 FP8_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A8_AWQ"})
 
@@ -36,16 +34,6 @@ FP4_ALGOS = frozenset({"NVFP4", "W4A8_NVFP4_FP8", "W4A8_MXFP4_FP8", "W4A16_MXFP4
 
 
 INT4_ALGOS = frozenset({"W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W4A8_AWQ"})
-
-
-def quant_algo(spec: QuantSpec) -> tuple[str, str | None]:
-    """TensorRT-LLM (QuantAlgo, KV cache quant algo) names for a kiln QuantSpec.
-
-    The mapping itself lives with the schemes (`quant.schemes.resolve`); a spec that
-    resolves to nothing raises its PreflightError (a UsageError).
-    """
-    scheme = resolve(spec)
-    return scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
 
 
 # Each QuantAlgo kiln can produce: (short name, how a recipe asks for it).
@@ -133,11 +121,12 @@ def check_algos(
     return problems
 
 
-def _unloadable(spec: QuantSpec, algo: str, path: str) -> str | None:
-    """Why what kiln writes for `spec` cannot be loaded on `path` (None: it can), judged
+def _unloadable(scheme: Scheme, path: str) -> str | None:
+    """Why what kiln writes for `scheme` cannot be loaded on `path` (None: it can), judged
     from the recipe alone: the engine path needs kiln's checkpoint export of the scheme, the
     PyTorch path a checkpoint format its loader reads (conformance.pytorch_problem), or
     an exact ModelOpt HF conversion of it (modelopt_hf.conversion_problem)."""
+    algo, spec = scheme.trtllm_quant_algo, scheme.spec
     if path == "engine":
         if algo in NOT_EXPORTED:
             return f"{algo} has no TensorRT-LLM checkpoint export: {NOT_EXPORTED[algo]}"
@@ -147,15 +136,15 @@ def _unloadable(spec: QuantSpec, algo: str, path: str) -> str | None:
     why = None if fmt is None else pytorch_problem(fmt, algo)
     if why is None or fmt != "compressed-tensors":
         return why
-    kv_algo = quant_algo(spec)[1]
     converts = conversion_problem(
-        algo, kv_algo, symmetric=spec.symmetric, group_size=spec.group_size
-    )
+        algo, scheme.trtllm_kv_cache_quant_algo, symmetric=spec.symmetric,
+        group_size=spec.group_size,
+    )  # fmt: skip
     return None if converts is None else f"{why}; nor does kiln convert it exactly: {converts}"
 
 
-def check_target(spec: QuantSpec, target_name: str, path: str = "both") -> list[Problem]:
-    """Everything that stops `spec` running on GPU `target_name`; empty when it can.
+def check_target(scheme: Scheme, target_name: str, path: str = "both") -> list[Problem]:
+    """Everything that stops `scheme` running on GPU `target_name`; empty when it can.
 
     `path`: engine (TensorRT-LLM 1.2.x engines), pytorch (trtllm-serve) or both.
     """
@@ -163,21 +152,16 @@ def check_target(spec: QuantSpec, target_name: str, path: str = "both") -> list[
         check_path(path)
     if target_name not in PROFILES:
         return [Problem("targets", f"unknown GPU target {target_name!r}", ", ".join(PROFILES))]
-    try:
-        algo, kv_algo = quant_algo(spec)
-    except KilnError:  # quant.schemes.check reports what is wrong with the spec itself
-        return [Problem("targets", f"cannot check {target_name}: the quantization section "
-                        "does not resolve to a TensorRT-LLM scheme", "fix the quantization "
-                        "problems first")]  # fmt: skip
+    algo, kv_algo = scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
     problems = check_algos(algo, kv_algo, PROFILES[target_name], path)
     paths = PATHS if path == "both" else (path,)
-    blocked = {p: why for p in paths if (why := _unloadable(spec, algo, p)) is not None}
+    blocked = {p: why for p in paths if (why := _unloadable(scheme, p)) is not None}
     if not problems and len(blocked) == len(paths):
         where = "; ".join(f"{PATH_LABELS[p]}: {why}" for p, why in blocked.items())
         problems.append(Problem("deploy.trtllm_path", f"{target_name}, {where}",
                                 "quantization.backend: modelopt for the PyTorch path, or a "
                                 "scheme kiln exports for the engine path"))  # fmt: skip
-    why = group_problem(algo, spec.group_size)
+    why = group_problem(algo, scheme.spec.group_size)
     if why is not None:
         sizes = " or ".join(map(str, INT4_GROUP_SIZES))
         problems.append(Problem("quantization.group_size", f"quantization.{why} ({target_name})",

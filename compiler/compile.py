@@ -15,7 +15,7 @@ from kiln.compiler.draft.speculation import Speculation, compile_draft
 from kiln.compiler.leftovers import sweep_output, sweep_user_cache
 from kiln.compiler.pipeline import ModelBuild, ModelJob, Progress, build_model, fill_artifact
 from kiln.compiler.preflight import CompilePlan, run_preflight
-from kiln.compiler.recipe.schema import load_recipe
+from kiln.compiler.recipe.recipe import load_recipe
 from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
 from kiln.compiler.trtllm.deploy import (
     TargetContext,

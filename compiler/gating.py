@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.compile import CompileResult
-from kiln.compiler.recipe.schema import Recipe
+from kiln.compiler.recipe.recipe import Recipe
 from kiln.compiler.stages import input_key
 from kiln.gates.measure.sides import SideSpec, resolve_side
 from kiln.gates.releases import Registry

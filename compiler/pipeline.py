@@ -23,7 +23,7 @@ from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for
 from kiln.quant import calibration
 from kiln.quant.prequantized import convert as prequantized
-from kiln.quant.prequantized.convert import PreQuantized
+from kiln.quant.prequantized.detect import PreQuantized
 from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact import (

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler import sources
-from kiln.compiler.draft.speculation import SpeculativePlan, check_speculative
-from kiln.compiler.recipe.schema import Recipe, load_recipe
+from kiln.compiler.draft.check import SpeculativePlan, check_speculative
+from kiln.compiler.recipe.recipe import Recipe, load_recipe
 from kiln.compiler.resolve import ResolvedScheme, resolve_scheme
 from kiln.compiler.stages import output_problem
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan
@@ -25,7 +25,7 @@ from kiln.compiler.trtllm.target_plan import TargetPlan, plan_target
 from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant import calibration
 from kiln.quant.memory import estimate_calibration_bytes
-from kiln.quant.prequantized.convert import PreQuantized
+from kiln.quant.prequantized.detect import PreQuantized
 from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.base.errors import RecipeError, SourceError, UsageError
 from kiln.runtime.formats.model_info import ModelInfo

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.compiler.recipe.schema import Recipe
+from kiln.compiler.recipe.recipe import Recipe
 from kiln.quant import calibration, schemes
-from kiln.quant.prequantized import convert as prequantized
-from kiln.quant.prequantized.convert import PreQuantized
+from kiln.quant.prequantized.detect import PreQuantized, check_recipe
+from kiln.quant.prequantized.detect import detect as detect_prequantized
 from kiln.quant.spec import CalibrationSpec, QuantSpec, Scheme
 from kiln.runtime.base.errors import PreflightError
 from kiln.runtime.formats.model_info import ModelInfo
@@ -48,9 +48,9 @@ def resolve_scheme(
         problems.append(recipe.problem(key + problem_key.removeprefix("quantization"), problem,
                                        allowed))  # fmt: skip
 
-    imported = prequantized.detect(info.config) if detect and info is not None else None
+    imported = detect_prequantized(info.config) if detect and info is not None else None
     if imported is not None:  # a published AWQ/GPTQ checkpoint ships its own scheme
-        for p in prequantized.check_recipe(spec, imported):
+        for p in check_recipe(spec, imported):
             add(p.key, p.problem, p.allowed)
         spec = imported.to_spec()
     scheme_problems = schemes.check(spec, info)

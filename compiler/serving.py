@@ -117,7 +117,7 @@ def resolve_model(
 
 def engine_problems(engine_dir: Path, env: Any) -> list[str]:
     """Why a built TensorRT-LLM engine cannot run here (empty: it can)."""
-    from kiln.compiler.trtllm.build.plan import check_engine_compatible, read_engine_stamp
+    from kiln.compiler.trtllm.build.stamp import check_engine_compatible, read_engine_stamp
 
     if not env.gpus:
         stamp = read_engine_stamp(engine_dir) or {}
@@ -138,7 +138,8 @@ def engine_problems(engine_dir: Path, env: Any) -> list[str]:
 def choose_backend(kind: str, model: ServedModel, env: Any = None) -> tuple[str, Path | None, str]:
     """(`native` or `trtllm`, the engine directory for trtllm, why). Raises UsageError when
     `--backend trtllm` cannot run here, with built-for vs found and the rebuild command."""
-    from kiln.compiler.trtllm.build.plan import ENGINE_STAMP, detect_environment
+    from kiln.compiler.trtllm.build.host import detect_environment
+    from kiln.compiler.trtllm.build.stamp import ENGINE_STAMP
     from kiln.runtime.server.backends.trtllm import trtllm_available
 
     if kind == "native":

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.base.errors import ArtifactError, UsageError, VerdictFailure
+from kiln.gates.channel_rules import require_passing_run, rollback_step
+from kiln.runtime.base.errors import ArtifactError, UsageError
 from kiln.runtime.formats.artifact import json_dumps, load_manifest
 from kiln.runtime.formats.artifact.verified import Mode, verify_artifact
 
@@ -292,7 +293,7 @@ class Registry:
             fixed = state["baseline_rule"] == "fixed"
             required = state["baseline_digest"] if fixed else current
             why = "its fixed baseline" if fixed else "what it serves now"
-            self._require_passing_run(db, path, manifest.name, digest, channel, required, why,
+            require_passing_run(db, path, manifest.name, digest, channel, required, why,
                                       gate_run)  # fmt: skip
             self._upsert_artifact(db, path)
             db.execute(
@@ -301,62 +302,13 @@ class Registry:
             )
             return self._event(db, channel, digest, current, "promote", reason, actor)
 
-    def _require_passing_run(
-        self,
-        db: sqlite3.Connection,
-        path: Path,
-        name: str,
-        digest: str,
-        channel: str,
-        required: str | None,
-        why: str,
-        run_id: int | None = None,
-    ) -> None:
-        refusal = f"{path}: refusing to promote {name} ({digest[:12]}) to {channel}"
-        if run_id is not None:
-            _require_run(db, run_id, refusal, digest, channel, required, why)
-        gated = db.execute(
-            "SELECT baseline, baseline_kind, passed FROM gate_runs WHERE candidate_digest = ? "
-            "AND baseline != candidate_digest",
-            (digest,),
-        ).fetchall()
-        # An empty channel: only a run against the float source opens it.
-        runs = [r for r in gated if required is not None or r["baseline_kind"] == "source"]
-        if any(r["passed"] and (required is None or r["baseline"] == required) for r in runs):
-            return
-        if required is None:
-            against, hint = "against its float source", "<the float source checkpoint>"
-        else:
-            row = db.execute("SELECT path FROM artifacts WHERE digest = ?", (required,)).fetchone()
-            against, hint = f"against {required[:12]}", row["path"] if row else required
-        fix = f"run `kiln gate {path} --baseline {hint}` first"
-        if not gated:
-            raise UsageError(f"{refusal}: it has never been gated; {fix}")
-        if not runs:
-            kinds = ", ".join(sorted({f"{r['baseline_kind']} {r['baseline'][:12]}" for r in gated}))
-            raise UsageError(
-                f"{refusal}: {channel} serves nothing yet, so it opens only with a passing gate "
-                f"run against the float source (the model before quantisation), and this "
-                f"artifact was gated only against {kinds}; {fix}"
-            )
-        if required is not None and not any(r["baseline"] == required for r in runs):
-            others = ", ".join(sorted({r["baseline"][:12] for r in runs}))
-            raise UsageError(
-                f"{refusal}: {channel} requires a passing gate run {against} ({why}), "
-                f"but it was gated only against {others}; {fix}"
-            )
-        raise VerdictFailure(
-            f"{refusal}: its gate runs {against} failed; fix the candidate or the gate "
-            f"thresholds, then {fix}"
-        )
-
     def rollback(
         self, channel: str, reason: str = "", actor: str | None = None, verify: Mode = "fast"
     ) -> dict[str, Any]:
         """Move the channel back to the artifact it served before its current one, once that
         artifact verifies against the digest the channel recorded for it."""
         actor = actor or default_actor()
-        target, _ = self._rollback_step(self._db, channel)
+        target, _ = rollback_step(self._db, channel)
         row = self._db.execute("SELECT path FROM artifacts WHERE digest = ?", (target,)).fetchone()
         where = Path(row["path"]) if row else None
         if where is None or not where.is_dir():
@@ -368,7 +320,7 @@ class Registry:
         action = f"roll {channel} back to it"
         verify_artifact(where, mode=verify, expect_digest=target, action=action)
         with self._write() as db:
-            now_target, current = self._rollback_step(db, channel)
+            now_target, current = rollback_step(db, channel)
             if now_target != target:
                 raise UsageError(
                     f"channel {channel}: it changed while {target[:12]} was being verified; "
@@ -379,28 +331,6 @@ class Registry:
                 (target, _now(), channel),
             )
             return self._event(db, channel, target, current, "rollback", reason, actor)
-
-    @staticmethod
-    def _rollback_step(db: sqlite3.Connection, channel: str) -> tuple[str, str]:
-        """(the digest a rollback moves `channel` to, the one it serves now)."""
-        state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
-        if state is None:
-            raise UsageError(f"channel {channel}: no such channel; `kiln registry ls` lists them")
-        stack: list[str] = []
-        for event in db.execute(
-            "SELECT action, digest FROM promotion_events WHERE channel = ? ORDER BY id",
-            (channel,),
-        ):
-            if event["action"] == "promote":
-                stack.append(event["digest"])
-            elif stack:
-                stack.pop()
-        if len(stack) < 2:
-            raise UsageError(
-                f"channel {channel}: nothing to roll back to (it has served only "
-                f"{stack[0][:12] if stack else 'nothing'}); promote an artifact instead"
-            )
-        return stack[-2], stack[-1]
 
     @staticmethod
     def _event(
@@ -428,45 +358,6 @@ class Registry:
             event,
         )
         return event
-
-
-def _require_run(
-    db: sqlite3.Connection,
-    run_id: int,
-    refusal: str,
-    digest: str,
-    channel: str,
-    required: str | None,
-    why: str,
-) -> None:
-    """Refuse (`refusal` names the artifact and channel) unless gate run `run_id` judged this
-    candidate against what `channel` requires now (`required`, because `why`): read inside
-    the write transaction, so a promotion since the gate started shows here."""
-    run = db.execute(
-        "SELECT candidate_digest, baseline, baseline_kind, passed FROM gate_runs WHERE id = ?",
-        (run_id,),
-    ).fetchone()
-    if run is None or run["candidate_digest"] != digest:
-        raise UsageError(
-            f"{refusal}: gate run {run_id} is not a gate run of this artifact; gate it and "
-            "promote then"
-        )
-    judged = f"{run['baseline_kind']} {run['baseline'][:12]}"
-    if not run["passed"]:
-        raise VerdictFailure(f"{refusal}: gate run {run_id} against {judged} failed")
-    if required is None and run["baseline_kind"] != "source":
-        raise UsageError(
-            f"{refusal}: gate run {run_id} judged it against {judged}, but {channel} serves "
-            "nothing now, so it opens only with a pass against the float source; gate it "
-            "against its source and promote then"
-        )
-    if required is not None and run["baseline"] != required:
-        raise UsageError(
-            f"{refusal}: gate run {run_id} judged it against {judged}, but {channel} now "
-            f"requires a pass against {required[:12]} ({why}): the channel changed since "
-            f"the gate started; gate it against {required[:12]} (`kiln compile --promote "
-            f"{channel}` again does) and promote then"
-        )
 
 
 def _channel_state(row: sqlite3.Row) -> ChannelState:

@@ -41,8 +41,6 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -52,12 +50,9 @@ from pydantic import (
 from kiln.gates.decide.rules import GatePolicy, default_policy
 from kiln.gates.measure.replay import ReplaySettings
 from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.strict import StrictModel
 
 DEFAULT_TASKS = ["kiln_ppl", "kiln_cloze", "kiln_next_word"]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # A threshold: a number, "off" (reported, not gated), or null/omitted (the scheme's default).
@@ -70,7 +65,7 @@ Positive = Annotated[float, Field(gt=0.0)]
 _NEVER_OFF = {"recovery", "margin", "confidence", "power"}  # parameters of a rule, not checks
 
 
-class ThresholdsSection(_Strict):
+class ThresholdsSection(StrictModel):
     """Overrides of the policy's thresholds; null or a key left out keeps the default."""
 
     recovery: float | None = Field(None, gt=0.0, le=2.0)
@@ -130,7 +125,7 @@ _POLICY_FIELDS = {
 }
 
 
-class DivergenceSection(_Strict):
+class DivergenceSection(StrictModel):
     """Next-token KL on held-out text (top-k logprobs from both sides): texts are taken in
     order, each cut to `max_seq_len` tokens, until `tokens` positions are scored (or
     `num_texts` texts, when set, or the texts run out)."""
@@ -145,7 +140,7 @@ class DivergenceSection(_Strict):
     top_k: int = Field(20, ge=1, le=1000)
 
 
-class ShadowSection(_Strict):
+class ShadowSection(StrictModel):
     """Replay of recorded traffic for the shadow comparison; relative paths are relative to
     the gate file."""
 
@@ -161,7 +156,7 @@ class ShadowSection(_Strict):
         return ReplaySettings(**self.model_dump(exclude={"traffic", "timeout_s"}))
 
 
-class GatesSection(_Strict):
+class GatesSection(StrictModel):
     """What the gate measures and the thresholds it applies."""
 
     baseline: str = "source"

@@ -11,8 +11,10 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kiln.quant import calibration as calib_data
+from kiln.quant.backends.base import Backend, QuantJob
 from kiln.quant.memory import calibration_dtype
 from kiln.quant.schemes import check
 from kiln.quant.spec import CalibrationSpec, Scheme
@@ -37,7 +39,7 @@ def quantize(
     CalibrationDataError for a spec or data that cannot work (before loading the model) and
     StageFailure when the quantisation library fails.
     """
-    from kiln.quant.backends import BACKENDS, QuantJob
+    from kiln.quant.backends import BACKENDS
     from kiln.runtime.formats.model_info import ModelInfo
 
     say = progress or (lambda _msg: None)
@@ -49,22 +51,8 @@ def quantize(
     if problems:
         raise PreflightError("\n".join(str(p) for p in problems))
     backend = BACKENDS[spec.backend]
-    quantised = scheme.name != "NO_QUANT"
-    record = SchemeRecord(
-        scheme=scheme.name,
-        label=scheme.label,
-        backend=backend.name,
-        format=backend.format if quantised else "float",
-        trtllm_quant_algo=scheme.trtllm_quant_algo,
-        trtllm_kv_cache_quant_algo=scheme.trtllm_kv_cache_quant_algo,
-        group_size=scheme.group_size,
-        symmetric=scheme.symmetric,
-        activations=scheme.activations,
-        kv_cache=scheme.kv_cache,
-        ignore=list(spec.ignore),
-        versions=versions(("torch", "transformers", *(backend.packages if quantised else ()))),
-    )
-    if not quantised:
+    record = scheme_record(scheme, backend)
+    if scheme.name == "NO_QUANT":
         say("method none: copying the float checkpoint")
         shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
         record.seconds = round(time.perf_counter() - start, 3)
@@ -85,16 +73,7 @@ def quantize(
     model.eval()
     samples: list[list[int]] = []
     if scheme.needs_calibration:
-        texts = calib_data.load_texts(calibration, tokenizer)
-        samples = calib_data.tokenize(texts, tokenizer, calibration.max_seq_len)
-        record.calibration = CalibrationRecord(
-            dataset=calibration.dataset,
-            digest=calib_data.dataset_digest(calibration),
-            num_samples=len(samples),
-            tokens=sum(map(len, samples)),
-            max_seq_len=calibration.max_seq_len,
-            seed=calibration.seed,
-        )
+        samples, record.calibration = calibration_samples(calibration, tokenizer)
         say(f"calibrating {scheme.label} with {backend.name} on {len(samples)} samples")
     else:
         say(f"quantising {scheme.label} with {backend.name} (no calibration data needed)")
@@ -112,3 +91,39 @@ def quantize(
         shutil.copy2(source_generation, out_dir / "generation_config.json")
     record.seconds = round(time.perf_counter() - start, 3)
     return record
+
+
+def scheme_record(scheme: Scheme, backend: Backend) -> SchemeRecord:
+    """The manifest's `scheme` record of what `backend` makes of `scheme` (before timing and
+    calibration are known)."""
+    quantised = scheme.name != "NO_QUANT"
+    return SchemeRecord(
+        scheme=scheme.name,
+        label=scheme.label,
+        backend=backend.name,
+        format=backend.format if quantised else "float",
+        trtllm_quant_algo=scheme.trtllm_quant_algo,
+        trtllm_kv_cache_quant_algo=scheme.trtllm_kv_cache_quant_algo,
+        group_size=scheme.group_size,
+        symmetric=scheme.symmetric,
+        activations=scheme.activations,
+        kv_cache=scheme.kv_cache,
+        ignore=list(scheme.spec.ignore),
+        versions=versions(("torch", "transformers", *(backend.packages if quantised else ()))),
+    )
+
+
+def calibration_samples(
+    calibration: CalibrationSpec, tokenizer: Any
+) -> tuple[list[list[int]], CalibrationRecord]:
+    """The calibration passages as token ids, and the record of what they were."""
+    texts = calib_data.load_texts(calibration, tokenizer)
+    samples = calib_data.tokenize(texts, tokenizer, calibration.max_seq_len)
+    return samples, CalibrationRecord(
+        dataset=calibration.dataset,
+        digest=calib_data.dataset_digest(calibration),
+        num_samples=len(samples),
+        tokens=sum(map(len, samples)),
+        max_seq_len=calibration.max_seq_len,
+        seed=calibration.seed,
+    )

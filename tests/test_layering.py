@@ -1,8 +1,10 @@
 """kiln's layering holds, and the check that says so can fail.
 
 runtime imports nothing of ours; quant and gates import only the runtime; compiler imports
-all (pyproject.toml `[tool.importlinter]`). Everything is imported under `kiln.`: a bare
-`import runtime` would load a second copy of the package under another name.
+all; inside each package its subfolders form layers too (pyproject.toml
+`[tool.importlinter]`). No module imports itself back through others, not even through an
+import inside a function. Everything is imported under `kiln.`: a bare `import runtime`
+would load a second copy of the package under another name.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grimp
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,3 +79,70 @@ def test_a_planted_bare_import_breaks_the_contract(tree_copy: Path) -> None:
     result = lint_imports(tree_copy, path=tree_copy)
     assert result.returncode != 0
     assert "kiln.gates.decide.rules -> runtime" in result.stdout
+
+
+def test_a_planted_back_edge_inside_a_package_breaks_its_layers(tree_copy: Path) -> None:
+    target = tree_copy / "kiln" / "runtime" / "formats" / "weights.py"
+    target.write_text(target.read_text() + "\nfrom kiln.runtime.engine import core  # planted\n")
+    result = lint_imports(tree_copy, path=tree_copy)
+    assert result.returncode != 0
+    assert "kiln.runtime.formats.weights -> kiln.runtime.engine.core" in result.stdout
+
+
+def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Every set of kiln modules that import each other round (Tarjan's strongly connected
+    components of the import graph, function-level imports included)."""
+    modules = sorted(graph.modules)
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m) & graph.modules) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in edges[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(modules)))
+    for module in modules:
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_module_imports_itself_back() -> None:
+    graph = grimp.build_graph(*(f"kiln.{p}" for p in PACKAGES), cache_dir=None)
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_planted_circle(tree_copy: Path) -> None:
+    target = tree_copy / "kiln" / "runtime" / "base" / "errors.py"
+    planted = "\ndef _late():\n    from kiln.runtime.base import versions  # planted\n"
+    target.write_text(target.read_text() + planted)
+    versions = tree_copy / "kiln" / "runtime" / "base" / "versions.py"
+    versions.write_text(
+        versions.read_text() + "\nfrom kiln.runtime.base import errors  # planted\n"
+    )
+    script = (
+        "import grimp, sys; from tests.test_layering import import_cycles; "
+        "g = grimp.build_graph('kiln.runtime', cache_dir=None); print(import_cycles(g))"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tree_copy}{os.pathsep}{REPO}"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tree_copy,
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    assert "kiln.runtime.base.errors" in done.stdout and "kiln.runtime.base.versions" in done.stdout

@@ -18,7 +18,7 @@ from rich.table import Table
 from kiln.compiler.cli.exits import handle_errors
 
 if TYPE_CHECKING:
-    from kiln.runtime.client.bench import BenchReport, Distribution
+    from kiln.runtime.client.bench_report import BenchReport, Distribution
 
 
 @click.command("bench")
@@ -89,8 +89,9 @@ def run_bench_command(opts: BenchOptions) -> None:
     """Build the requests, send them, print the report (and write it with --json)."""
     from kiln.runtime.base.errors import StageFailure, UsageError
     from kiln.runtime.client import bench as b
+    from kiln.runtime.client.bench_report import parse_slo, write_json
 
-    limits = b.parse_slo(opts.slo)
+    limits = parse_slo(opts.slo)
     if opts.num_requests is not None and opts.num_requests < 1:
         raise UsageError(f"--num-requests {opts.num_requests}: must be at least 1")
     if opts.prompts_file is not None:
@@ -124,7 +125,7 @@ def run_bench_command(opts: BenchOptions) -> None:
     )
     Console(highlight=False).print(report_table(report))
     if opts.json_file is not None:
-        b.write_json(report, opts.json_file)
+        write_json(report, opts.json_file)
     if report.completed == 0:
         first = next(iter(report.errors), "no answer")
         raise StageFailure(f"{opts.url}: all {report.num_requests} requests failed; first: {first}")

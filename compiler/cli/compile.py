@@ -51,8 +51,8 @@ def validate(recipe: Path, as_json: bool) -> None:
 @handle_errors
 def plan(recipe: Path, only: tuple[str, ...], as_json: bool) -> None:
     """Plan GPU memory, KV capacity, tensor parallelism and cost for RECIPE's targets."""
+    from kiln.compiler.cli.describe import format_plan
     from kiln.compiler.preflight import validate_recipe_plans
-    from kiln.compiler.trtllm.capacity import format_plan
     from kiln.runtime.base.errors import UsageError
 
     plans = validate_recipe_plans(recipe)
@@ -113,7 +113,7 @@ def compile_cmd(
     from kiln.compiler.cli.stdout_guard import stdout_to_stderr
     from kiln.compiler.compile import compile_recipe
     from kiln.compiler.gating import check_gate_options, gate_compiled
-    from kiln.compiler.recipe.schema import load_recipe
+    from kiln.compiler.recipe.recipe import load_recipe
     from kiln.compiler.trtllm.deploy import TargetFailure
     from kiln.runtime.base.errors import VerdictFailure
 

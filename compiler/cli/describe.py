@@ -1,4 +1,5 @@
-"""`kiln inspect`: a human-readable view of an artifact's manifest."""
+"""Human-readable views: an artifact's manifest (`kiln inspect`) and a target's capacity plan
+(`kiln plan`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kiln.compiler.trtllm.capacity import GiB, Plan
 from kiln.runtime.formats.artifact import QUANT_REPORT, Manifest, SpeculativeRecord
 
 MIB = 1 << 20
@@ -110,3 +112,36 @@ def describe_speculative(section: SpeculativeRecord, console: Console) -> None:
                 "             [bold]speculation does not pay on that device[/]: decoding "
                 "with the draft was timed slower than without it"
             )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """A plain-text table of a plan, for `kiln plan` and logs."""
+    d = plan.deploy
+    kv = plan.kv_cache_quant_algo or "bf16"
+    rows = [
+        ("target", f"{plan.target} × {plan.num_gpus} (tp={plan.tp_size}, pp={plan.pp_size})"),
+        ("scheme", f"{plan.quant_algo}, KV {kv}"),
+        ("fits", "yes" if plan.fits else "NO"),
+        ("GPU memory", _gib(plan.memory_bytes_per_gpu)),
+        ("weights (all GPUs)", _gib(plan.weight_bytes)),
+        ("weights per GPU", _gib(plan.weight_bytes_per_gpu)),
+        ("activations + runtime per GPU", _gib(plan.reserve_bytes_per_gpu)),
+        (f"KV cache per GPU (× {d.kv_free_fraction})", _gib(plan.kv_cache_bytes_per_gpu)),
+        ("KV per token (model)", f"{plan.kv_bytes_per_token:,} B"),
+        (f"KV per request at {d.max_seq_len} tokens", _gib(plan.kv_bytes_per_request)),
+        (f"sequences at {d.max_seq_len} tokens", f"{plan.max_concurrent_sequences:,}"),
+        ("recommended max_batch_size", str(plan.recommended_max_batch_size)),
+        ("recommended max_num_tokens", str(plan.recommended_max_num_tokens)),
+        ("decode bound, batch 1", f"{plan.decode_tokens_per_s_bound:,.0f} tokens/s"),
+    ]
+    if plan.cost_per_million_output_tokens is not None:
+        rows.append(("cost", f"${plan.cost_per_million_output_tokens:,.3f} per M output tokens"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines += [f"note: {n}" for n in plan.notes]
+    lines += [f"suggestion: {s}" for s in plan.suggestions]
+    return "\n".join(lines)

@@ -7,23 +7,23 @@ Four kinds of source:
     builtin    a GGUF that a Python package ships: builtin:smollm2-135m-instruct
     hub_cache  hf:org/name, taken from the local Hugging Face hub cache only (kiln runs offline)
 
-`parse_source` (spec.py) and `inspect_source` (metadata.py) read paths and metadata, never
+`parse_source` (reference.py) and `inspect_source` (metadata.py) read paths and metadata, never
 weights, so a recipe is checked before anything heavy runs. `source_digest` (digest.py) names the
-source's content. `float_checkpoint` (checkpoint.py) is the one step that loads weights: it
+source's content. `float_checkpoint` (materialize.py) is the one step that loads weights: it
 converts a source into a directory it is given (a compile stage's own); `materialize` keeps
 such conversions in a content-addressed cache of their own, for tools outside a compile. File
 hashes and GGUF metadata are remembered per user in $XDG_CACHE_HOME/kiln/ (sidecar.py).
 """
 
-from kiln.compiler.sources.checkpoint import PROVENANCE_FILE, float_checkpoint, materialize
 from kiln.compiler.sources.digest import CHECKPOINT_FILES, checkpoint_files, source_digest
+from kiln.compiler.sources.materialize import PROVENANCE_FILE, float_checkpoint, materialize
 from kiln.compiler.sources.metadata import (
     CAUSAL_LM_CLASSES,
     check_architecture,
     inspect_source,
     weight_problems,
 )
-from kiln.compiler.sources.spec import (
+from kiln.compiler.sources.reference import (
     BUILTIN,
     BUILTIN_MODELS,
     GGUF,

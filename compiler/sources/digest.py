@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kiln.compiler.sources.reference import BUILTIN, GGUF, SourceRef
 from kiln.compiler.sources.sidecar import FileFacts
-from kiln.compiler.sources.spec import BUILTIN, GGUF, SourceRef
 from kiln.runtime.base.errors import SourceError
 from kiln.runtime.formats.artifact import content_digest, sha256_file
 

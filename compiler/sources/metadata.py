@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.sources.reference import BUILTIN, GGUF, SourceRef
 from kiln.compiler.sources.sidecar import FileFacts
-from kiln.compiler.sources.spec import BUILTIN, GGUF, SourceRef
-from kiln.quant.prequantized import convert as prequantized
+from kiln.quant.prequantized import detect as prequantized
 from kiln.runtime.base.errors import SourceError
 from kiln.runtime.formats.model_info import ARCHITECTURES, ModelInfo
 

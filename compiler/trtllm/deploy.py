@@ -28,22 +28,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.trtllm.build.builder import run_build
 from kiln.compiler.trtllm.build.plan import (
     ENGINE_SPECULATION,
     BuildPlanError,
     DraftBuild,
     build_plan,
-    run_build,
 )
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan
 from kiln.compiler.trtllm.export.modelopt_hf import convert_to_modelopt_hf
 from kiln.compiler.trtllm.export.writer import export_checkpoint
-from kiln.compiler.trtllm.rules.conformance import (
-    check_checkpoint,
-    check_serve_options,
-    pytorch_problem,
-)
-from kiln.compiler.trtllm.rules.pytorch import HF_ALGOS, check_hf_checkpoint
+from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint
+from kiln.compiler.trtllm.rules.pytorch import HF_ALGOS, check_hf_checkpoint, pytorch_problem
+from kiln.compiler.trtllm.rules.serve_options import check_serve_options
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
 from kiln.compiler.trtllm.target_plan import TargetPlan
 from kiln.quant.schemes import FLOAT_SCHEME
@@ -51,7 +48,6 @@ from kiln.quant.spec import Scheme
 from kiln.runtime.base.errors import KilnError, StageFailure
 from kiln.runtime.formats.artifact import (
     MODEL_DIR,
-    BuildRecord,
     ExportRecord,
     TargetRecord,
     TargetSpeculation,
@@ -308,12 +304,7 @@ def _build(root: Path, target: TargetPlan, ctx: TargetContext, record: TargetRec
     script = root / ENGINES_DIR / name / "build.sh"
     relative.write_script(script, cd="../..")
     outcome = run_build(build, script_path=script, write_script=False)
-    record.build = BuildRecord.from_dict({
-        **outcome.to_dict(),
-        "commands": [p.command for p in relative.plans()],
-        "script": str(script.relative_to(root)),
-        "stamps": [str(s.relative_to(root)) for s in outcome.stamps],
-    })  # fmt: skip
+    record.build = outcome.record(root, [p.command for p in relative.plans()])
     if outcome.status == "built":
         return "built"
     shutil.rmtree(engine_dir, ignore_errors=True)  # a failed build leaves no half engine

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from kiln.gates.measure.shadow import ShadowReport, compare_pair, summarize_pairs
-from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import TrafficRecord
 
 

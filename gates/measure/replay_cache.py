@@ -28,7 +28,7 @@ from typing import Any
 from kiln.gates.measure.eval_cache import EvaluationCache, evaluation_key
 from kiln.gates.measure.replay import ReplaySettings, Side
 from kiln.runtime.base.versions import GATE_TOOLS, versions
-from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import TrafficRecord
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import TrafficRecord
 
 

@@ -26,9 +26,9 @@ import httpx
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.client.http import OpenAIClient
 from kiln.runtime.engine.answer import answer_alone
-from kiln.runtime.formats.answer import SideAnswer
 from kiln.runtime.formats.artifact import MANIFEST, content_digest, file_digests
 from kiln.runtime.formats.artifact.verified import Mode, verify_artifact
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import TrafficRecord
 
 _SOURCE_RESOLVERS: list[Callable[[str], Path | None]] = []

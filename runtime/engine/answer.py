@@ -11,7 +11,7 @@ from typing import Any
 
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine.chat import Chat, chat_token_ids
-from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.side_answer import SideAnswer
 
 
 def answer_alone(

@@ -23,12 +23,13 @@ import torch
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from kiln.runtime.engine.allocator import keep_freed_memory
 from kiln.runtime.engine.config import EngineConfig, engine_config
-from kiln.runtime.engine.detokenizer import Detokenizer, find_stop
+from kiln.runtime.engine.detokenizer import Detokenizer
 from kiln.runtime.engine.kv_cache import KVCacheManager, build_kv_cache
 from kiln.runtime.engine.loader import KVCacheSpec, load_model
 from kiln.runtime.engine.model import CausalLM
 from kiln.runtime.engine.model_runner import ModelRunner, StepLogits
 from kiln.runtime.engine.outputs import EngineStats, RequestOutput, delta_output, final_output
+from kiln.runtime.engine.processing import PromptLimits, logprob_entries, named, stop_status
 from kiln.runtime.engine.sampling import (
     Logprob,
     SamplingParams,
@@ -93,6 +94,14 @@ class Engine:
                 speculative, model, config, draft_blocks, self.max_model_len, draft_model
             )
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self.limits = PromptLimits(
+            model.config.vocab_size,
+            self.max_model_len,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            self.num_blocks,
+            self.kv.blocks_needed,
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._prompt_tokens = 0
@@ -182,29 +191,7 @@ class Engine:
         else:
             token_ids = [int(t) for t in prompt]
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if not token_ids:
-            raise UsageError(f"request {rid}: the prompt is empty; send at least one token")
-        vocab = self.model.config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise UsageError(f"request {rid}: token ids must lie in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise UsageError(
-                f"request {rid}: prompt has {len(token_ids)} tokens; the model's limit is "
-                f"{self.max_model_len} including output; shorten the prompt"
-            )
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and len(token_ids) > budget:
-            raise UsageError(
-                f"request {rid}: prompt has {len(token_ids)} tokens, more than "
-                f"max_num_batched_tokens={budget} with chunked prefill off; raise the budget "
-                "or enable chunked prefill"
-            )
-        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if self.kv.blocks_needed(longest) > self.num_blocks:
-            raise UsageError(
-                f"request {rid}: needs {self.kv.blocks_needed(longest)} KV blocks but the "
-                f"cache has {self.num_blocks}; lower max_tokens or raise kv_cache_memory_bytes"
-            )
+        self.limits.check(rid, token_ids, params)
         request = Request(
             rid,
             token_ids,
@@ -291,7 +278,8 @@ class Engine:
                 request.prompt_token_ids[begin + 1 : begin + 1 + count], device=logits.device
             )
             top_n = [request.params.prompt_logprobs or 0] * count
-            request.prompt_logprobs.extend(self._named(token_logprobs(logprobs, targets, top_n)))
+            prompt_entries = token_logprobs(logprobs, targets, top_n)
+            request.prompt_logprobs.extend(named(self.detokenizer, prompt_entries))
         for request, count in zip(scheduled.requests, scheduled.num_new_tokens, strict=True):
             # Draft positions count as computed only once accepted (`_verify`).
             request.num_computed_tokens += count - len(request.spec_token_ids)
@@ -310,7 +298,7 @@ class Engine:
                     rows = logits[torch.tensor(index, device=logits.device)]
                 params = [r.params for r in requests]
                 tokens = sample(rows, params, [r.generator for r in requests])
-            entries = self._logprob_entries(requests, rows, tokens)
+            entries = logprob_entries(self.detokenizer, requests, rows, tokens)
             for request, token, entry in zip(requests, tokens.tolist(), entries, strict=True):
                 self._emit(request, token, entry)
                 outputs.append(delta_output(request))
@@ -325,7 +313,9 @@ class Engine:
         assert self.speculator is not None
         tokens = self.speculator.accept(request, rows, self.kv)
         chosen = torch.tensor(tokens, device=rows.device)
-        entries = self._logprob_entries([request] * len(tokens), rows[: len(tokens)], chosen)
+        entries = logprob_entries(
+            self.detokenizer, [request] * len(tokens), rows[: len(tokens)], chosen
+        )
         for token, entry in zip(tokens, entries, strict=True):
             if self._emit(request, token, entry):
                 break  # a stop inside the accepted run drops the tokens after it
@@ -343,52 +333,11 @@ class Engine:
             request.first_token_time = time.monotonic()
         if entry is not None:
             request.logprobs.append(entry)
-        status = self._check_stop(request, token)
+        status = stop_status(request, token, self.eos_token_ids, self.max_model_len,
+                             self.detokenizer)  # fmt: skip
         if status is not None:
             self._finish(request, status)
         return status is not None
-
-    def _logprob_entries(
-        self, requests: list[Request], rows: torch.Tensor, tokens: torch.Tensor
-    ) -> list[dict[int, Logprob] | None]:
-        """The chosen token's log-probability record for each request that asked for one."""
-        out: list[dict[int, Logprob] | None] = [None] * len(requests)
-        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        if wanted:
-            chosen = torch.tensor(wanted, device=rows.device)
-            logprobs = torch.log_softmax(rows[chosen], dim=-1)
-            top_n = [requests[i].params.logprobs or 0 for i in wanted]
-            named = self._named(token_logprobs(logprobs, tokens[chosen], top_n))
-            for i, entry in zip(wanted, named, strict=True):
-                out[i] = entry
-        return out
-
-    def _named(self, entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
-        """Fill in each Logprob's token text (what an OpenAI-style response shows)."""
-        if self.detokenizer is not None:
-            ids = sorted({token for entry in entries for token in entry})
-            texts = dict(zip(ids, self.detokenizer.token_texts(ids), strict=True))
-            for entry in entries:
-                for token, logprob in entry.items():
-                    logprob.decoded_token = texts[token]
-        return entries
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.params
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        detokenizer = self.detokenizer
-        if params.detokenize and detokenizer and find_stop(request, detokenizer.step(request)):
-            return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # -- outputs --------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import append_line
 
 

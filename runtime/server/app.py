@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import PurePath
 from typing import Any
@@ -93,6 +93,32 @@ def create_app(
     metrics = ServerMetrics(backend.stats, config.model_name)
     state = ServerState(backend, config, metrics, recorder, mirror)
     state.extra["digest"] = digest
+    # With API keys the schema needs a key too, and the browser pages (which fetch the
+    # schema without one) are not served.
+    open_docs = not config.api_keys
+    app = FastAPI(title="kiln serve", version="1", lifespan=_lifespan(state, drain_timeout_s),
+                  summary="OpenAI-compatible serving of kiln artifacts",
+                  openapi_url="/openapi.json" if open_docs else None,
+                  docs_url="/docs" if open_docs else None,
+                  redoc_url="/redoc" if open_docs else None)  # fmt: skip
+    app.state.kiln = state
+
+    if not open_docs:
+
+        @app.get("/openapi.json", dependencies=[Depends(require_api_key)],
+                 include_in_schema=False)  # fmt: skip
+        async def openapi() -> dict[str, Any]:
+            return app.openapi()
+
+    _error_handlers(app)
+    _service_routes(app, state)
+    routes.register(app)
+    return app
+
+
+def _lifespan(state: ServerState, drain_timeout_s: float) -> Callable[[FastAPI], Any]:
+    """Start the backend (and mirror) and warm up; on shutdown drain, then stop them."""
+    backend, mirror, config = state.backend, state.mirror, state.config
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,22 +144,11 @@ def create_app(
             if mirror is not None:
                 await asyncio.to_thread(mirror.shutdown)
 
-    # With API keys the schema needs a key too, and the browser pages (which fetch the
-    # schema without one) are not served.
-    open_docs = not config.api_keys
-    app = FastAPI(title="kiln serve", version="1", lifespan=lifespan,
-                  summary="OpenAI-compatible serving of kiln artifacts",
-                  openapi_url="/openapi.json" if open_docs else None,
-                  docs_url="/docs" if open_docs else None,
-                  redoc_url="/redoc" if open_docs else None)  # fmt: skip
-    app.state.kiln = state
+    return lifespan
 
-    if not open_docs:
 
-        @app.get("/openapi.json", dependencies=[Depends(require_api_key)],
-                 include_in_schema=False)  # fmt: skip
-        async def openapi() -> dict[str, Any]:
-            return app.openapi()
+def _error_handlers(app: FastAPI) -> None:
+    """Every error answered in OpenAI's shape: expected ones 4xx, the rest 500 (logged)."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -160,6 +175,11 @@ def create_app(
         log.exception("internal error on %s", request.url.path)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
+
+def _service_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /v1/models and /metrics."""
+    config, backend = state.config, state.backend
+
     @app.get("/health")
     async def health() -> Response:
         """200 once warm-up has finished; 503 before, after a failed warm-up, and while
@@ -184,7 +204,4 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    routes.register(app)
-    return app
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -23,8 +23,8 @@ from typing import Any
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.engine.answer import answer_alone
 from kiln.runtime.engine.sampling import SamplingParams
-from kiln.runtime.formats.answer import SideAnswer
 from kiln.runtime.formats.mirror_log import MirrorEntry, append_entry
+from kiln.runtime.formats.side_answer import SideAnswer
 
 log = logging.getLogger("kiln.serve.mirror")
 

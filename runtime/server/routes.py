@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kiln.runtime.engine.sampling import SamplingParams
-from kiln.runtime.formats.answer import SideAnswer
 from kiln.runtime.formats.mirror_log import MirrorEntry
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import CHAT_COMPLETIONS, COMPLETIONS
 from kiln.runtime.server import formatting as fmt
 from kiln.runtime.server.auth import require_api_key
@@ -64,109 +64,113 @@ def _check_room(state: ServerState, prompt_ids: list[int], max_tokens: int, para
 def register(app: FastAPI) -> None:
     """Add the two generation routes to `app`."""
     auth = [Depends(require_api_key)]
+    app.post("/v1/completions", dependencies=auth)(completions)
+    app.post("/v1/chat/completions", dependencies=auth)(chat_completions)
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        state = _state(request)
-        _check_model(state, body.model)
-        params, drop = body.sampling_params()
-        prompts = body.prompts()
-        backend = state.backend
-        rid = new_id("cmpl")
 
-        def tokenise() -> tuple[list[list[int]], list[str]]:
-            ids = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
-            for prompt_ids in ids:
-                backend.validate(prompt_ids, params, rid)
-                _check_room(state, prompt_ids, params.max_tokens, "max_tokens")
-            if not body.echo:
-                return ids, []
-            return ids, [p if isinstance(p, str) else backend.decode(p) for p in prompts]
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """POST /v1/completions: one choice per prompt and `n`, JSON or SSE."""
+    state = _state(request)
+    _check_model(state, body.model)
+    params, drop = body.sampling_params()
+    prompts = body.prompts()
+    backend = state.backend
+    rid = new_id("cmpl")
 
-        ids, echo = await run_in_threadpool(tokenise)
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        top_n = body.logprobs or 0
+    def tokenise() -> tuple[list[list[int]], list[str]]:
+        ids = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
+        for prompt_ids in ids:
+            backend.validate(prompt_ids, params, rid)
+            _check_room(state, prompt_ids, params.max_tokens, "max_tokens")
+        if not body.echo:
+            return ids, []
+        return ids, [p if isinstance(p, str) else backend.decode(p) for p in prompts]
 
-        def choice(result: ChoiceResult, delta: bool) -> dict[str, Any]:
-            first = not delta or result.first_chunk
-            text = result.delta if delta else result.text
-            tokens = result.delta_tokens if delta else result.token_ids
-            entries: list[Any] = result.delta_logprobs if delta else result.logprobs
-            if drop:
-                text, tokens, entries = "", [], []
-            toks: list[int] = []
-            lps: list[Any] = []
-            if body.echo and first:
-                prompt_no = result.index // body.n
-                text = echo[prompt_no] + text
-                toks += result.prompt_ids
-                lps += result.prompt_logprobs or [None] * len(result.prompt_ids)
-            logprobs = None
-            if body.logprobs is not None:
-                head = backend.decode(toks[:1]) if lps and lps[0] is None else None
-                logprobs = fmt.completion_logprobs(toks + tokens, lps + entries, top_n, head)
-            finish = ("length" if drop else result.finish_reason) if result.done else None
-            return {"index": result.index, "text": text, "logprobs": logprobs,
-                    "finish_reason": finish}  # fmt: skip
+    ids, echo = await run_in_threadpool(tokenise)
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    top_n = body.logprobs or 0
 
-        def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
-            return {"object": "text_completion", "choices": [choice(result, delta)]}
+    def choice(result: ChoiceResult, delta: bool) -> dict[str, Any]:
+        first = not delta or result.first_chunk
+        text = result.delta if delta else result.text
+        tokens = result.delta_tokens if delta else result.token_ids
+        entries: list[Any] = result.delta_logprobs if delta else result.logprobs
+        if drop:
+            text, tokens, entries = "", [], []
+        toks: list[int] = []
+        lps: list[Any] = []
+        if body.echo and first:
+            prompt_no = result.index // body.n
+            text = echo[prompt_no] + text
+            toks += result.prompt_ids
+            lps += result.prompt_logprobs or [None] * len(result.prompt_ids)
+        logprobs = None
+        if body.logprobs is not None:
+            head = backend.decode(toks[:1]) if lps and lps[0] is None else None
+            logprobs = fmt.completion_logprobs(toks + tokens, lps + entries, top_n, head)
+        finish = ("length" if drop else result.finish_reason) if result.done else None
+        return {"index": result.index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish}  # fmt: skip
 
-        return await _respond(
-            request, state, body, COMPLETIONS, rid, ids, params, chunk,
-            lambda results: [choice(r, False) for r in results],
-            texts, drop,
-        )  # fmt: skip
+    def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
+        return {"object": "text_completion", "choices": [choice(result, delta)]}
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        state = _state(request)
-        _check_model(state, body.model)
-        backend = state.backend
-        messages = body.template_messages()
-        rid = new_id("chatcmpl")
+    return await _respond(
+        request, state, body, COMPLETIONS, rid, ids, params, chunk,
+        lambda results: [choice(r, False) for r in results],
+        texts, drop,
+    )  # fmt: skip
 
-        def tokenise() -> tuple[list[int], SamplingParams]:
-            ids = backend.chat_ids(messages)
-            params = body.sampling_params(backend.max_model_len - len(ids))
-            backend.validate(ids, params, rid)
-            limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-            _check_room(state, ids, params.max_tokens, limit)
-            return ids, params
 
-        ids, params = await run_in_threadpool(tokenise)
-        top_n = body.top_logprobs or 0
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """POST /v1/chat/completions: the chat rendered by the model's template, JSON or SSE."""
+    state = _state(request)
+    _check_model(state, body.model)
+    backend = state.backend
+    messages = body.template_messages()
+    rid = new_id("chatcmpl")
 
-        def logprobs(tokens: list[int], entries: list[Any]) -> dict[str, Any] | None:
-            return fmt.chat_logprobs(tokens, entries, top_n) if body.logprobs else None
+    def tokenise() -> tuple[list[int], SamplingParams]:
+        ids = backend.chat_ids(messages)
+        params = body.sampling_params(backend.max_model_len - len(ids))
+        backend.validate(ids, params, rid)
+        limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        _check_room(state, ids, params.max_tokens, limit)
+        return ids, params
 
-        def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
-            content: dict[str, Any] = {"content": result.delta}
-            if result.first_chunk:
-                content["role"] = "assistant"
-            finish = result.finish_reason if result.done else None
-            if not result.delta and not result.first_chunk and finish is None:
-                return None
-            choice = {"index": result.index, "delta": content, "finish_reason": finish,
-                      "logprobs": logprobs(result.delta_tokens, result.delta_logprobs)}  # fmt: skip
-            return {"object": "chat.completion.chunk", "choices": [choice]}
+    ids, params = await run_in_threadpool(tokenise)
+    top_n = body.top_logprobs or 0
 
-        def choices(results: list[ChoiceResult]) -> list[dict[str, Any]]:
-            return [
-                {
-                    "index": r.index,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": logprobs(r.token_ids, r.logprobs),
-                    "finish_reason": r.finish_reason,
-                }
-                for r in results
-            ]
+    def logprobs(tokens: list[int], entries: list[Any]) -> dict[str, Any] | None:
+        return fmt.chat_logprobs(tokens, entries, top_n) if body.logprobs else None
 
-        prompt_text = "\n".join(m["content"] for m in messages)
-        return await _respond(
-            request, state, body, CHAT_COMPLETIONS, rid, [ids], params, chunk,
-            choices, [prompt_text], False, messages=messages,
-        )  # fmt: skip
+    def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
+        content: dict[str, Any] = {"content": result.delta}
+        if result.first_chunk:
+            content["role"] = "assistant"
+        finish = result.finish_reason if result.done else None
+        if not result.delta and not result.first_chunk and finish is None:
+            return None
+        choice = {"index": result.index, "delta": content, "finish_reason": finish,
+                  "logprobs": logprobs(result.delta_tokens, result.delta_logprobs)}  # fmt: skip
+        return {"object": "chat.completion.chunk", "choices": [choice]}
+
+    def choices(results: list[ChoiceResult]) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": r.index,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": logprobs(r.token_ids, r.logprobs),
+                "finish_reason": r.finish_reason,
+            }
+            for r in results
+        ]
+
+    prompt_text = "\n".join(m["content"] for m in messages)
+    return await _respond(
+        request, state, body, CHAT_COMPLETIONS, rid, [ids], params, chunk,
+        choices, [prompt_text], False, messages=messages,
+    )  # fmt: skip
 
 
 async def _respond(

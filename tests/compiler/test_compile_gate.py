@@ -13,7 +13,7 @@ import torch
 
 from kiln.compiler.compile import CompileResult, compile_recipe
 from kiln.compiler.gating import gate_compiled
-from kiln.compiler.recipe.schema import Recipe, load_recipe
+from kiln.compiler.recipe.recipe import Recipe, load_recipe
 from kiln.gates.releases import Registry
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from kiln.runtime.formats import artifact

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.compiler.trtllm.capacity import DeploySpec, format_plan, linear_bytes, plan, tp_valid
+from kiln.compiler.cli.describe import format_plan
+from kiln.compiler.trtllm.capacity import DeploySpec, linear_bytes, plan, tp_valid
 from kiln.compiler.trtllm.targets import get_profile
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import QuantSpec

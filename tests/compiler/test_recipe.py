@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
-from kiln.compiler.recipe.schema import load_recipe
+from kiln.compiler.recipe.recipe import load_recipe
 from kiln.runtime.base.errors import RecipeError
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kiln.compiler.preflight import run_preflight
-from kiln.compiler.recipe.schema import load_recipe
+from kiln.compiler.recipe.recipe import load_recipe
 from kiln.compiler.trtllm.rules.support import check_algos, check_target
 from kiln.compiler.trtllm.targets import PROFILES, TargetProfile, get_profile
 from kiln.quant.schemes import Problem, resolve

@@ -17,17 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.compiler.trtllm.build.plan import (
-    ENGINE_STAMP,
-    BuildEnvironment,
-    BuildPlanError,
-    DraftBuild,
-    GpuInfo,
-    build_plan,
-    check_engine_compatible,
-    detect_environment,
-    run_build,
-)
+from kiln.compiler.trtllm.build.builder import run_build
+from kiln.compiler.trtllm.build.host import BuildEnvironment, GpuInfo, detect_environment
+from kiln.compiler.trtllm.build.plan import BuildPlanError, DraftBuild, build_plan
+from kiln.compiler.trtllm.build.stamp import ENGINE_STAMP, check_engine_compatible
 from kiln.compiler.trtllm.capacity import DeploySpec, plan
 from kiln.compiler.trtllm.serve_config import serve_options, write_serve_config
 from kiln.compiler.trtllm.targets import get_profile

@@ -1,5 +1,5 @@
 """What kiln writes for TensorRT-LLM 1.2 obeys the rules its loaders apply
-(compiler/trtllm/rules/conformance.py), and the export defects those rules exposed stay fixed."""
+(compiler/trtllm/rules/checkpoint.py), and the export defects those rules exposed stay fixed."""
 
 from __future__ import annotations
 
@@ -10,17 +10,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
 from kiln.compiler.trtllm.deploy import target_failures
-from kiln.compiler.trtllm.export.writer import fuse_linears
-from kiln.compiler.trtllm.rules.conformance import (
-    build_quantises,
-    check_checkpoint,
-    check_config,
-    module_excluded,
-    padded_features,
-    pytorch_problem,
-)
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint, fuse_linears
+from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint, check_config
+from kiln.compiler.trtllm.rules.exclusions import build_quantises, module_excluded, padded_features
+from kiln.compiler.trtllm.rules.pytorch import pytorch_problem
 from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
@@ -302,7 +297,7 @@ def test_every_exported_scheme_conforms(quantised_arch, arch, mode, tp, tmp_path
 )
 def test_the_serve_options_kiln_writes_are_llm_api_arguments(speculation):
     from kiln.compiler.trtllm.capacity import DeploySpec, plan
-    from kiln.compiler.trtllm.rules.conformance import check_serve_options
+    from kiln.compiler.trtllm.rules.serve_options import check_serve_options
     from kiln.compiler.trtllm.serve_config import serve_options
     from kiln.compiler.trtllm.targets import get_profile
     from tests.compiler.test_trtllm_build import FP8_KV, LLAMA_32_1B
@@ -313,7 +308,7 @@ def test_the_serve_options_kiln_writes_are_llm_api_arguments(speculation):
 
 
 def test_serve_options_outside_the_llm_api_are_named():
-    from kiln.compiler.trtllm.rules.conformance import check_serve_options
+    from kiln.compiler.trtllm.rules.serve_options import check_serve_options
 
     problems = check_serve_options({
         "max_batch_size": 8,

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint
 from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec

@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint
 from kiln.runtime.formats.checkpoint.modelopt import unpack_int4_rows
 
 
@@ -171,7 +172,7 @@ def test_our_decoder_reads_modelopts_checkpoint(modelopt_exports):
     "preset", ["FP8_DEFAULT_CFG", "FP8_DEFAULT_CFG+KV", "INT8_SMOOTHQUANT_CFG", "INT4_AWQ_CFG"]
 )
 def test_modelopts_writer_and_ours_both_satisfy_the_conformance_rules(preset, modelopt_exports):
-    from kiln.compiler.trtllm.rules.conformance import check_checkpoint
+    from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint
 
     theirs_dir, ours_dir = modelopt_exports(preset)
     assert check_checkpoint(ours_dir) == []

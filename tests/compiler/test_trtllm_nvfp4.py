@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint
+from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint, check_config
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.formats.checkpoint import open_checkpoint
 from kiln.runtime.formats.nvfp4 import unpack_e2m1

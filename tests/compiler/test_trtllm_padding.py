@@ -16,8 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.rules.conformance import check_checkpoint, padded_features
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint
+from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint
+from kiln.compiler.trtllm.rules.exclusions import padded_features
 from kiln.runtime.formats.checkpoint.modelopt import unpack_int4_rows
 from tests.compiler.test_trtllm_conformance import awq_576  # noqa: F401
 

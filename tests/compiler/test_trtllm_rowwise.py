@@ -1,6 +1,6 @@
 """FP8 rowwise (`method: fp8_dynamic`: per-channel FP8 weights, dynamic per-token FP8
 activations) exported as TensorRT-LLM 1.2's FP8_PER_CHANNEL_PER_TOKEN checkpoint, read back,
-and held to the rules of compiler/trtllm/rules/conformance.py."""
+and held to the rules of compiler/trtllm/rules/checkpoint.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint
+from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint, check_config
 from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec

@@ -1,6 +1,6 @@
 """W4A8 AWQ (ModelOpt: int4 group weights, static FP8 activations) exported as TensorRT-LLM
 1.2's W4A8_AWQ checkpoint: against ModelOpt's own writer, read back, and held to the rules of
-compiler/trtllm/rules/conformance.py for Llama and Qwen2 at tp 1, 2 and 4."""
+compiler/trtllm/rules/checkpoint.py for Llama and Qwen2 at tp 1, 2 and 4."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 import yaml
 
-from kiln.compiler.trtllm import decode_checkpoint, export_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_config
+from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
+from kiln.compiler.trtllm.export.writer import export_checkpoint
+from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint, check_config
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.checkpoint import open_checkpoint

@@ -1,6 +1,6 @@
 """Tiny recipes for one quantisation scheme and one GPU target, and a compile that returns
 the artifact with its checkpoint and trtllm-serve options checked against the conformance
-rules (compiler/trtllm/rules/conformance.py)."""
+rules (compiler/trtllm/rules/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kiln.compiler.trtllm.rules.conformance import check_checkpoint, check_serve_options
+from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint
+from kiln.compiler.trtllm.rules.serve_options import check_serve_options
 from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec

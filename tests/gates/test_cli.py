@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli.gate import gate, promote, registry, rollback
 from kiln.gates.releases import Registry
-from kiln.runtime.formats.answer import SideAnswer
 from kiln.runtime.formats.artifact import load_manifest
 from kiln.runtime.formats.mirror_log import MirrorEntry, append_entry
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import COMPLETIONS
 from tests.gates.conftest import (
     OpenAIStub,

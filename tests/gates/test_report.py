@@ -17,7 +17,7 @@ from kiln.gates.decide.verdict import GateVerdict, build_verdict
 from kiln.gates.measure.divergence import summarize
 from kiln.gates.measure.shadow import LatencyStats, PairDiff, summarize_pairs
 from kiln.gates.report import to_markdown, write_reports
-from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.side_answer import SideAnswer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = '<script>alert("x")</script> & <img src="http://example.com/x.png">'

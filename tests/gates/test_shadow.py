@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.gates.decide.checks import shadow_checks
 from kiln.gates.decide.rules import GatePolicy
 from kiln.gates.measure.shadow import compare_pair, is_valid_json, summarize_pairs
-from kiln.runtime.formats.answer import SideAnswer
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import COMPLETIONS, TrafficRecord
 
 

@@ -20,7 +20,13 @@ from safetensors.torch import load_file, save_file
 
 from kiln.compiler import sources
 from kiln.quant.prequantized import convert as prequantized
-from kiln.quant.prequantized.convert import PreQuantized
+from kiln.quant.prequantized.detect import (
+    SUPPORTED,
+    PreQuantized,
+    check_recipe,
+    detect,
+    read_config,
+)
 from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
@@ -105,7 +111,7 @@ def dequantised(ct_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_autoawq_gemm_config_is_detected(checkpoints: Any) -> None:
     source, _, _ = checkpoints("awq-g64")
-    pre = prequantized.detect(prequantized.read_config(source.path))
+    pre = detect(read_config(source.path))
     assert pre == PreQuantized(
         method="awq", bits=4, group_size=64, symmetric=False, format="gemm", producer="autoawq"
     )
@@ -123,7 +129,7 @@ def test_autoawq_gemm_config_is_detected(checkpoints: Any) -> None:
 def test_autogptq_and_gptqmodel_configs_are_detected(
     checkpoints: Any, variant: str, expected: tuple[Any, ...]
 ) -> None:
-    pre = prequantized.detect(prequantized.read_config(checkpoints(variant)[0].path))
+    pre = detect(read_config(checkpoints(variant)[0].path))
     assert pre is not None
     assert (pre.method, pre.bits, pre.group_size, pre.symmetric, pre.format, pre.producer) == (
         expected
@@ -135,7 +141,7 @@ def test_gptqmodel_gemm_export_labelled_gptq_is_an_awq_checkpoint() -> None:
     config = {"quantization_config": {"quant_method": "gptq", "format": "gemm", "bits": 4,
                                       "group_size": 64, "sym": False,
                                       "meta": {"quantizer": ["gptqmodel:7.6.0"]}}}  # fmt: skip
-    pre = prequantized.detect(config)
+    pre = detect(config)
     assert pre is not None and (pre.method, pre.format, pre.producer) == (
         "awq",
         "gemm",
@@ -150,7 +156,7 @@ def test_autogptq_quantize_config_json_alone_is_read(checkpoints: Any, tmp_path:
     quantize_config.pop("quant_method")  # early AutoGPTQ wrote neither key
     (model / "config.json").write_text(json.dumps(config))
     (model / "quantize_config.json").write_text(json.dumps(quantize_config))
-    pre = prequantized.detect(prequantized.read_config(model))
+    pre = detect(read_config(model))
     assert pre is not None and (pre.method, pre.group_size, pre.symmetric) == ("gptq", 64, True)
 
 
@@ -160,7 +166,7 @@ def test_autogptq_quantize_config_json_alone_is_read(checkpoints: Any, tmp_path:
      {"quant_method": "bitsandbytes", "load_in_4bit": True}],
 )  # fmt: skip
 def test_float_and_other_quantised_configs_are_not_imports(quantization_config: Any) -> None:
-    assert prequantized.detect({"quantization_config": quantization_config}) is None
+    assert detect({"quantization_config": quantization_config}) is None
 
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
@@ -189,16 +195,14 @@ def test_variants_that_cannot_be_imported_exactly_are_refused(
     config: dict[str, Any], key: str
 ) -> None:
     with pytest.raises(SourceError) as refused:
-        prequantized.detect({"quantization_config": config})
+        detect({"quantization_config": config})
     message = refused.value.message
     assert f"config.json quantization_config.{key}" in message
-    assert f"kiln imports {prequantized.SUPPORTED} checkpoints" in message
+    assert f"kiln imports {SUPPORTED} checkpoints" in message
 
 
 def test_desc_act_with_static_groups_is_imported() -> None:
-    pre = prequantized.detect(
-        {"quantization_config": {**GPTQ, "desc_act": True, "static_groups": True}}
-    )
+    pre = detect({"quantization_config": {**GPTQ, "desc_act": True, "static_groups": True}})
     assert pre is not None and pre.desc_act
 
 
@@ -412,17 +416,17 @@ PRE = PreQuantized(method="awq", bits=4, group_size=128, symmetric=False, format
 
 
 def test_an_omitted_quantization_section_fits_any_import() -> None:
-    assert prequantized.check_recipe(QuantSpec(), PRE) == []
+    assert check_recipe(QuantSpec(), PRE) == []
 
 
 def test_a_section_that_describes_the_checkpoint_fits() -> None:
     spec = QuantSpec(method="awq", weight_bits=4, group_size=128, symmetric=False)
-    assert prequantized.check_recipe(spec, PRE) == []
+    assert check_recipe(spec, PRE) == []
 
 
 def test_a_section_asking_for_something_else_names_each_key() -> None:
     spec = QuantSpec(method="gptq", weight_bits=4, group_size=64, kv_cache="fp8")
-    problems = prequantized.check_recipe(spec, PRE)
+    problems = check_recipe(spec, PRE)
     keys = [p.key for p in problems]
     assert keys == [
         "quantization.method",
@@ -487,7 +491,7 @@ def test_other_quantised_checkpoints_are_refused_naming_what_is_imported(
     info = sources.inspect_source(sources.parse_source(str(ct_dir), base_dir=ct_dir))
     assert sources.check_architecture(info) == [
         "the checkpoint is already quantised (quantization_config.quant_method="
-        f"compressed-tensors); kiln imports only {prequantized.SUPPORTED} checkpoints — point "
+        f"compressed-tensors); kiln imports only {SUPPORTED} checkpoints — point "
         "model.source at one of those or at the float checkpoint it was made from"
     ]
 

@@ -6,11 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.compiler.recipe.schema import (
-    QuantizationSection,
-    load_recipe,
-    section_spec,
-)
+from kiln.compiler.recipe.recipe import load_recipe
+from kiln.compiler.recipe.schema import QuantizationSection, section_spec
 from kiln.quant.registry import GROUP_SIZES, METHODS, SCHEMES, group_size_problem
 from kiln.quant.schemes import check
 from kiln.quant.spec import QuantSpec

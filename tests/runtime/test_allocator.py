@@ -20,9 +20,19 @@ glibc = pytest.mark.skipif(
 
 
 @glibc
-def test_thresholds_apply_once_per_process() -> None:
+def test_thresholds_apply_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bool] = []
+    real = allocator._mallopt
+
+    def counted() -> bool:
+        calls.append(real())
+        return calls[-1]
+
+    monkeypatch.setattr(allocator, "_applied", None)  # as in a process that never asked
+    monkeypatch.setattr(allocator, "_mallopt", counted)
     assert allocator.keep_freed_memory() is True
     assert allocator.keep_freed_memory() is True  # asking again changes nothing
+    assert calls == [True]  # glibc was told once
 
 
 @glibc

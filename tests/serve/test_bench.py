@@ -14,15 +14,8 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.client.bench import (
-    SLO,
-    file_requests,
-    parse_slo,
-    poisson_arrivals,
-    run_bench,
-    summarize,
-    synthetic_requests,
-)
+from kiln.runtime.client.bench import file_requests, poisson_arrivals, run_bench, synthetic_requests
+from kiln.runtime.client.bench_report import SLO, parse_slo, summarize
 from kiln.runtime.client.http import OpenAIClient, StreamResult
 from tests.serve.conftest import LiveServer
 

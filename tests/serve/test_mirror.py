@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
 from kiln.runtime import SamplingParams
-from kiln.runtime.formats.answer import SideAnswer
 from kiln.runtime.formats.artifact import load_manifest
 from kiln.runtime.formats.mirror_log import MirrorEntry, read_mirror_log
+from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.server.mirror import Mirror, MirrorJob
 from tests.gates.conftest import build_artifact
 from tests.serve.conftest import MODEL, ServerFactory, tiny_engine

@@ -25,7 +25,8 @@ from kiln.compiler.serving import (
     resolve_model,
     serve_budget,
 )
-from kiln.compiler.trtllm.build.plan import ENGINE_STAMP, BuildEnvironment, GpuInfo
+from kiln.compiler.trtllm.build.host import BuildEnvironment, GpuInfo
+from kiln.compiler.trtllm.build.stamp import ENGINE_STAMP
 from kiln.gates.releases import Registry
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.traffic import read_traffic

@@ -1,8 +1,7 @@
-"""TensorRT-LLM 1.2.x engine builds: the `trtllm-build` plan, its pre-checks, running it, and
-the stamp that ties an engine to the GPU and TensorRT version it was built with.
+"""TensorRT-LLM 1.2.x engine builds: the `trtllm-build` plan and its pre-checks.
 
 `build_plan` turns recipe + planner into exact `trtllm-build` arguments and refuses, before
-any GPU time is spent, what trtllm-build would refuse; `run_build` runs them only where
+any GPU time is spent, what trtllm-build would refuse; builder.py runs them only where
 TensorRT-LLM 1.2.x and a GPU of the target's compute capability are present, and otherwise
 says `planned` with the command and a `build.sh` for a builder machine. No library plans or
 stamps TensorRT-LLM builds, so this is ours. Facts, from TensorRT-LLM's sources (1.x):
@@ -28,14 +27,9 @@ stamps TensorRT-LLM builds, so this is ours. Facts, from TensorRT-LLM's sources 
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import shutil
 import stat
-import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +40,8 @@ from kiln.quant.registry import Problem
 from kiln.quant.schemes import FLOAT_SCHEME
 from kiln.quant.spec import Scheme
 from kiln.runtime.base.errors import PreflightError
-from kiln.runtime.base.versions import version
 from kiln.runtime.formats.model_info import ModelInfo
 
-ENGINE_STAMP = "kiln-engine.json"
 TRTLLM_LINE = "1.2"  # the last TensorRT-LLM line with trtllm-build
 FP8_FMHA_ALGOS = frozenset({"FP8", "W4A8_AWQ", "NVFP4"})
 SM100_PLUGINS = ("--gemm_swiglu_plugin", "--fp8_rowwise_gemm_plugin",
@@ -395,213 +387,3 @@ def build_plan(
         raise BuildPlanError(target.name, problems)
     return BuildPlan(target, "target", _argv(args), Path(checkpoint_dir), Path(engine_dir),
                      world, notes=notes, draft=draft_plan)  # fmt: skip
-
-
-# ---- running a plan, and the stamp that says what an engine runs on -------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class GpuInfo:
-    """One GPU as nvidia-smi reports it."""
-
-    name: str
-    compute_capability: tuple[int, int]
-    driver_version: str | None = None
-
-    @property
-    def sm(self) -> str:
-        return "sm{}{}".format(*self.compute_capability)
-
-
-@dataclass(frozen=True, slots=True)
-class BuildEnvironment:
-    """What this machine can build with: tool versions (None: absent) and its GPUs."""
-
-    tensorrt_llm: str | None
-    tensorrt: str | None
-    cuda: str | None
-    gpus: tuple[GpuInfo, ...] = ()
-
-
-def _parse_cc(text: str) -> tuple[int, int]:
-    major, _, minor = text.strip().removeprefix("sm").partition(".")
-    if not minor and len(major) > 1:  # "sm90" / "90"
-        major, minor = major[:-1], major[-1]
-    return int(major), int(minor or 0)
-
-
-def detect_environment() -> BuildEnvironment:
-    """TensorRT-LLM, TensorRT and CUDA versions and the GPUs nvidia-smi lists."""
-    gpus: list[GpuInfo] = []
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        query = [smi, "--query-gpu=compute_cap,name,driver_version", "--format=csv,noheader"]
-        out = subprocess.run(query, capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 3:
-                gpus.append(GpuInfo(parts[1], _parse_cc(parts[0]), parts[2]))
-    cuda = None
-    try:
-        import torch
-
-        cuda = torch.version.cuda
-        if not gpus and torch.cuda.is_available():
-            gpus = [GpuInfo(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
-                    for i in range(torch.cuda.device_count())]  # fmt: skip
-    except ImportError:
-        pass
-    return BuildEnvironment(version("tensorrt_llm", "tensorrt-llm"),
-                            version("tensorrt", "tensorrt-cu12", "tensorrt-cu13"), cuda,
-                            tuple(gpus))  # fmt: skip
-
-
-def why_not_here(plan: BuildPlan, env: BuildEnvironment) -> str | None:
-    """Why this machine cannot build `plan` (None: it can)."""
-    if env.tensorrt_llm is None:
-        return "tensorrt_llm not installed"
-    if not env.tensorrt_llm.startswith(TRTLLM_LINE):
-        return (f"tensorrt_llm {env.tensorrt_llm} installed; engines need {TRTLLM_LINE}.x "
-                "(trtllm-build was removed after it)")  # fmt: skip
-    want = plan.target.compute_capability
-    matching = [g for g in env.gpus if g.compute_capability == want]
-    needed = max(p.world_size for p in plan.plans())
-    if len(matching) < needed:
-        found = ", ".join(f"{g.name} ({g.sm})" for g in env.gpus) or "none"
-        count = f"{needed} GPUs" if needed > 1 else "GPU"
-        return f"no {count} with {plan.target.sm} here (found: {found})"
-    return None
-
-
-@dataclass
-class BuildRecord:
-    """What happened to a build plan: `built`, `planned` or `failed`, and why."""
-
-    status: str
-    target: str
-    sm: str
-    commands: list[str]
-    script: Path
-    reason: str | None = None
-    stderr_tail: str | None = None
-    stamps: list[Path] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able record, for the manifest."""
-        return {
-            "status": self.status,
-            "target": self.target,
-            "sm": self.sm,
-            "commands": list(self.commands),
-            "script": str(self.script),
-            "reason": self.reason,
-            "stderr_tail": self.stderr_tail,
-            "stamps": [str(s) for s in self.stamps],
-        }
-
-
-def _missing_engine_files(plan: BuildPlan) -> list[str]:
-    names = ["config.json"] + [f"rank{r}.engine" for r in range(plan.world_size)]
-    return [n for n in names if not (plan.engine_dir / n).is_file()]
-
-
-def _stamp(plan: BuildPlan, env: BuildEnvironment) -> Path:
-    gpu = next(g for g in env.gpus if g.compute_capability == plan.target.compute_capability)
-    config = json.loads((plan.engine_dir / "config.json").read_text())
-    stamp = {
-        "format": "kiln-engine/1",
-        "target": plan.target.name,
-        "role": plan.role,
-        "sm": plan.target.sm,
-        "compute_capability": "{}.{}".format(*gpu.compute_capability),
-        "gpu_name": gpu.name,
-        "driver_version": gpu.driver_version,
-        "tensorrt_version": env.tensorrt,
-        "tensorrt_llm_version": env.tensorrt_llm,
-        "engine_config_version": config.get("version"),  # what trtllm-build itself wrote
-        "cuda_version": env.cuda,
-        "command": plan.command,
-        "argv": list(plan.argv),
-        "engine_files": sorted(p.name for p in plan.engine_dir.iterdir()),
-        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    path = plan.engine_dir / ENGINE_STAMP
-    path.write_text(json.dumps(stamp, indent=2) + "\n")
-    return path
-
-
-def run_build(
-    plan: BuildPlan,
-    *,
-    trtllm_build: str = "trtllm-build",
-    detect: Callable[[], BuildEnvironment] = detect_environment,
-    script_path: Path | None = None,
-    write_script: bool = True,
-) -> BuildRecord:
-    """Build the engines of `plan` where this machine can, and stamp them; else `planned`.
-
-    `built` only when the executable ran and wrote `config.json` and every `rank{N}.engine`.
-    `build.sh` is written either way (default: `<engine_dir>/build.sh`).
-    """
-    script = script_path or plan.engine_dir / "build.sh"
-    if write_script:
-        plan.write_script(script)
-    commands = [p.command for p in plan.plans()]
-    record = BuildRecord("planned", plan.target.name, plan.target.sm, commands, script)
-    env = detect()
-    exe = shutil.which(trtllm_build)
-    record.reason = why_not_here(plan, env) or (
-        None if exe else f"{trtllm_build} not found on PATH"
-    )
-    if record.reason or exe is None:
-        return record
-    for p in plan.plans():
-        (p.engine_dir / ENGINE_STAMP).unlink(missing_ok=True)  # never leave a stale claim
-        p.engine_dir.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([exe, *p.argv[1:]], env={**os.environ, **p.env},
-                              capture_output=True, text=True, check=False)  # fmt: skip
-        missing = _missing_engine_files(p)
-        if done.returncode != 0 or missing:
-            record.status = "failed"
-            record.reason = (f"{p.role} build exited {done.returncode}" if done.returncode
-                             else f"{p.role} build exited 0 but {p.engine_dir} lacks "
-                             f"{', '.join(missing)}")  # fmt: skip
-            record.stderr_tail = "\n".join(done.stderr.splitlines()[-40:])
-            return record
-        record.stamps.append(_stamp(p, env))
-    record.status = "built"
-    return record
-
-
-def read_engine_stamp(engine_dir: Path) -> dict[str, Any] | None:
-    """The `kiln-engine.json` of an engine directory, or None if it has none."""
-    path = Path(engine_dir) / ENGINE_STAMP
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def check_engine_compatible(
-    engine_dir: Path, found_gpu_cc: tuple[int, int] | str, found_trt_version: str | None
-) -> list[str]:
-    """Why the engine in `engine_dir` cannot run on this GPU and TensorRT (empty: it can).
-
-    A TensorRT engine runs only on the compute capability and TensorRT version it was built
-    with ("engine plan file is generated on an incompatible device").
-    """
-    stamp = read_engine_stamp(engine_dir)
-    if stamp is None:
-        return [f"{engine_dir} has no {ENGINE_STAMP}: no finished kiln build — run its "
-                "build.sh on a builder with the target GPU"]  # fmt: skip
-    cc = found_gpu_cc if isinstance(found_gpu_cc, tuple) else _parse_cc(found_gpu_cc)
-    here = "sm{}{}".format(*cc)
-    built = f"engine built for {stamp['sm']} with TensorRT {stamp['tensorrt_version']}"
-    fix = f"rebuild with `{stamp['command']}`"
-    problems = []
-    if _parse_cc(stamp["compute_capability"]) != cc:
-        problems.append(f"{built}; this GPU is {here} — {fix}")
-    trt = stamp.get("tensorrt_version")
-    if found_trt_version is None:
-        problems.append(f"{built}; TensorRT is not installed here — install TensorRT {trt}")
-    elif trt and found_trt_version.split(".")[:3] != trt.split(".")[:3]:
-        problems.append(f"{built}; this machine has TensorRT {found_trt_version} — "
-                        f"install TensorRT {trt} or {fix}")  # fmt: skip
-    return problems

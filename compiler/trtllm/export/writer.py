@@ -48,7 +48,7 @@ the group-wise GEMM plugin reads them (K from the activation: a rank reads its s
 leading rows; cpp/tensorrt_llm/plugins/weightOnlyGroupwiseQuantMatmulPlugin `enqueue`).
 `exclude_modules` names the float linears as ModelOpt's writer does; for W8A16/W4A16 it also
 restates TensorRT-LLM's default exclusions and each name's tensors. The rules are stated in
-compiler/trtllm/rules/conformance.py; its `check_checkpoint` proves a written checkpoint obeys them.
+compiler/trtllm/rules/checkpoint.py; its `check_checkpoint` proves a written checkpoint obeys them.
 """
 
 from __future__ import annotations
@@ -63,11 +63,10 @@ from safetensors.torch import save_file
 
 from kiln.compiler.trtllm.export.checkpoint_config import checkpoint_config
 from kiln.compiler.trtllm.export.source import Source, read_source
-from kiln.compiler.trtllm.rules.conformance import (
-    CHECKPOINT_ALGO,
+from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
+from kiln.compiler.trtllm.rules.exclusions import (
     GROUPWISE,
     NO_EXCLUSIONS,
-    NOT_EXPORTED,
     ROWWISE,
     exclude_modules,
     padded_features,
@@ -87,7 +86,7 @@ MODULES = {
     "up_proj": ("mlp.gate", "column"),
     "down_proj": ("mlp.proj", "row"),
 }
-# The linears of each block FP8 rowwise swaps whole (conformance.ROWWISE_BLOCKS).
+# The linears of each block FP8 rowwise swaps whole (exclusions.ROWWISE_BLOCKS).
 BLOCK_LINEARS = {"attention": ("qkv", "dense"), "mlp": ("fc", "gate", "proj")}
 
 
@@ -461,7 +460,7 @@ def pad_linear(lin: LinearWeights, rows: int, cols: int) -> LinearWeights:
 
 def _pad_groupwise(lin: LinearWeights, algo: str, role: str, tp: int) -> LinearWeights:
     """One rank's group-wise linear padded to the shapes TensorRT-LLM's group-wise layer
-    creates (conformance.padded_features): each rank's own slice, zeros after it."""
+    creates (exclusions.padded_features): each rank's own slice, zeros after it."""
     if algo not in GROUPWISE or lin.scale is None:
         return lin
     group = lin.scheme.group_size or lin.in_features // lin.scale.shape[1]

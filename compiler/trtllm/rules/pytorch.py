@@ -7,7 +7,7 @@ loads. Each rule cites the TensorRT-LLM file and function it was read from (NVID
 TensorRT-LLM; ModelOpt's modelopt/torch/export/ for what its own writer emits); none of their
 code is used or copied. `check_hf_checkpoint(dir, tp)` lists every rule a directory breaks
 for Llama-family decoders (Llama, Mistral, Qwen2); the engine path's rules are in
-conformance.py.
+checkpoint.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from kiln.compiler.trtllm.rules.conformance import FLOATS, Param
+from kiln.compiler.trtllm.rules.checkpoint import FLOATS, Param
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 # _torch/model_config.py `ModelConfig.load_modelopt_quant_config` /
@@ -34,7 +34,7 @@ HF_QUANT_KEYS = frozenset(
         "exclude_modules",
     }
 )
-# The algos kiln writes in this format (the PyTorch backend reads more: conformance
+# The algos kiln writes in this format (the PyTorch backend reads more: see
 # PYTORCH_LOADS["modelopt"]).
 HF_ALGOS = frozenset({"FP8", "W4A16_AWQ"})
 HF_KV_ALGOS = frozenset({"FP8"})
@@ -289,3 +289,30 @@ def conversion_problem(
         if group_size is None:
             return "per-channel int4 has no ModelOpt HF form; set a group_size of 64 or 128"
     return None
+
+
+# tensorrt_llm/_torch/model_config.py `ModelConfig.from_pretrained`: a ModelOpt export
+# (hf_quant_config.json) is read as its quant_algo; a compressed-tensors config is read only
+# as config_groups "group_0" with 8-bit channel/token or block/group FP8 weights, and it
+# reads input_activations["strategy"] before the bits, so weight-only groups (no input
+# activations) fail and per-tensor FP8 is refused ("Unsupported weights_quant_strategy").
+PYTORCH_LOADS = {
+    "float": frozenset({"NO_QUANT"}),
+    "modelopt": frozenset({"NO_QUANT", "FP8", "W4A16_AWQ", "W4A8_AWQ", "NVFP4"}),
+    "compressed-tensors": frozenset({"FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES"}),
+}
+
+
+def pytorch_problem(fmt: str, algo: str) -> str | None:
+    """Why TensorRT-LLM's PyTorch backend cannot load a `fmt` checkpoint of `algo`."""
+    if algo in PYTORCH_LOADS.get(fmt, frozenset()):
+        return None
+    loads = ", ".join(sorted(PYTORCH_LOADS.get(fmt, frozenset()))) or "nothing"
+    if fmt == "modelopt":  # the recipe already quantises with ModelOpt: another scheme, or engines
+        fix = f"quantise to a scheme it reads ({loads}), or set deploy.trtllm_path: engine"
+    else:
+        fix = "quantise with backend: modelopt for its HF export (hf_quant_config.json)"
+    return (
+        f"TensorRT-LLM's PyTorch backend does not load {algo} from a {fmt} checkpoint "
+        f"(_torch/model_config.py reads {loads} from it); {fix}"
+    )

@@ -6,14 +6,9 @@ checkpoint export, the PyTorch backend's checkpoint formats, or kiln's exact con
 
 from __future__ import annotations
 
-from kiln.compiler.trtllm.rules.conformance import (
-    CHECKPOINT_ALGO,
-    INT4_GROUP_SIZES,
-    NOT_EXPORTED,
-    group_problem,
-    pytorch_problem,
-)
-from kiln.compiler.trtllm.rules.pytorch import conversion_problem
+from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
+from kiln.compiler.trtllm.rules.exclusions import INT4_GROUP_SIZES, group_problem
+from kiln.compiler.trtllm.rules.pytorch import conversion_problem, pytorch_problem
 from kiln.compiler.trtllm.targets import (
     PATH_LABELS,
     PATHS,
@@ -124,7 +119,7 @@ def check_algos(
 def _unloadable(scheme: Scheme, path: str) -> str | None:
     """Why what kiln writes for `scheme` cannot be loaded on `path` (None: it can), judged
     from the recipe alone: the engine path needs kiln's checkpoint export of the scheme, the
-    PyTorch path a checkpoint format its loader reads (conformance.pytorch_problem), or
+    PyTorch path a checkpoint format its loader reads (pytorch.pytorch_problem), or
     an exact ModelOpt HF conversion of it (modelopt_hf.conversion_problem)."""
     algo, spec = scheme.trtllm_quant_algo, scheme.spec
     if path == "engine":

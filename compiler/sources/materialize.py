@@ -18,8 +18,8 @@ from pathlib import Path
 from kiln.compiler.leftovers import holding, sweep_unheld
 from kiln.compiler.sources.digest import source_digest
 from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
-from kiln.compiler.sources.spec import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
-from kiln.quant.prequantized import convert as prequantized
+from kiln.compiler.sources.reference import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
+from kiln.quant.prequantized import detect as prequantized
 from kiln.runtime.base.errors import SourceError, StageFailure
 
 PROVENANCE_FILE = "kiln_source.json"

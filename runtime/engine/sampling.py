@@ -74,7 +74,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Whether this request takes the argmax: temperature 0 (or below SAMPLING_EPS, which
+        no distribution can be computed at), or a top-k of one."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+# Below this temperature a request is greedy, as in vLLM: its distribution is one-hot to
+# within float32, and dividing logits by it overflows.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(slots=True)
@@ -132,7 +139,10 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """The distribution each row of `logits` samples from: softmax after the row's
     temperature, top-k and top-p (non-greedy params only)."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    scaled = _top_k_top_p(logits / temps.unsqueeze(1), params)
+    # From each row's maximum down: a small temperature sends the rest to -inf, never the
+    # maximum itself (0 / t is 0), so the softmax stays a distribution.
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scaled = _top_k_top_p(shifted / temps.unsqueeze(1), params)
     return torch.softmax(scaled, dim=-1)
 
 
@@ -162,6 +172,7 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     # Keep a token while the mass before it is below p: the top token always survives.
     before = probs.cumsum(dim=-1) - probs
     keep &= before < ps.unsqueeze(1)
+    keep[:, 0] = True  # a top_p that rounds to 0 in the logits' dtype keeps the top token
     masked = ordered.masked_fill(~keep, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, masked)
 

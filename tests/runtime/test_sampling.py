@@ -115,3 +115,36 @@ def test_invalid_params_are_usage_errors() -> None:
         SamplingParams(max_tokens=0)
     with pytest.raises(UsageError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1e-6),
+        SamplingParams(temperature=1e-3, top_k=5),
+        SamplingParams(top_p=1e-300),
+        SamplingParams(temperature=0.5, top_p=1e-45),
+    ],
+    ids=[
+        "temperature-1e-40",
+        "temperature-1e-6",
+        "small-temperature-top-k",
+        "top-p-1e-300",
+        "top-p-subnormal",
+    ],
+)
+def test_numerically_tiny_settings_sample_as_greedy_does(params: SamplingParams) -> None:
+    logits = torch.tensor([[3.0, 9.0, -2.0, 8.5, 0.0]]).repeat(64, 1)
+    tokens = sample(logits, [params] * 64, [None] * 64)
+    assert tokens.tolist() == [1] * 64  # the argmax, never a NaN's token
+
+
+def test_a_tiny_temperature_generates_the_greedy_continuation(
+    engine: Engine, tiny_llama: Path
+) -> None:
+    prompt = prompt_ids(tiny_llama, 1)[0]
+    want = engine.generate([prompt], greedy(max_tokens=12))[0].token_ids
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(top_p=1e-300)):
+        params.max_tokens, params.ignore_eos = 12, True
+        assert engine.generate([prompt], params)[0].token_ids == want

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.runtime.engine.native.extension import BuildLockTimeout, build_and_load
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -137,19 +139,26 @@ def missing_toolchain() -> str | None:
 
 
 def build(sources: list[Path], name: str) -> None:
-    """Compile and load `sources` as the torch extension `name`; NativeBuildError naming the
-    sources and quoting the compiler's errors when they do not build."""
+    """Compile and load `sources` as the torch extension `name` (extension.py: a killed
+    build never blocks the next); NativeBuildError naming the sources and quoting the
+    compiler's errors when they do not build, or naming the lock another build holds."""
     from torch.utils.cpp_extension import load
 
-    try:
+    def compile_into(directory: Path) -> None:
         load(
             name=name,
             sources=[str(path) for path in sources],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
             is_python_module=False,
             verbose=False,
         )
+
+    try:
+        build_and_load(name, compile_into)
+    except BuildLockTimeout as error:
+        raise NativeBuildError(str(error)) from error
     except (RuntimeError, OSError) as error:
         lines = str(error).splitlines()
         errors = [line for line in lines if "error" in line.lower()] or lines

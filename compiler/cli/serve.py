@@ -24,6 +24,7 @@ from kiln.compiler.serving import (
     serve_budget,
 )
 from kiln.runtime.base.errors import UsageError
+from kiln.runtime.server.body_limits import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from kiln.runtime.formats.artifact.verified import Mode
@@ -122,6 +123,21 @@ def _old_spelling(name: str) -> str:
     help="Mirrored requests waiting for the candidate before new ones are dropped.",
 )
 @click.option(
+    "--max-request-bytes",
+    default=DEFAULT_MAX_BYTES,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Largest request body accepted; a larger one is answered 413.",
+)
+@click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    default=DEFAULT_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True, max=3600),
+    help="Seconds a request body may stall before it is answered 408.",
+)
+@click.option(
     "--drain-timeout",
     default=30.0,
     show_default=True,
@@ -164,6 +180,8 @@ class ServeOptions:
     mirror_fraction: float
     mirror_log: Path | None
     mirror_queue: int
+    max_request_bytes: int
+    body_timeout_s: float
     drain_timeout: float
     registry_spec: str | None
     verify: Mode
@@ -192,6 +210,8 @@ def run_server(opts: ServeOptions) -> None:
         api_keys=ServerConfig.keys_from(opts.api_keys),
         model_root=str(model.path),
         store_prompts=opts.record_prompts,
+        max_request_bytes=opts.max_request_bytes,
+        body_timeout_s=opts.body_timeout_s,
     )
     app = create_app(served, config, recorder, mirror, opts.drain_timeout, digest=model.digest)
     click.echo(f"serving {config.model_name} on http://{opts.host}:{opts.port}/v1", err=True)

@@ -27,6 +27,7 @@ from kiln.runtime.engine.sampling import SamplingParams
 from kiln.runtime.server import routes
 from kiln.runtime.server.auth import require_api_key
 from kiln.runtime.server.backends.native import Backend
+from kiln.runtime.server.body_limits import BodyLimits
 from kiln.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.runtime.server.mirror import Mirror
 from kiln.runtime.server.protocol import error_body, now
@@ -70,7 +71,7 @@ async def _warm_up(state: ServerState) -> None:
     pays for lazy initialisation."""
     backend = state.backend
     try:
-        ids = backend.encode("Hello")[:8] or [0]
+        ids = backend.tokens.encode("Hello")[:8] or [0]
         params = SamplingParams(max_tokens=1, temperature=0.0)
         async for _ in backend.generate(ids, params, "kiln-warmup"):
             pass
@@ -102,6 +103,9 @@ def create_app(
                   docs_url="/docs" if open_docs else None,
                   redoc_url="/redoc" if open_docs else None)  # fmt: skip
     app.state.kiln = state
+    app.add_middleware(
+        BodyLimits, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s
+    )
 
     if not open_docs:
 

@@ -21,6 +21,7 @@ from kiln.runtime.formats.side_answer import SideAnswer
 from kiln.runtime.formats.traffic import CHAT_COMPLETIONS, COMPLETIONS
 from kiln.runtime.server import formatting as fmt
 from kiln.runtime.server.auth import require_api_key
+from kiln.runtime.server.backends.native import Backend
 from kiln.runtime.server.formatting import ChoiceResult
 from kiln.runtime.server.generation import (
     ChoiceSpec,
@@ -61,6 +62,17 @@ def _check_room(state: ServerState, prompt_ids: list[int], max_tokens: int, para
                        param=param)  # fmt: skip
 
 
+def _check_bytes(backend: Backend, text: str, param: str) -> None:
+    """Refuse, before tokenising it, a text longer in bytes than the model's whole context
+    could hold (tokenizers.py bounds the bytes one token stands for)."""
+    limit = backend.max_model_len
+    if backend.tokens.too_long(text, limit):
+        size = len(text.encode(errors="replace"))
+        raise APIError(400, f"{param} is {size:,} bytes: more than the model's {limit:,}-token "
+                       f"context can hold (at most {backend.tokens.max_token_bytes} bytes a "
+                       "token); shorten it", param=param)  # fmt: skip
+
+
 def register(app: FastAPI) -> None:
     """Add the two generation routes to `app`."""
     auth = [Depends(require_api_key)]
@@ -78,13 +90,16 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     rid = new_id("cmpl")
 
     def tokenise() -> tuple[list[list[int]], list[str]]:
-        ids = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
+        for text in prompts:
+            if isinstance(text, str):
+                _check_bytes(backend, text, "prompt")
+        ids = [backend.tokens.encode(p) if isinstance(p, str) else p for p in prompts]
         for prompt_ids in ids:
             backend.validate(prompt_ids, params, rid)
             _check_room(state, prompt_ids, params.max_tokens, "max_tokens")
         if not body.echo:
             return ids, []
-        return ids, [p if isinstance(p, str) else backend.decode(p) for p in prompts]
+        return ids, [p if isinstance(p, str) else backend.tokens.decode(p) for p in prompts]
 
     ids, echo = await run_in_threadpool(tokenise)
     texts = [p if isinstance(p, str) else None for p in prompts]
@@ -106,7 +121,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             lps += result.prompt_logprobs or [None] * len(result.prompt_ids)
         logprobs = None
         if body.logprobs is not None:
-            head = backend.decode(toks[:1]) if lps and lps[0] is None else None
+            head = backend.tokens.decode(toks[:1]) if lps and lps[0] is None else None
             logprobs = fmt.completion_logprobs(toks + tokens, lps + entries, top_n, head)
         finish = ("length" if drop else result.finish_reason) if result.done else None
         return {"index": result.index, "text": text, "logprobs": logprobs,
@@ -131,7 +146,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     rid = new_id("chatcmpl")
 
     def tokenise() -> tuple[list[int], SamplingParams]:
-        ids = backend.chat_ids(messages)
+        _check_bytes(backend, "".join(m["content"] for m in messages), "messages")
+        ids = backend.tokens.chat_ids(messages)
         params = body.sampling_params(backend.max_model_len - len(ids))
         backend.validate(ids, params, rid)
         limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -325,7 +341,7 @@ def _record(
     if endpoint == COMPLETIONS and not isinstance(data.get("prompt"), str):
         first = data.get("prompt") or [None]
         if not isinstance(first[0], str):  # token ids: traffic readers want text
-            decoded = [state.backend.decode(p) for p in prompts]
+            decoded = [state.backend.tokens.decode(p) for p in prompts]
     first_tokens = [r.ttft_s for r in results if r.ttft_s is not None]
     extra = {
         "usage": response["usage"],

@@ -8,6 +8,7 @@ from typing import Any
 
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.server.backends.native import Backend
+from kiln.runtime.server.body_limits import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.mirror import Mirror
 from kiln.runtime.server.record import TrafficRecorder
@@ -50,20 +51,38 @@ class ServerConfig:
     warmup: bool = True
     model_root: str = ""  # the artifact path; /v1/models shows its last part only
     store_prompts: bool = False  # mirror log keeps prompt text (same switch as --record-prompts)
+    max_request_bytes: int = DEFAULT_MAX_BYTES  # a larger body is answered 413
+    body_timeout_s: float = DEFAULT_TIMEOUT_S  # a body stalled this long is answered 408
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
             raise UsageError(f"--max-waiting {self.max_waiting}: must be >= 0")
         if self.max_running < 1:
             raise UsageError(f"max_running {self.max_running}: must be >= 1")
+        if self.max_request_bytes < 1:
+            raise UsageError(f"--max-request-bytes {self.max_request_bytes}: must be >= 1")
+        if any(not key.strip() for key in self.api_keys):
+            raise UsageError("api_keys: an empty key would let every request in; drop it")
+        if not 0 < self.body_timeout_s < float("inf"):
+            raise UsageError(f"--body-timeout {self.body_timeout_s}: must be a positive number")
 
     @classmethod
     def keys_from(cls, given: tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
         """API keys from --api-key options, else $KILN_API_KEY (comma-separated)."""
         if given:
-            return tuple(given)
-        env = os.environ.get(API_KEY_ENV, "")
-        return tuple(k.strip() for k in env.split(",") if k.strip())
+            keys = tuple(given)
+            source = "--api-key"
+        elif API_KEY_ENV in os.environ:
+            keys = tuple(k.strip() for k in os.environ[API_KEY_ENV].split(","))
+            source = f"${API_KEY_ENV}"
+        else:
+            return ()
+        if any(not k.strip() for k in keys):
+            raise UsageError(
+                f"{source}: an empty API key would let every request in (an empty bearer "
+                f"token matches it); give a key, or unset {source} to serve without keys"
+            )
+        return keys
 
 
 @dataclass

@@ -8,21 +8,19 @@ metrics, recording and mirroring do not care which one runs.
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from kiln.runtime.engine.chat import chat_token_ids
 from kiln.runtime.engine.outputs import EngineStats, RequestOutput
 from kiln.runtime.engine.sampling import SamplingParams
+from kiln.runtime.server.tokenizers import TokenizerPool
 
 
 class Backend(Protocol):
     """The serving surface the HTTP layer needs."""
 
     name: str  # "native" or "trtllm"
-    tokenizer: Any
+    tokens: TokenizerPool  # the model's tokenizer, lent to one request at a time
     max_model_len: int
 
     def start(self) -> None: ...
@@ -41,21 +39,13 @@ class Backend(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, token_ids: list[int]) -> str: ...
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat rendered by the model's chat template."""
-        ...
-
 
 class NativeBackend:
     """kiln's runtime engine, stepped on its own thread by AsyncEngine.
 
-    Requests are tokenised on the server's worker threads with a copy of the engine's
-    tokenizer, so a long prompt neither holds the event loop nor the engine thread's
-    detokenizer; the copy's lock keeps two encodes from meeting in one Rust tokenizer."""
+    Requests are tokenised on the server's worker threads with copies of the engine's
+    tokenizer (tokenizers.py), so a long prompt holds neither the event loop, nor the engine
+    thread's detokenizer, nor another request's tokenisation."""
 
     name = "native"
 
@@ -64,8 +54,7 @@ class NativeBackend:
 
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self._tokenizer_lock = threading.Lock()
+        self.tokens = TokenizerPool(engine.tokenizer)
         self.max_model_len = int(engine.max_model_len)
 
     def start(self) -> None:
@@ -89,14 +78,3 @@ class NativeBackend:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._tokenizer_lock:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def decode(self, token_ids: list[int]) -> str:
-        with self._tokenizer_lock:
-            return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_token_ids(self.tokenizer, messages, self._tokenizer_lock)

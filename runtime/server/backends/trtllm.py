@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.engine.chat import chat_token_ids
 from kiln.runtime.engine.outputs import EngineStats, RequestOutput
 from kiln.runtime.engine.sampling import SamplingParams
+from kiln.runtime.server.tokenizers import TokenizerPool
 
 
 def trtllm_available() -> bool:
@@ -52,7 +52,7 @@ class TrtllmBackend:
         from transformers import AutoTokenizer
 
         self.engine_dir = Path(engine_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.tokens = TokenizerPool(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
         self.max_model_len = max_model_len
         self._options = llm_options
         self._llm: Any = None
@@ -63,7 +63,7 @@ class TrtllmBackend:
     def start(self) -> None:
         if self._llm is None:
             llm_class = _llm_class()
-            self._llm = llm_class(model=str(self.engine_dir), tokenizer=self.tokenizer,
+            self._llm = llm_class(model=str(self.engine_dir), tokenizer=self.tokens.tokenizer,
                                   **self._options)  # fmt: skip
 
     def shutdown(self) -> None:
@@ -143,12 +143,3 @@ class TrtllmBackend:
             num_steps=0,
             busy_seconds=0.0,
         )
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_token_ids(self.tokenizer, messages)

@@ -7,6 +7,7 @@ assembled in a hidden directory and renamed into place (runtime/formats/artifact
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,13 @@ from kiln.compiler.trtllm.deploy import (
     write_target,
 )
 from kiln.runtime.base.cache import cache_home
+from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.base.versions import COMPILE_TOOLS, versions
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact import Manifest
+from kiln.runtime.formats.artifact.verified import verify_artifact
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,10 +122,16 @@ def _run_stages(
     previous = cache.lookup("package", package_key)
     if previous is not None and not force:
         path = Path(previous.record["artifact"])
-        if (path / artifact.MANIFEST).is_file():
-            manifest = artifact.load_manifest(path)
-            return CompileResult(path, manifest.digest, True, [*stages, previous], manifest,
-                                 model.source_model)  # fmt: skip
+        try:  # "up to date" means the published artifact still verifies
+            manifest = verify_artifact(path, action="reuse it").manifest
+        except ArtifactError as exc:
+            # Its files are hard links into the stage cache, so the damage may be the
+            # cache's too: every stage runs again.
+            log.warning("%s", exc.message)
+            progress(f"package: {path} no longer matches its manifest; compiling it again")
+            return _run_stages(pre, cache, root, True, progress)
+        return CompileResult(path, manifest.digest, True, [*stages, previous], manifest,
+                             model.source_model)  # fmt: skip
 
     manifest = model.manifest(tools, speculative=speculation.section if speculation else None)
     context = TargetContext(

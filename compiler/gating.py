@@ -31,7 +31,7 @@ from kiln.compiler.compile import CompileResult
 from kiln.compiler.recipe.recipe import Recipe
 from kiln.compiler.stages import input_key
 from kiln.gates.measure.sides import SideSpec, resolve_side
-from kiln.gates.releases import Registry
+from kiln.gates.releases import Registry, check_channel
 from kiln.gates.settings import GatesSection
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from kiln.runtime.formats import artifact
@@ -77,6 +77,7 @@ def check_gate_options(recipe: Recipe, promote: str | None, gate: bool) -> None:
     """Refuse `--promote` without a gate before any compile work starts."""
     if promote is None:
         return
+    check_channel(promote)
     if not gate:
         raise UsageError(
             f"--promote {promote} with --no-gate: nothing is promoted without a passing gate; "

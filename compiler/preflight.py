@@ -16,6 +16,13 @@ from typing import Any
 
 from kiln.compiler import sources
 from kiln.compiler.draft.check import SpeculativePlan, check_speculative
+from kiln.compiler.preflight_checks import (
+    gate_problems,
+    ignore_problems,
+    length_problems,
+    model_problems,
+)
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.recipe import Recipe, load_recipe
 from kiln.compiler.resolve import ResolvedScheme, resolve_scheme
 from kiln.compiler.stages import output_problem
@@ -27,7 +34,7 @@ from kiln.quant import calibration
 from kiln.quant.memory import estimate_calibration_bytes
 from kiln.quant.prequantized.detect import PreQuantized
 from kiln.quant.spec import CalibrationSpec, Scheme
-from kiln.runtime.base.errors import RecipeError, SourceError, UsageError
+from kiln.runtime.base.errors import SourceError, UsageError
 from kiln.runtime.formats.model_info import ModelInfo
 
 GIB = 1 << 30
@@ -136,10 +143,15 @@ def run_preflight(
     ref, info = _source(recipe, problems)
     arch_problems = sources.check_architecture(info) if info is not None else []
     problems.extend(recipe.problem("model.source", p) for p in arch_problems)
+    if ref is not None and info is not None and not arch_problems:
+        problems += model_problems(recipe, ref, info) + length_problems(recipe, info)
     quant = resolve_scheme(
         recipe, recipe.quant_spec(), info, calib, detect=info is not None and not arch_problems
     )
     problems += quant.problems
+    if info is not None and quant.imported is None and quant.usable:
+        problems += ignore_problems(recipe, info, recipe.quant_spec(), "quantization")
+    problems += gate_problems(recipe)
     for p in calibration.check(recipe.report_spec()):
         key = p.key.replace("calibration.", "report.", 1)
         problems.append(recipe.problem(key, p.problem, p.allowed))

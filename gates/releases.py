@@ -27,6 +27,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import socket
 import sqlite3
 import time
@@ -38,6 +39,7 @@ from typing import Any
 
 from kiln.gates.channel_rules import require_passing_run, rollback_step
 from kiln.runtime.base.errors import ArtifactError, UsageError
+from kiln.runtime.base.files import regular_problem
 from kiln.runtime.formats.artifact import json_dumps, load_manifest
 from kiln.runtime.formats.artifact.verified import Mode, verify_artifact
 
@@ -81,7 +83,27 @@ def registry_path(spec: str) -> Path:
             f"registry {spec!r}: only SQLite is supported; pass a file path or "
             "sqlite:///relative.db / sqlite:////absolute/path.db"
         )
-    return Path(spec[len("sqlite:///") :]).expanduser()
+    path = spec[len("sqlite:///") :]
+    if not path:
+        raise UsageError(
+            f"registry {spec!r} names no file; write sqlite:///relative.db or "
+            "sqlite:////absolute/path.db"
+        )
+    return Path(path).expanduser()
+
+
+CHANNEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_channel(name: str) -> str:
+    """`name` if it is a channel name (letters, digits, '.', '_', '-'; at most 64, starting
+    with a letter or digit); UsageError saying so otherwise."""
+    if not CHANNEL_NAME.match(name):
+        raise UsageError(
+            f"channel {name!r}: a channel name is 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (e.g. prod, staging-eu)"
+        )
+    return name
 
 
 def _now() -> str:
@@ -109,16 +131,26 @@ class Registry:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = registry_path(str(path)) if path is not None else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA busy_timeout = 60000")
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA foreign_keys = ON")
-        with self._write() as db:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+        if self.path.exists() and (why := regular_problem(self.path)) is not None:
+            raise UsageError(f"registry {self.path}: {why}; point --registry at a registry file")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA busy_timeout = 60000")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA foreign_keys = ON")
+            with self._write() as db:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+        except sqlite3.DatabaseError as exc:  # not SQLite, or a damaged one
+            raise UsageError(
+                f"registry {self.path}: not a kiln registry ({exc}); point --registry (or "
+                f"${ENV_VAR}) at the registry file, or move this file away to start a new one"
+            ) from None
+        except OSError as exc:
+            raise UsageError(f"registry {self.path}: cannot be opened ({exc.strerror})") from None
 
     def close(self) -> None:
         self._db.close()
@@ -216,6 +248,7 @@ class Registry:
         self, channel: str, baseline_rule: str = "current", baseline_digest: str | None = None
     ) -> None:
         """Create or change a channel's baseline rule (see the module docstring)."""
+        check_channel(channel)
         if baseline_rule not in BASELINE_RULES:
             raise UsageError(
                 f"channel {channel}: baseline rule {baseline_rule!r} is not one of "
@@ -278,6 +311,7 @@ class Registry:
         """Point `channel` at the artifact, if it verifies and a passing gate run allows it;
         returns the event. `gate_run`: only that run may allow it (a caller promoting on the
         verdict it just got), judged against what the channel requires when it is promoted."""
+        check_channel(channel)
         path = Path(artifact_path)
         # Hashing is slow: outside the write lock.
         manifest = verify_artifact(path, mode=verify, action=f"promote it to {channel}").manifest
@@ -307,6 +341,7 @@ class Registry:
     ) -> dict[str, Any]:
         """Move the channel back to the artifact it served before its current one, once that
         artifact verifies against the digest the channel recorded for it."""
+        check_channel(channel)
         actor = actor or default_actor()
         target, _ = rollback_step(self._db, channel)
         row = self._db.execute("SELECT path FROM artifacts WHERE digest = ?", (target,)).fetchone()

@@ -26,6 +26,7 @@ from typing import Any
 from kiln.quant.registry import Problem
 from kiln.quant.spec import CalibrationSpec
 from kiln.runtime.base.errors import CalibrationDataError
+from kiln.runtime.base.files import read_bytes
 from kiln.runtime.base.jsonlines import json_objects
 from kiln.runtime.formats.traffic import TrafficError, TrafficRecord, read_traffic
 
@@ -142,7 +143,7 @@ def _documents(spec: CalibrationSpec, tokenizer: Any) -> list[str]:
 def read_text(path: Path) -> str:
     """A calibration file's text; CalibrationDataError naming the place where it is not text
     (not UTF-8, or a NUL byte: a binary file), rather than calibrating on replacement marks."""
-    data = path.read_bytes()
+    data = read_bytes(path, CalibrationDataError, "calibration.dataset")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -28,7 +28,7 @@ out = Console(highlight=False)
 def validate(recipe: Path, as_json: bool) -> None:
     """Check RECIPE completely (schema, model, scheme, data, targets, memory) without running it."""
     from kiln.compiler.preflight import validate_recipe
-    from kiln.runtime.base.errors import RecipeError
+    from kiln.compiler.recipe.errors import RecipeError
 
     try:
         plan = validate_recipe(recipe)

@@ -7,6 +7,7 @@ failure prints its traceback too when the command line said `--debug` (`debug_op
 
 from __future__ import annotations
 
+import errno
 import sys
 import traceback
 from collections.abc import Callable
@@ -61,6 +62,12 @@ def handle_errors(fn: F) -> F:
             _say("interrupted; nothing was published")
             sys.exit(130)
         except Exception as exc:  # an unexpected failure is a runtime failure, exit 3
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                where = f" writing {exc.filename}" if exc.filename else ""
+                _say(f"error: no space left on the device{where}; free some space or point "
+                     "the output (or the cache, $XDG_CACHE_HOME) at a larger disk, then rerun: "
+                     "what finished is kept")  # fmt: skip
+                sys.exit(3)
             if _debugging():
                 traceback.print_exc()
             _say(

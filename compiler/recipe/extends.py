@@ -7,9 +7,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.reader import Key, Origins, read_yaml
 from kiln.compiler.recipe.schema import RecipeModel
-from kiln.runtime.base.errors import RecipeError
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
@@ -41,10 +41,10 @@ def load_chain(
                            "flatten the chain"])  # fmt: skip
     data, origins = read_yaml(path, problems)
     recipe_keys = {"extends", *RecipeModel.model_fields}
-    if via and (not isinstance(data, dict) or not set(data) & recipe_keys):
+    if via and (not isinstance(data, dict) or not data or set(data) - recipe_keys):
         # Say nothing of what the file holds: `extends` must not become a way to print files.
         raise RecipeError([f"{via}: extends: {path} is not a kiln recipe (a YAML mapping of "
-                           "recipe keys) — extend a recipe file"])  # fmt: skip
+                           "recipe keys only) — extend a recipe file"])  # fmt: skip
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -12,14 +12,14 @@ PyYAML has no such limits of its own, hence this module.
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kiln.runtime.base.errors import RecipeError
+from kiln.compiler.recipe.errors import RecipeError
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.files import open_regular
 
 Key = tuple[str | int, ...]
 Origins = dict[Key, tuple[Path, int]]
@@ -83,16 +83,10 @@ class _BoundedLoader(yaml.SafeLoader):
 def read_text(path: Path) -> str:
     """A recipe file's text: a regular file of at most MAX_BYTES of UTF-8."""
     try:
-        with open(path, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise RecipeError([f"{path}: not a regular file — pass a recipe YAML file"])
+        with open_regular(path) as handle:
             data = handle.read(MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise RecipeError(
-            [f"{path}: file not found — pass the path of a recipe YAML file"]
-        ) from None
-    except OSError as exc:
-        raise RecipeError([f"{path}: cannot read ({exc.strerror})"]) from None
+    except UsageError as exc:
+        raise RecipeError([f"{exc.message} — pass the path of a recipe YAML file"]) from None
     if len(data) > MAX_BYTES:
         raise RecipeError(
             [f"{path}: larger than {MAX_BYTES >> 10} KiB — a recipe is a few kilobytes of YAML"]

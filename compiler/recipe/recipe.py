@@ -16,12 +16,12 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.extends import load_chain
 from kiln.compiler.recipe.reader import Key, Origins
 from kiln.compiler.recipe.schema import RecipeModel, section_spec
 from kiln.compiler.trtllm.capacity import DeploySpec
 from kiln.quant.spec import CalibrationSpec, QuantSpec
-from kiln.runtime.base.errors import RecipeError
 
 
 @dataclass

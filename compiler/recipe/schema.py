@@ -4,6 +4,7 @@ values and per-method defaults taken from quant/registry.py (recipe.py loads a f
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from pydantic import (
@@ -73,6 +74,21 @@ class QuantizationSection(StrictModel):
     backend: BackendName | None = None  # None: the method's (llmcompressor but for nvfp4)
     smoothing_strength: float = Field(0.8, gt=0.0, lt=1.0)
     dampening_frac: float = Field(0.01, gt=0.0, lt=1.0)
+
+    @field_validator("ignore")
+    @classmethod
+    def _ignore_entries(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if not entry.strip():
+                raise ValueError("an empty entry ignores nothing; name a module, or re:PATTERN")
+            if entry.startswith("re:"):
+                try:
+                    re.compile(entry[3:])
+                except re.error as exc:
+                    raise ValueError(
+                        f"{entry!r} is not a valid regular expression ({exc})"
+                    ) from None
+        return entries
 
     @model_validator(mode="after")
     def _registry_rules(self) -> QuantizationSection:
@@ -169,9 +185,16 @@ class RecipeModel(StrictModel):
     report: ReportSection = ReportSection()
     targets: list[str] = Field(default_factory=list)
     deploy: DeploySection = DeploySection()
-    output: str = "artifacts"
+    output: str = Field("artifacts", min_length=1)
     gates: GatesSection | None = None  # what `kiln gate` measures and its thresholds
     speculative: SpeculativeSection | None = None  # a draft compiled beside the model
+
+    @field_validator("output")
+    @classmethod
+    def _output_path(cls, value: str) -> str:
+        if "\0" in value:
+            raise ValueError("holds a NUL byte, which no path can; write a directory path")
+        return value
 
 
 def section_spec(q: QuantizationSection) -> QuantSpec:

@@ -15,6 +15,7 @@ from kiln.compiler.sources.reference import BUILTIN, GGUF, SourceRef
 from kiln.compiler.sources.sidecar import FileFacts
 from kiln.quant.prequantized import detect as prequantized
 from kiln.runtime.base.errors import SourceError
+from kiln.runtime.base.files import read_text, regular_problem
 from kiln.runtime.formats.model_info import ARCHITECTURES, ModelInfo
 
 GGUF_SIDECAR = "gguf-configs.json"
@@ -87,6 +88,9 @@ def weight_problems(ref: SourceRef) -> list[str]:
 
     problems: list[str] = []
     for path in sorted(ref.path.glob("*.safetensors")):
+        if (why := regular_problem(path)) is not None:
+            problems.append(f"{path} is {why}; a checkpoint holds regular files only")
+            continue
         try:
             with safe_open(str(path), framework="numpy"):
                 pass  # opening checks the header and that the file covers every tensor
@@ -95,8 +99,8 @@ def weight_problems(ref: SourceRef) -> list[str]:
     index = ref.path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            shards = set(json.loads(read_text(index))["weight_map"].values())
+        except (OSError, SourceError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return [*problems, f"{index} does not parse ({type(exc).__name__}: {exc})"]
         missing = sorted(str(s) for s in shards if not (ref.path / str(s)).is_file())
         if missing:

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.files import read_text
 
 PLACEHOLDER = "${KILN_TASKS_DIR}"
 # recipes/tasks of a source checkout (editable install); a packaged kiln passes tasks_dir.
@@ -57,7 +58,7 @@ def prepare_task_dir(sources: Sequence[Path], into: Path) -> Path:
             raise UsageError(f"{source}: task directory not found")
         for path in sorted(source.iterdir()):
             if path.suffix in (".yaml", ".yml"):
-                text = path.read_text().replace(PLACEHOLDER, str(source))
+                text = read_text(path, what="task file").replace(PLACEHOLDER, str(source))
                 (into / path.name).write_text(text)
             elif path.suffix == ".py":
                 shutil.copy2(path, into / path.name)
@@ -76,7 +77,7 @@ def local_task_names(task_dir: Path) -> set[str]:
     names = set()
     for path in task_dir.glob("*.y*ml"):
         try:
-            data = yaml.load(path.read_text(), Loader=_TaskYamlLoader)
+            data = yaml.load(read_text(path, what="task file"), Loader=_TaskYamlLoader)
         except yaml.YAMLError:
             continue
         if isinstance(data, dict) and isinstance(data.get("task"), str):
@@ -117,6 +118,31 @@ def run_tasks(
     if output is None:
         raise UsageError("lm-eval returned no results (was this a non-zero rank?)")
     return {name: _task_result(name, output) for name in tasks}
+
+
+def task_problems(tasks: Sequence[str], task_dirs: Sequence[Path]) -> list[str]:
+    """Problem lines for `tasks` no task file of `task_dirs` defines and, for a name that is
+    not kiln's own (`kiln_*`), lm-eval's index neither."""
+    local: set[str] = set()
+    for directory in task_dirs:
+        if not Path(directory).is_dir():
+            return [f"task directory {directory} not found"]
+        local |= local_task_names(Path(directory))
+    missing = [t for t in tasks if t not in local]
+    if any(not t.startswith("kiln_") for t in missing):
+        try:
+            from lm_eval.tasks import TaskManager
+        except ImportError:  # without lm-eval the gate cannot run anyway: it says so then
+            missing = [t for t in missing if t.startswith("kiln_")]
+        else:
+            known = set(TaskManager(include_defaults=True).all_tasks)
+            missing = [t for t in missing if t not in known]
+    if not missing:
+        return []
+    names = ", ".join(sorted(local)) or "none"
+    return [f"unknown task(s) {', '.join(missing)}: kiln's task files define {names} (in "
+            f"{', '.join(map(str, task_dirs))}); lm-eval's own tasks are named as lm-eval "
+            "names them"]  # fmt: skip
 
 
 def _check_known(

@@ -13,6 +13,7 @@ from typing import Any
 from kiln.quant.registry import Problem
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import SourceError
+from kiln.runtime.base.files import read_text
 
 SIDECAR_CONFIGS = ("quantize_config.json", "quant_config.json")  # AutoGPTQ, early AutoAWQ
 
@@ -141,13 +142,13 @@ def detect(config: dict[str, Any]) -> PreQuantized | None:
 def read_config(model_dir: Path) -> dict[str, Any]:
     """config.json, with `quantization_config` taken from quantize_config.json or
     quant_config.json when config.json has none (AutoGPTQ and early AutoAWQ wrote only those)."""
-    config: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+    config: dict[str, Any] = json.loads(read_text(Path(model_dir) / "config.json", SourceError))
     if config.get("quantization_config"):
         return config
     for name in SIDECAR_CONFIGS:
         path = Path(model_dir) / name
         if path.is_file():
-            sidecar = json.loads(path.read_text())
+            sidecar = json.loads(read_text(path, SourceError))
             if name == "quant_config.json" and "quant_method" not in sidecar:
                 sidecar = {"quant_method": "awq", **sidecar}  # AutoAWQ's own file
             elif "quant_method" not in sidecar:

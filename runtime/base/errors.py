@@ -26,16 +26,6 @@ class UsageError(KilnError):
     exit_code = 2
 
 
-class RecipeError(UsageError):
-    """One or more problems in a recipe; `problems` holds each formatted line."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        count = len(self.problems)
-        header = f"{count} problem{'s' if count != 1 else ''} in recipe:"
-        super().__init__("\n".join([header, *("  " + p for p in self.problems)]))
-
-
 class SourceError(UsageError):
     """A model source that cannot be resolved or is not supported (exit 2)."""
 

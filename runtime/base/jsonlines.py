@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.base.files import ErrorType, open_regular
 
-def json_objects(path: Path, error: type[Exception]) -> Iterator[tuple[int, dict[str, Any]]]:
+
+def json_objects(path: Path, error: ErrorType) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line of `path`.
 
     Raises `error("FILE:LINE: problem")` for a line that is not UTF-8 text (or holds a NUL
     byte: a binary file), is not valid JSON, or is not a JSON object.
     """
-    with open(path, "rb") as handle:
+    with open_regular(path, error) as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"{path}:{number}"
             try:

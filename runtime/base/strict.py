@@ -1,5 +1,6 @@
 """The base of every user-facing configuration model (the recipe's sections, a gate file):
-unknown keys are refused, and a validated section is frozen."""
+unknown keys are refused, values are taken as typed (`true` is no number, `"3"` no integer),
+numbers are finite, and a validated section is frozen."""
 
 from __future__ import annotations
 
@@ -7,6 +8,6 @@ from pydantic import BaseModel, ConfigDict
 
 
 class StrictModel(BaseModel):
-    """A pydantic model with `extra="forbid"` and `frozen=True`."""
+    """A pydantic model with `extra="forbid"`, strict types, finite floats, `frozen=True`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)

@@ -21,6 +21,7 @@ from typing import Any, TypedDict, Unpack
 import torch
 
 from kiln.runtime.base.errors import ArtifactError, UsageError
+from kiln.runtime.base.files import irregular_entries
 from kiln.runtime.engine.allocator import keep_freed_memory
 from kiln.runtime.engine.config import EngineConfig, engine_config
 from kiln.runtime.engine.detokenizer import Detokenizer
@@ -122,6 +123,10 @@ class Engine:
         from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
+        unreadable = irregular_entries(model_dir) if model_dir.is_dir() else []
+        if unreadable:
+            raise ArtifactError(f"{model_dir}: holds what kiln does not read (regular files "
+                                "only):\n  " + "\n  ".join(unreadable))  # fmt: skip
         options = engine_config(device=device, **config)
         model, kv_spec = load_model(
             model_dir, options.dtype, torch.device(device), options.max_model_len

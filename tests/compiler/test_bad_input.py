@@ -135,3 +135,20 @@ def test_compile_output_option_is_checked_too(tmp_path: Path, tiny_llama: Path) 
     )
     assert code == 2, stderr
     assert f"cannot be created: {blocker} is a file" in stderr
+
+
+def test_a_full_disk_is_said_so_not_reported_as_an_internal_error() -> None:
+    import click
+
+    from kiln.compiler.cli.exits import handle_errors
+
+    @click.command()
+    @handle_errors
+    def writes() -> None:
+        with open("/dev/full", "w") as full:  # every write to it fails with ENOSPC
+            full.write("x" * 65536)
+            full.flush()
+
+    result = CliRunner().invoke(writes, [])
+    assert result.exit_code == 3
+    assert "no space left on the device" in result.stderr and "internal error" not in result.stderr

@@ -266,3 +266,30 @@ def test_published_artifacts_carry_no_remote_code(tmp_path: Path, tiny_llama: Pa
         assert "auto_map" not in json.loads(config.read_text()), config
     assert artifact.verify(path) == []
     assert not ran.exists()
+
+
+def _flip_one_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_damaged_artifact_is_not_up_to_date_and_is_published_again(
+    tmp_path: Path, tiny_llama: Path, force: bool
+) -> None:
+    recipe = recipe_file(tmp_path, tiny_llama)
+    code, out, _ = kiln("compile", str(recipe), "--json")
+    assert code == 0
+    first = json.loads(out)
+    weights = next(Path(first["artifact"], "model").glob("*.safetensors"))
+    _flip_one_bit(weights)
+    assert artifact.verify(first["artifact"])  # damaged
+    code, out, _ = kiln("compile", str(recipe), "--json", *(["--force"] if force else []))
+    assert code == 0
+    again = json.loads(out)
+    assert again["up_to_date"] is False
+    assert again["artifact"] == first["artifact"] and again["digest"] == first["digest"]
+    assert artifact.verify(again["artifact"]) == []  # republished whole
+    code, out, _ = kiln("compile", str(recipe), "--json")
+    assert json.loads(out)["up_to_date"] is True  # and now it is

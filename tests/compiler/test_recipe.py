@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.recipe import load_recipe
-from kiln.runtime.base.errors import RecipeError
 
 
 def write(path: Path, text: str) -> Path:
@@ -235,12 +235,14 @@ def test_duplicate_keys_are_refused(tmp_path: Path, tiny_llama: Path) -> None:
 
 
 def fake_hub_cache(root: Path) -> Path:
-    """A Hugging Face hub cache holding only the configs of the example recipes' models."""
+    """A Hugging Face hub cache holding only the configs of the example recipes' models (and
+    a tokenizer file, which preflight looks for; no weights)."""
     for config in (Path(__file__).parents[1] / "data" / "hub-configs").glob("*.json"):
         repo = root / f"models--{config.stem}"
         snapshot = repo / "snapshots" / "0123456789abcdef"
         snapshot.mkdir(parents=True)
         (snapshot / "config.json").write_text(config.read_text())
+        (snapshot / "tokenizer.json").write_text("{}")
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text("0123456789abcdef")
     return root

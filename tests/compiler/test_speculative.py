@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
 from kiln.compiler.draft.tokenizer_match import tokenizer_differences, tokenizer_facts
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.recipe import load_recipe
 from kiln.compiler.sources import parse_source
-from kiln.runtime.base.errors import RecipeError
 from kiln.runtime.formats import artifact
 
 SMALL_AUTO = "  auto_prompts: 2\n  auto_max_tokens: 8\n  auto_max_k: 4\n"

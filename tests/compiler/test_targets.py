@@ -7,12 +7,13 @@ import json
 import pytest
 
 from kiln.compiler.preflight import run_preflight
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.recipe import load_recipe
 from kiln.compiler.trtllm.rules.support import check_algos, check_target
 from kiln.compiler.trtllm.targets import PROFILES, TargetProfile, get_profile
 from kiln.quant.schemes import Problem, resolve
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.base.errors import RecipeError, UsageError
+from kiln.runtime.base.errors import UsageError
 
 FP8 = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static")
 FP8_DYNAMIC = QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic")

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.recipe import load_recipe
 from kiln.compiler.recipe.schema import QuantizationSection, section_spec
 from kiln.quant.registry import GROUP_SIZES, METHODS, SCHEMES, group_size_problem
 from kiln.quant.schemes import check
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.base.errors import RecipeError
 
 
 def test_every_scheme_belongs_to_registered_methods_and_every_method_has_a_scheme() -> None:

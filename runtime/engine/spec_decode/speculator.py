@@ -35,7 +35,7 @@ from kiln.runtime.engine.sampling import SamplingParams, draw, probabilities
 from kiln.runtime.engine.scheduler import SchedulerOutput
 from kiln.runtime.engine.sequence import Request
 from kiln.runtime.engine.spec_decode.rejection import accept_greedy, rejection_sample
-from kiln.runtime.formats.artifact import Manifest
+from kiln.runtime.formats.artifact import Manifest, member_path
 
 METHODS = ("draft", "ngram")
 # Measured on the 2-core CPU with SmolLM2-135M (tests/benchmarks/speculative_decoding.py),
@@ -121,7 +121,7 @@ def from_manifest(
         return None
     return SpeculativeConfig(
         method=entry.method,
-        draft=artifact / entry.draft if entry.draft is not None else None,
+        draft=member_path(artifact, entry.draft, "speculative.draft") if entry.draft else None,
         num_speculative_tokens=entry.max_draft_len or 4,
         ngram_max=entry.max_matching_ngram_size or 4,
         disable_by_batch_size=entry.disable_by_batch_size,

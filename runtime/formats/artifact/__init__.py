@@ -29,6 +29,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.base.files import irregular_entries, open_regular
 from kiln.runtime.formats.artifact.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -54,6 +56,7 @@ from kiln.runtime.formats.artifact.manifest import (
     StageRecord,
     TargetRecord,
     TargetSpeculation,
+    member_problem,
 )
 
 __all__ = [
@@ -108,21 +111,42 @@ _CHUNK = 1 << 20
 def sha256_file(path: Path) -> str:
     """Hex sha256 of one file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path, ArtifactError) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
+def member_files(root: Path) -> list[str]:
+    """The regular files under `root` but the manifest, as artifact-relative paths; links are
+    not followed (an artifact holds none: `irregular_entries` names what else is there)."""
+    files = []
+    for directory, _dirs, names in os.walk(root, followlinks=False):
+        for name in names:
+            path = Path(directory, name)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                files.append(path.relative_to(root).as_posix())
+    return sorted(rel for rel in files if rel != MANIFEST)
+
+
 def file_digests(root: Path) -> dict[str, FileEntry]:
-    """{relative path: (sha256, size)} for every file under root except the manifest."""
-    out: dict[str, FileEntry] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel == MANIFEST:
-            continue
-        out[rel] = FileEntry(sha256_file(path), path.stat().st_size)
-    return out
+    """{relative path: (sha256, size)} for every regular file under root but the manifest."""
+    return {
+        rel: FileEntry(sha256_file(root / rel), (root / rel).stat().st_size)
+        for rel in member_files(root)
+    }
+
+
+def member_path(root: str | Path, rel: str, what: str) -> Path:
+    """The one place a path a manifest names becomes a filesystem path: `root / rel`, refused
+    (ArtifactError naming `what`) where `rel` or a link on the way leads outside `root`."""
+    root = Path(root)
+    why = member_problem(rel)
+    if why is None and not (root / rel).resolve().is_relative_to(root.resolve()):
+        why = "leads outside the artifact through a symbolic link"
+    if why is not None:
+        raise ArtifactError(f"{root}/{MANIFEST}: {what}: {rel!r} {why}; recompile the artifact")
+    return root / rel
 
 
 def engine_file(rel: str) -> bool:
@@ -193,6 +217,8 @@ def verify(path: str | Path, outside: Callable[[str], bool] | None = None) -> li
     for rel in sorted(set(actual) - set(recorded)):
         hint = " (an engine built later: `kiln inspect --record-engines` records it)"
         problems.append(f"{rel}: not recorded in the manifest{hint if engine_file(rel) else ''}")
+    # What kiln never writes and no reader may open: a FIFO would hang it, a link point away.
+    problems += irregular_entries(root, links=False)
     if not problems and content_digest(manifest.files) != manifest.digest:
         problems.append("manifest digest does not match its file list")
     return problems
@@ -291,6 +317,14 @@ def _recorded_engines(root: Path) -> dict[str, FileEntry]:
         return {}  # a damaged manifest: the refresh replaces it
 
 
+def _holds(root: Path, files: dict[str, FileEntry]) -> bool:
+    """Whether `root` holds exactly `files` (engines built into it later aside), re-hashed."""
+    if irregular_entries(root, links=False):
+        return False
+    found = {rel: e for rel, e in file_digests(root).items() if not engine_file(rel)}
+    return found == files
+
+
 @dataclass
 class Staging:
     """A directory being assembled (`dir`) and, once published, its final place (`path`)."""
@@ -321,13 +355,18 @@ def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> I
             manifest.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_manifest(staging, manifest)
         final = parent / f"{manifest.name}-{manifest.digest[:12]}"
-        if final.exists():
+        if final.exists() and _holds(final, manifest.files):
             # Same content already published: keep the existing directory, refresh its
             # manifest, and keep the engines recorded on it since (they are still there).
             with manifest_lock(final):
                 manifest.engines = _recorded_engines(final)
                 write_manifest(final, manifest)
             shutil.rmtree(staging)
+        elif final.exists():  # damaged since it was published: replace it whole
+            damaged = parent / f".{final.name}.damaged-{os.getpid()}"
+            os.replace(final, damaged)
+            os.replace(staging, final)
+            shutil.rmtree(damaged, ignore_errors=True)
         else:
             os.replace(staging, final)
         handle.path = final

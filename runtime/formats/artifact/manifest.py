@@ -242,7 +242,45 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "manifest.json") -> Manifest:
+        """The manifest in `data`; ArtifactError naming the field where a value has the wrong
+        type or a path it names lies outside the artifact."""
         known = {f.name for f in fields(cls)} - {"extra"}
         typed = {k: v for k, v in data.items() if k in known}
-        return parse(cls, {**typed, "extra": {k: v for k, v in data.items() if k not in known}},
-                     where)  # fmt: skip
+        manifest = parse(cls, {**typed, "extra": {k: v for k, v in data.items()
+                                                  if k not in known}}, where)  # fmt: skip
+        for key, rel in manifest.member_paths():
+            why = member_problem(rel)
+            if why is not None:
+                raise ArtifactError(
+                    f"{where}: {key}: {rel!r} {why}; a manifest names only paths inside its "
+                    "artifact, so this one was edited after `kiln compile` wrote it — "
+                    "recompile the artifact"
+                )
+        return manifest
+
+    def member_paths(self) -> list[tuple[str, str]]:
+        """(field, path) for every artifact-relative path the manifest names."""
+        out = [(f"files.{rel}", rel) for rel in self.files]
+        out += [(f"engines.{rel}", rel) for rel in self.engines]
+        for name, target in self.targets.items():
+            out.append((f"targets.{name}.plan", target.plan))
+            if target.serve_config is not None:
+                out.append((f"targets.{name}.serve_config", target.serve_config))
+            if target.build is not None:
+                if target.build.script is not None:
+                    out.append((f"targets.{name}.build.script", target.build.script))
+                out += [(f"targets.{name}.build.stamps", s) for s in target.build.stamps]
+        if self.speculative is not None and self.speculative.draft is not None:
+            out.append(("speculative.draft", self.speculative.draft))
+        return out
+
+
+def member_problem(rel: str) -> str | None:
+    """Why `rel` is not a path inside an artifact (None: it is): absolute, empty, climbing out
+    with `..`, or holding a NUL or a backslash."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
+        return "is not a relative path inside the artifact"
+    if any(part in ("", ".", "..") for part in parts):
+        return "climbs out of the artifact (or has empty or '.' parts)"
+    return None

@@ -25,12 +25,13 @@ from typing import Literal
 
 from kiln.runtime.base.cache import cache_home
 from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.base.files import irregular_entries
 from kiln.runtime.formats.artifact import (
-    MANIFEST,
     Manifest,
     content_digest,
     engine_file,
     load_manifest,
+    member_files,
     verify,
 )
 
@@ -80,6 +81,7 @@ def verify_artifact(
     # The stamp names what was checked: the digest, and the engines recorded since.
     key = manifest.digest + (f"+{content_digest(manifest.engines)}" if manifest.engines else "")
     unchanged = _read_stamp(stamp) == {"digest": key, "files": facts}
+    unchanged = unchanged and not irregular_entries(root, links=False)
     if mode == "fast" and unchanged and content_digest(manifest.files) == manifest.digest:
         return Verified(manifest, hashed=False, built_later=later)
     problems = verify(root, lambda rel: built_later(rel, manifest))
@@ -104,9 +106,8 @@ def built_later(rel: str, manifest: Manifest) -> bool:
 
 
 def _files(root: Path) -> list[str]:
-    """The files the digest can cover: every one under `root` but the manifest."""
-    files = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-    return sorted(rel for rel in files if rel != MANIFEST)
+    """The files the digest can cover: every regular one under `root` but the manifest."""
+    return member_files(root)
 
 
 def _facts(root: Path, files: list[str]) -> Facts:

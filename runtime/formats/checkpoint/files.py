@@ -10,13 +10,14 @@ import torch
 from safetensors import safe_open
 
 from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.base.files import read_text, regular_problem
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise ArtifactError(f"{model_dir}: no config.json; pass a Hugging Face model directory")
-    return json.loads(path.read_text())
+    return json.loads(read_text(path, ArtifactError))
 
 
 class TensorFiles:
@@ -29,6 +30,8 @@ class TensorFiles:
             raise ArtifactError(f"{model_dir}: no *.safetensors files; expected a HF checkpoint")
         self._where: dict[str, Any] = {}
         for path in files:
+            if (why := regular_problem(path)) is not None:
+                raise ArtifactError(f"{path}: {why}; a checkpoint holds regular files only")
             handle = safe_open(str(path), framework="pt")
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self._where[name] = handle

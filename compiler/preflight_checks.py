@@ -1,0 +1,129 @@
+"""What preflight checks of a recipe against its model, before any compute: everything the
+recipe and the model's files alone decide, so `kiln validate` refuses what `kiln compile`
+would fail on after calibrating.
+
+- the weights' shapes (read from the safetensors headers) against the config's;
+- a tokenizer in a Hugging Face model directory;
+- every `quantization.ignore` entry naming some linear, and some linear left to quantise;
+- the lengths asked for (deploy, calibration, report) within the model's positions;
+- every gate task known (kiln's own from its task files, lm-eval's from lm-eval's index).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.compiler.recipe.recipe import Recipe
+from kiln.compiler.sources import BUILTIN, GGUF, SourceRef
+from kiln.gates.measure.divergence_texts import resolve_path
+from kiln.gates.measure.tasks import BUILTIN_TASKS_DIR, task_problems
+from kiln.quant.selection import is_ignored, quantised_linears
+from kiln.quant.spec import QuantSpec
+from kiln.runtime.base.files import irregular_entries, regular_problem
+from kiln.runtime.formats.model_info import ModelInfo
+
+# What a transformers tokenizer loads from: a fast tokenizer, SentencePiece, or BPE vocabularies.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def model_problems(recipe: Recipe, ref: SourceRef, info: ModelInfo) -> list[str]:
+    """The model source's files against its config: weight shapes, and a tokenizer."""
+    if ref.kind in (GGUF, BUILTIN):
+        return []  # one file holds config, tokenizer and tensors; its reader checked them
+    unreadable = [f"{ref.path}/{line}" for line in irregular_entries(ref.path)]
+    problems = [recipe.problem("model.source", p) for p in unreadable]
+    problems += [recipe.problem("model.source", p) for p in _shape_problems(ref.path, info)]
+    if not any((ref.path / name).exists() for name in TOKENIZER_FILES):
+        problems.append(
+            recipe.problem(
+                "model.source",
+                f"{ref.path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})",
+                "copy the model's tokenizer files into the directory (save_pretrained of its "
+                "tokenizer writes them)",
+            )
+        )
+    return problems
+
+
+def _shape_problems(model_dir: Path, info: ModelInfo) -> list[str]:
+    """Tensors whose stored shape differs from what config.json implies (first layer)."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = {"model.embed_tokens.weight": (info.vocab_size, info.hidden_size)}
+    for short, shape in info.linear_shapes().items():
+        block = "self_attn" if short in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        expected[f"model.layers.0.{block}.{short}.weight"] = shape
+    found: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        if regular_problem(path) is not None:
+            continue  # weight_problems names it
+        try:
+            with safe_open(str(path), framework="numpy") as handle:
+                for name in expected.keys() & set(handle.keys()):
+                    found[name] = tuple(handle.get_slice(name).get_shape())
+        except (OSError, SafetensorError):
+            continue  # weight_problems names a damaged file
+    return [
+        f"{name} is {list(found[name])} in the weights but config.json implies "
+        f"{list(shape)}; the config does not belong to these weights — restore the model's "
+        "own config.json"
+        for name, shape in expected.items()
+        if name in found and found[name] != tuple(shape)
+    ]
+
+
+def ignore_problems(recipe: Recipe, info: ModelInfo, spec: QuantSpec, key: str) -> list[str]:
+    """`ignore` entries that match no linear of the model, and an ignore list that leaves
+    nothing to quantise (`key`: the quantization section's place in the recipe)."""
+    if spec.method == "none":
+        return []
+    names = list(quantised_linears(info, ()))
+    problems = [
+        recipe.problem(
+            f"{key}.ignore",
+            f"{entry!r} matches no linear of the model",
+            f"name a module such as {names[0]} or {names[-1]}, or a re: pattern over such names",
+        )
+        for entry in spec.ignore
+        if not any(is_ignored(name, (entry,)) for name in names)
+    ]
+    if not problems and not quantised_linears(info, spec.ignore):
+        problems.append(
+            recipe.problem(
+                f"{key}.ignore",
+                f"the ignore list keeps all {len(names)} linears "
+                "float, so nothing would be quantised",
+                "narrow the list, or use method: none",
+            )
+        )
+    return problems
+
+
+def length_problems(recipe: Recipe, info: ModelInfo) -> list[str]:
+    """Lengths the recipe sets beyond the model's positions (a default past them is the
+    default's, not the recipe's: the planner notes it)."""
+    limit = info.max_position_embeddings
+    asked = {
+        "deploy.max_seq_len": recipe.config.deploy.max_seq_len,
+        "calibration.max_seq_len": recipe.config.calibration.max_seq_len,
+        "report.max_seq_len": recipe.config.report.max_seq_len,
+    }
+    return [
+        recipe.problem(
+            key,
+            f"{value} is past the model's {limit} positions (max_position_embeddings)",
+            f"at most {limit}",
+        )
+        for key, value in asked.items()
+        if value > limit and tuple(key.split(".")) in recipe.origins
+    ]
+
+
+def gate_problems(recipe: Recipe) -> list[str]:
+    """Gate tasks no task file (nor lm-eval) defines."""
+    gates = recipe.config.gates
+    if gates is None or not gates.tasks:
+        return []
+    extra = resolve_path(gates.tasks_dir, recipe.base_dir("gates.tasks_dir"))
+    dirs = [BUILTIN_TASKS_DIR] if extra is None else [BUILTIN_TASKS_DIR, extra]
+    return [recipe.problem("gates.tasks", p) for p in task_problems(gates.tasks, dirs)]

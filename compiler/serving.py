@@ -28,9 +28,9 @@ REGISTRY_SCHEME = "registry://"
 
 # kiln serve's step budget on CPU, where a step's time grows with its tokens: a burst of
 # 128-token prompts prefilled 4 per step gets its median first token ~2x sooner than 16 per
-# step, at the same output rate under load (README, "kiln vs vLLM-CPU and llama.cpp on one
-# CPU"). Offline runs (the gates, `Engine.load`) keep the engine's 2048: prefill alone is
-# 3-9% faster in big steps.
+# step, at the same output rate under load (docs/benchmarks.md, "kiln vs vLLM-CPU and llama.cpp on
+# one CPU"). Offline runs (the gates, `Engine.load`) keep the engine's 2048: prefill alone is 3-9%
+# faster in big steps.
 SERVE_CPU_BATCHED_TOKENS = 512
 
 

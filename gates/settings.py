@@ -15,15 +15,15 @@
 `baseline` is what `kiln compile` gates against (`kiln gate` takes --baseline instead):
 `source` (the recipe's unquantised model, the default), an artifact or HF directory (relative
 to the file that sets it), or an http(s) endpoint URL. `kiln compile --promote CHANNEL`
-gates against what the channel requires instead (registry.py), whatever this says.
+gates against what the channel requires instead (releases.py), whatever this says.
 
 Thresholds left out (or null) take the defaults for the candidate's weight width
-(`gates.rules.default_policy`); `off` turns a check off (reported, not gated). YAML 1.1
+(`gates.decide.rules.default_policy`); `off` turns a check off (reported, not gated). YAML 1.1
 reads an unquoted `off` (and `no`, `false`) as a boolean: for a threshold it means `off`;
 `on`/`yes`/`true` is refused with the key named.
 
 `decision_rule: mcnemar` (the default) gives each task pass, fail or inconclusive (see
-`gates.mcnemar`); `inconclusive: pass` (the default) lets an inconclusive task through, with
+`gates.decide.mcnemar`); `inconclusive: pass` (the default) lets an inconclusive task through, with
 the loss its items could detect in the report, so the distribution checks decide;
 `inconclusive: fail` makes every task prove that no loss beyond the margin happened.
 

@@ -19,8 +19,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 class EngineConfig:
     """How the engine schedules, caches and computes.
 
-    `dtype` "auto" is bfloat16 on CPUs that compute bf16 natively (AVX512-BF16 or AMX),
-    float32 on other CPUs and the checkpoint's dtype on GPUs (runtime/engine/dtype.py).
+    `dtype` "auto" is bfloat16 on CPUs that compute bf16 natively (AVX512-BF16 or AMX) and on
+    AVX2+FMA CPUs where kiln's bf16-weight kernel loads, float32 on other CPUs and the
+    checkpoint's dtype on GPUs (runtime/engine/dtype.py).
     `kv_cache_dtype` "auto" stores K/V in the compute dtype, or in the FP8/INT8 encoding the
     checkpoint names; "bfloat16" halves KV memory traffic on CPU at bf16 precision.
     KV capacity comes from `num_blocks` when given, else from `kv_cache_memory_bytes`, else

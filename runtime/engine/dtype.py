@@ -6,7 +6,7 @@ bfloat16 where the CPU computes bf16 natively (x86 `avx512_bf16` dot products or
 On a CPU without them but with AVX2 and FMA it is bfloat16 too where kiln's native kernels
 load: its bf16-weight linear kernel (runtime/engine/native/csrc/bf16_linear.cpp) widens the weights
 in registers and accumulates in float32, so a decode step reads half float32's bytes (SmolLM2-135M
-on a 2-core AVX2 EPYC: see README's runtime benchmarks). Elsewhere float32: torch's own bf16 matmul
+on a 2-core AVX2 EPYC: see docs/benchmarks.md). Elsewhere float32: torch's own bf16 matmul
 there is a generic loop, slower than float32.
 
 `KILN_DTYPE=float32|bfloat16|float16` in the environment says what "auto" means for every

@@ -51,7 +51,8 @@ output: out
 # The default gate (kiln_ppl, kiln_cloze, kiln_next_word; KL over 10,240 held-out tokens), its
 # tasks bounded to 100 items each to fit the suite's time: the task rule is then
 # inconclusive on good schemes (it detects ~7 points), and the distribution checks decide.
-# README's table runs the same candidates on all 1,200 items (tests/benchmarks/gate_table.py).
+# docs/benchmarks.md's table runs the same candidates on all 1,200 items
+# (tests/benchmarks/gate_table.py).
 GATES = {"limit": 100}
 WEIGHTS = "model.safetensors"
 

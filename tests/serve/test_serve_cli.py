@@ -140,7 +140,8 @@ def test_the_old_shadow_spellings_still_work_unlisted(tiny_llama: Path, tmp_path
 @pytest.mark.trtllm
 def test_trtllm_backend_is_chosen_for_an_engine_built_for_this_gpu(tmp_path: Path) -> None:
     """Where TensorRT-LLM and an engine built for this GPU exist ($KILN_TRTLLM_ARTIFACT).
-    Only the choice is checked: serving through TensorRT-LLM has never run (see README)."""
+    Only the choice is checked: serving through TensorRT-LLM has never run (README, What runs
+    where)."""
     pytest.importorskip("tensorrt_llm")
     spec = os.environ.get("KILN_TRTLLM_ARTIFACT")
     if not spec:

@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from kiln.compiler.trtllm.deploy import target_failures
 from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.export.writer import export_checkpoint, fuse_linears
+from kiln.compiler.trtllm.export.linears import fuse_linears
+from kiln.compiler.trtllm.export.writer import export_checkpoint
 from kiln.compiler.trtllm.rules.checkpoint import check_checkpoint, check_config
 from kiln.compiler.trtllm.rules.exclusions import build_quantises, module_excluded, padded_features
 from kiln.compiler.trtllm.rules.pytorch import pytorch_problem

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from kiln.compiler.trtllm.export.linears import pack_int4_rows
 from kiln.compiler.trtllm.export.source import trtllm_algo
-from kiln.compiler.trtllm.export.writer import pack_int4_rows
 from kiln.compiler.trtllm.rules.pytorch import (
     CONVERTS,
     QUANT_CONFIG_FILE,

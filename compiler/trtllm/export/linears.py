@@ -1,0 +1,163 @@
+"""One linear laid out for a TensorRT-LLM rank: q/k/v fused into one GEMM, sharded for
+tensor parallelism, padded to the shapes TensorRT-LLM's group-wise layer creates, and int4
+codes packed as ModelOpt packs them. The rules (which role splits how, which features pad to
+what) are in compiler/trtllm/export/writer.py's docstring and compiler/trtllm/rules/exclusions.py;
+the checkpoint tensors they become are named in writer.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kiln.compiler.trtllm.rules.exclusions import GROUPWISE, padded_features
+from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats.weights import LinearWeights, dequantize
+
+
+def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """`codes` re-expressed at a scale 1/`ratio` times theirs, rounded to the nearest code
+    (float8 rounds in the cast; integer codes are rounded, then clamped to their range)."""
+    scaled = codes.to(torch.float32) * ratio
+    if codes.dtype.is_floating_point:
+        return scaled.to(codes.dtype)
+    info = torch.iinfo(codes.dtype)
+    return scaled.round().clamp(info.min, info.max).to(codes.dtype)
+
+
+def fuse_linears(
+    parts: list[LinearWeights], algo: str, notes: list[str], name: str
+) -> LinearWeights:
+    """Stack linears that share an input along the output dim (q, k, v → qkv)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    weight, bias = torch.cat([p.weight for p in parts]), _cat([p.bias for p in parts])
+    if first.scale is None:  # float
+        return replace(first, weight=weight, bias=bias)
+    input_scale = None
+    if first.input_scale is not None:
+        input_scale = torch.stack([p.input_scale for p in parts if p.input_scale is not None])
+        input_scale = input_scale.max()
+    pqs = first.pre_quant_scale
+    if pqs is not None and any(
+        p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, pqs) for p in parts
+    ):
+        raise UsageError(f"{name}: fused linears carry different pre-quant scales")
+    if first.scheme.strategy == "tensor":  # one scale for the fused GEMM
+        scale = torch.stack([p.scale.max() for p in parts if p.scale is not None]).max()
+        codes, moved = [], 0.0
+        for p in parts:
+            assert p.scale is not None
+            requant = requantize(p.weight, p.scale / scale)
+            before, after = dequantize(p, torch.float32), requant.to(torch.float32) * scale
+            largest = before.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+            moved = max(moved, float((before - after).abs().max() / largest))
+            codes.append(requant)
+        if moved > 0:
+            notes.append(
+                f"{name}: re-quantised to one {algo} scale, max change {moved:.2e} "
+                "of the largest weight"
+            )
+        rows = sum(p.out_features for p in parts)
+        return replace(
+            first,
+            weight=torch.cat(codes),
+            scale=scale.expand(rows, 1).contiguous(),
+            input_scale=input_scale,
+            bias=bias,
+        )
+    return replace(
+        first,
+        weight=weight,
+        scale=_cat([p.scale for p in parts]),
+        zero_point=_cat([p.zero_point for p in parts]),
+        input_scale=input_scale,
+        bias=bias,
+    )
+
+
+def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = [t for t in tensors if t is not None]
+    return torch.cat(present) if present else None
+
+
+def head_rows(heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
+    """Rows of a q/k/v projection that rank `rank` holds (replicating heads when tp > heads)."""
+    if heads % tp == 0:
+        per = heads // tp
+        return torch.arange(rank * per * head_dim, (rank + 1) * per * head_dim)
+    head = rank // (tp // heads)
+    return torch.arange(head * head_dim, (head + 1) * head_dim)
+
+
+def shard(lin: LinearWeights, role: str, tp: int, rank: int) -> LinearWeights:
+    if tp == 1:
+        return lin
+    if role == "row":
+        width = lin.in_features // tp
+        try:
+            return lin.columns(rank * width, (rank + 1) * width)
+        except ValueError as exc:
+            raise UsageError(
+                f"tensor parallel split: {exc} — choose a tp_size that divides the "
+                "in_features of every linear by the group size"
+            ) from exc
+    rows = lin.out_features // tp
+    return lin.rows(torch.arange(rank * rows, (rank + 1) * rows))
+
+
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """(out, in) signed int4 codes → (out/2, in) int8 bytes, two output rows per byte (low
+    nibble first): ModelOpt's packing, which TensorRT-LLM's W4A16_AWQ loader reads."""
+    pairs = (codes.to(torch.int16) & 0x0F).reshape(-1, 2, codes.shape[1])
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8).view(torch.int8)
+
+
+def _grow(t: torch.Tensor, size: int, dim: int, *, repeat_last: bool = False) -> torch.Tensor:
+    """`t` grown to `size` along `dim`: zeros, or copies of its last slice."""
+    extra = size - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = [*t.shape]
+    shape[dim] = extra
+    last = t.narrow(dim, t.shape[dim] - 1, 1)
+    fill = last.expand(shape) if repeat_last else torch.zeros(shape, dtype=t.dtype)
+    return torch.cat([t, fill], dim)
+
+
+def pad_linear(lin: LinearWeights, rows: int, cols: int) -> LinearWeights:
+    """`lin` grown to `rows` × `cols` at the end with zero weights: padded outputs are 0 and
+    padded inputs contribute nothing. Scales repeat the last row's (a per-tensor scale stays
+    one value) and the last group's; pre-quant scales grow with ones."""
+    scale, zero, pqs = lin.scale, lin.zero_point, lin.pre_quant_scale
+    if scale is not None:
+        scale = _grow(scale, rows, 0, repeat_last=True)
+        if lin.scheme.strategy == "group":
+            group = lin.scheme.group_size or lin.in_features // scale.shape[1]
+            scale = _grow(scale, -(-cols // group), 1, repeat_last=True)
+            zero = None if zero is None else _grow(zero, -(-cols // group), 1)
+    if zero is not None:
+        zero = _grow(zero, rows, 0)
+    return replace(
+        lin,
+        weight=_grow(_grow(lin.weight, rows, 0), cols, 1),
+        scale=scale,
+        zero_point=zero,
+        bias=None if lin.bias is None else _grow(lin.bias, rows, 0),
+        pre_quant_scale=None if pqs is None else torch.cat([pqs, torch.ones(cols - len(pqs))]),
+    )
+
+
+def pad_groupwise(lin: LinearWeights, algo: str, role: str, tp: int) -> LinearWeights:
+    """One rank's group-wise linear padded to the shapes TensorRT-LLM's group-wise layer
+    creates (exclusions.padded_features): each rank's own slice, zeros after it."""
+    if algo not in GROUPWISE or lin.scale is None:
+        return lin
+    group = lin.scheme.group_size or lin.in_features // lin.scale.shape[1]
+    column = role == "column"
+    w4a8 = algo == "W4A8_AWQ"
+    rows = padded_features(lin.out_features * (tp if column else 1), group, tp, w4a8=w4a8)
+    cols = padded_features(lin.in_features * (1 if column else tp), group, tp, w4a8=w4a8)
+    return pad_linear(lin, rows // tp if column else rows, cols if column else cols // tp)

@@ -38,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from kiln.gates.channel_rules import require_passing_run, rollback_step
-from kiln.runtime.base.errors import ArtifactError, UsageError
+from kiln.runtime.base.errors import ArtifactError, KilnError, UsageError
 from kiln.runtime.base.files import regular_problem
 from kiln.runtime.formats.artifact import json_dumps, load_manifest
 from kiln.runtime.formats.artifact.verified import Mode, verify_artifact
 
 ENV_VAR = "KILN_REGISTRY"
+# How long a write waits for another process's write transaction before giving up.
+LOCK_WAIT_S = 60.0
 BASELINE_RULES = ("current", "fixed")
 
 _SCHEMA = """
@@ -129,15 +131,17 @@ class ChannelState:
 class Registry:
     """Gate runs, channels and promotions in one SQLite file."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, lock_wait_s: float = LOCK_WAIT_S) -> None:
+        """`lock_wait_s`: how long a write waits for another process's write to finish."""
         self.path = registry_path(str(path)) if path is not None else default_path()
+        self.lock_wait_s = lock_wait_s
         if self.path.exists() and (why := regular_problem(self.path)) is not None:
             raise UsageError(f"registry {self.path}: {why}; point --registry at a registry file")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+            self._db = sqlite3.connect(self.path, timeout=lock_wait_s, isolation_level=None)
             self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA busy_timeout = 60000")
+            self._db.execute(f"PRAGMA busy_timeout = {int(lock_wait_s * 1000)}")
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA foreign_keys = ON")
             with self._write() as db:
@@ -163,8 +167,18 @@ class Registry:
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction holding the write lock from its first read."""
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction holding the write lock from its first read; a KilnError
+        naming the registry when another process holds that lock past `lock_wait_s`."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            raise KilnError(
+                f"registry {self.path}: another process has held its write lock for "
+                f"{self.lock_wait_s:g} s (a promotion, rollback or gate run in progress); "
+                "nothing was changed: retry when it has finished"
+            ) from None
         try:
             yield self._db
         except BaseException:

@@ -1,8 +1,10 @@
 """A registry file that is not one, and channel names that are not names, are refused
-naming the input (exit 2), never as an internal error."""
+naming the input (exit 2), never as an internal error; a write waits for another writer a
+bounded time and says so."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
 from kiln.gates.releases import Registry, check_channel
-from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.errors import KilnError, UsageError
 
 
 def kiln(*args: str) -> tuple[int, str]:
@@ -50,3 +52,15 @@ def test_a_channel_name_that_is_not_one_is_refused(tmp_path: Path, name: str) ->
 def test_channel_names_of_the_usual_kinds_are_taken(tmp_path: Path) -> None:
     for name in ("prod", "staging-eu", "canary.1", "A_b"):
         assert check_channel(name) == name
+
+
+def test_a_write_waits_a_bounded_time_for_another_writer_naming_the_registry(tmp_path: Path):
+    path = tmp_path / "r.db"
+    holder, waiter = Registry(path), Registry(path, lock_wait_s=0.2)
+    with holder, waiter, holder._write():  # another process mid-promotion
+        started = time.monotonic()
+        with pytest.raises(KilnError, match=r"r\.db: another process has held its write"):
+            waiter.configure_channel("prod", baseline_rule="current")
+        assert time.monotonic() - started < 30
+    with Registry(path) as registry:  # nothing was changed, and the registry still works
+        assert registry.channel("prod") is None

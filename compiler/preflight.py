@@ -27,8 +27,7 @@ from kiln.compiler.recipe.recipe import Recipe, load_recipe
 from kiln.compiler.resolve import ResolvedScheme, resolve_scheme
 from kiln.compiler.stages import output_problem
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan
-from kiln.compiler.trtllm.rules.support import check_target
-from kiln.compiler.trtllm.target_plan import TargetPlan, plan_target
+from kiln.compiler.trtllm.target_plan import TargetPlan, plan_target, target_support
 from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant import calibration
 from kiln.quant.memory import estimate_calibration_bytes
@@ -105,12 +104,13 @@ def _targets(
                                            "section does not resolve to a TensorRT-LLM scheme",
                                            "fix the quantization problems first"))  # fmt: skip
             continue
-        found = check_target(quant.scheme, name, path=path)
+        support = target_support(quant.scheme, name)
+        found = support[path]
         problems.extend(recipe.problem(key, p.problem, p.allowed) for p in found)
         if info is None or found or not quant.usable:
             continue
         try:
-            target = plan_target(info, quant.scheme, name, deploy)
+            target = plan_target(info, quant.scheme, name, deploy, support)
         except UsageError as exc:
             problems.append(recipe.problem("deploy", exc.message))
             continue

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan, plan
 from kiln.compiler.trtllm.rules.support import check_target
-from kiln.compiler.trtllm.targets import PROFILES, TargetProfile
+from kiln.compiler.trtllm.targets import PATHS, PROFILES, TargetProfile
 from kiln.quant.registry import Problem
 from kiln.quant.spec import Scheme
 from kiln.runtime.formats.model_info import ModelInfo
@@ -33,12 +33,23 @@ class TargetPlan:
         return self.capacity.tp_size
 
 
-def plan_target(info: ModelInfo, scheme: Scheme, name: str, deploy: DeploySpec) -> TargetPlan:
-    """Plan `info` quantised with `scheme` on the known GPU target `name` (UsageError where
-    `deploy` cannot split the model)."""
+# `deploy.trtllm_path` (engine, pytorch, or both: stopped only where neither path runs it)
+# → what stops the scheme there
+Support = dict[str, tuple[Problem, ...]]
+
+
+def target_support(scheme: Scheme, name: str) -> Support:
+    """What stops `scheme` on the known GPU target `name`, per `deploy.trtllm_path` value:
+    the one support check of a recipe's targets, made in preflight."""
+    return {path: tuple(check_target(scheme, name, path=path)) for path in ("both", *PATHS)}
+
+
+def plan_target(
+    info: ModelInfo, scheme: Scheme, name: str, deploy: DeploySpec, support: Support
+) -> TargetPlan:
+    """Plan `info` quantised with `scheme` on the known GPU target `name`, whose `support`
+    was checked already (UsageError where `deploy` cannot split the model)."""
     return TargetPlan(
-        PROFILES[name],
-        plan(info, scheme, PROFILES[name], deploy),
-        tuple(check_target(scheme, name, path="engine")),
-        tuple(check_target(scheme, name, path="pytorch")),
-    )
+        PROFILES[name], plan(info, scheme, PROFILES[name], deploy), support["engine"],
+        support["pytorch"],
+    )  # fmt: skip

@@ -238,12 +238,20 @@ def write_target(root: Path, target: TargetPlan, ctx: TargetContext) -> TargetRe
             record.pytorch = "unsupported: conformance: " + "; ".join(problems)
             return record
         # Paths are artifact-relative (the served checkpoint, a draft): serve from its root.
-        header = (f"from the artifact directory: trtllm-serve {ctx.served_dir} --backend "
-                  f"pytorch --config {ENGINES_DIR}/{name}/trtllm-serve.yaml")  # fmt: skip
+        header = f"from the artifact directory: {_pytorch_command(ctx, name)}"
         write_serve_config(engine_dir / "trtllm-serve.yaml", options, header)
         record.serve_config = f"{ENGINES_DIR}/{name}/trtllm-serve.yaml"
         record.pytorch = "ready"
     return record
+
+
+def _pytorch_command(ctx: TargetContext, name: str) -> str | None:
+    """The PyTorch path's trtllm-serve command, run from the artifact directory (None where
+    the recipe keeps to the engine path)."""
+    if ctx.path == "engine":
+        return None
+    return (f"trtllm-serve {ctx.served_dir} --backend pytorch --config "
+            f"{ENGINES_DIR}/{name}/trtllm-serve.yaml")  # fmt: skip
 
 
 def _serve_speculation(speculative: SpeculativeTarget | None) -> dict[str, Any]:
@@ -302,7 +310,7 @@ def _build(root: Path, target: TargetPlan, ctx: TargetContext, record: TargetRec
     # into place after this, and is usually copied to a GPU builder before building.
     relative = build.relative_to(root)
     script = root / ENGINES_DIR / name / "build.sh"
-    relative.write_script(script, cd="../..")
+    relative.write_script(script, cd="../..", pytorch_command=_pytorch_command(ctx, name))
     outcome = run_build(build, script_path=script, write_script=False)
     record.build = outcome.record(root, [p.command for p in relative.plans()])
     if outcome.status == "built":

@@ -332,9 +332,18 @@ def test_a_tp2_plan_needs_two_gpus_of_the_target_kind(tmp_path):
     assert 'grep -cx "9.0" <<<"$found" || true)" -lt 2 ]' in record.script.read_text()
 
 
+def _trtllm_python(exe: Path, monkeypatch, installed: str) -> None:
+    """$KILN_TRTLLM_PYTHON: a Python in which tensorrt_llm `installed` is what build.sh reads."""
+    python = exe.parent / "trtllm-python"
+    python.write_text(f"#!/bin/sh\necho {installed}\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("KILN_TRTLLM_PYTHON", str(python))
+
+
 def test_build_script_refuses_another_gpu_and_runs_on_the_right_one(tmp_path, monkeypatch):
     bp = _h100_plan(tmp_path)
     exe = _stand_in(tmp_path, monkeypatch, bp)
+    _trtllm_python(exe, monkeypatch, "1.2.1")
     script = bp.write_script(tmp_path / "build.sh")
     smi = exe.parent / "nvidia-smi"
     smi.write_text("#!/bin/sh\necho 8.0\n")
@@ -347,6 +356,27 @@ def test_build_script_refuses_another_gpu_and_runs_on_the_right_one(tmp_path, mo
     done = subprocess.run([str(script)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "engine" / "rank0.engine").is_file()
+
+
+def test_build_script_refuses_a_tensorrt_llm_without_engines_naming_the_pytorch_path(
+    tmp_path, monkeypatch
+):
+    bp = _h100_plan(tmp_path)
+    exe = _stand_in(tmp_path, monkeypatch, bp)
+    smi = exe.parent / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 9.0\n")
+    smi.chmod(0o755)
+    serve = "trtllm-serve trtllm/hf --backend pytorch --config engines/h100-sxm/trtllm-serve.yaml"
+    script = bp.write_script(tmp_path / "build.sh", pytorch_command=serve)
+    _trtllm_python(exe, monkeypatch, "1.3.0rc24")
+    refused = subprocess.run([str(script)], capture_output=True, text=True, check=False)
+    assert refused.returncode == 2
+    assert "TensorRT-LLM 1.3.0rc24: this plan builds engines with 1.2.x" in refused.stderr
+    assert serve in refused.stderr
+    assert not (tmp_path / "engine" / "rank0.engine").exists()
+    monkeypatch.setenv("KILN_TRTLLM_PYTHON", str(exe.parent / "no-such-python"))
+    missing = subprocess.run([str(script)], capture_output=True, text=True, check=False)
+    assert missing.returncode == 2 and "TensorRT-LLM not installed: this plan" in missing.stderr
 
 
 def test_engine_compatibility_names_both_sides_and_the_rebuild_command(tmp_path, monkeypatch):

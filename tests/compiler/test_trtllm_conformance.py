@@ -63,6 +63,19 @@ def test_weight_only_exports_keep_trtllms_default_exclusions(tiny_llama: Path, t
     assert check_checkpoint(tmp_path / "trt") == []
 
 
+def test_an_fp8_export_with_a_quantised_lm_head_conforms(tiny_llama: Path, tmp_path: Path):
+    """Since TensorRT-LLM PR #3567 an empty exclude_modules excludes nothing (defaults apply
+    only when it is absent), so FP8 with lm_head quantised is a valid checkpoint."""
+    spec = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static", ignore=())
+    export_checkpoint(_quantised(tiny_llama, spec, tmp_path / "q"), tmp_path / "trt")
+    config, (rank,) = read_checkpoint(tmp_path / "trt")
+    assert config["quantization"]["exclude_modules"] == []
+    assert not module_excluded("lm_head", [])
+    assert module_excluded("lm_head", None)  # absent: TensorRT-LLM's defaults
+    assert rank["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert check_checkpoint(tmp_path / "trt") == []
+
+
 def test_a_float_linear_is_excluded_for_every_trtllm_matcher(tiny_llama: Path, tmp_path: Path):
     spec = QuantSpec(method="gptq", weight_bits=8, ignore=("lm_head", DOWN_0))
     export_checkpoint(_quantised(tiny_llama, spec, tmp_path / "q"), tmp_path / "trt")

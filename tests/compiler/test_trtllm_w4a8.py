@@ -26,9 +26,10 @@ from tests.compiler.test_trtllm_modelopt import (  # noqa: F401
     modelopt_exports,
 )
 from tests.compiler.trtllm_recipes import compile_conforming, quantised_per_arch, scheme_recipe
+from tests.tiny_models import make_tiny_model
 
 W4A8 = QuantSpec(
-    method="awq", weight_bits=4, group_size=64, activations="fp8_static", backend="modelopt"
+    method="awq", weight_bits=4, group_size=128, activations="fp8_static", backend="modelopt"
 )
 
 
@@ -49,9 +50,14 @@ def test_w4a8_matches_modelopts_writer_where_both_keep_the_tensors(modelopt_expo
 
 
 @pytest.fixture(scope="module")
-def w4a8(tmp_path_factory, tiny_llama, tiny_qwen2):
-    """arch → the tiny model of `arch` quantised W4A8 AWQ g64 by kiln's ModelOpt backend."""
-    models = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+def w4a8(tmp_path_factory):
+    """arch → a tiny model of `arch` (hidden 256, so groups of 128 split over 2 ranks)
+    quantised W4A8 AWQ g128 by kiln's ModelOpt backend."""
+    models = {
+        arch: make_tiny_model(tmp_path_factory.mktemp(f"w4a8-{arch}-model"), arch=arch,
+                              hidden_size=256, intermediate_size=512)
+        for arch in ("llama", "qwen2")
+    }  # fmt: skip
     return quantised_per_arch(tmp_path_factory, models, W4A8, "w4a8")
 
 
@@ -60,16 +66,15 @@ def w4a8(tmp_path_factory, tiny_llama, tiny_qwen2):
 def test_w4a8_checkpoint_conforms(w4a8, arch, tp, tmp_path):
     try:
         export_checkpoint(w4a8(arch), tmp_path, tp_size=tp)
-    except UsageError as exc:  # o_proj's 128 inputs / 4 = 32 cut a group of 64
-        assert tp == 4 and "group of 64" in exc.message
+    except UsageError as exc:  # o_proj's 256 inputs / 4 = 64 cut a group of 128
+        assert tp == 4 and "group of 128" in exc.message
         return
     assert check_checkpoint(tmp_path) == []
     config, ranks = read_checkpoint(tmp_path)
     assert config["quantization"]["pre_quant_scale"] is True
     # W4A8's group-wise layer pads features to a multiple of max(128, group) × tp.
-    hidden = 128 if tp == 1 else 256
     for rank in ranks:
-        assert rank["transformer.layers.0.mlp.proj.weight"].shape == (hidden // 2, 256 // tp)
+        assert rank["transformer.layers.0.mlp.proj.weight"].shape == (256 // 2, 512 // tp)
         assert rank["transformer.layers.0.mlp.proj.weights_scaling_factor_2"].shape == (1,)
 
 
@@ -103,7 +108,7 @@ def test_w4a8_without_pre_quant_scales_is_named():
 
 W4A8_RECIPE = {
     "method": "awq",
-    "group_size": 64,
+    "group_size": 128,
     "symmetric": True,
     "activations": "fp8_static",
     "backend": "modelopt",
@@ -126,6 +131,14 @@ def test_validate_refuses_w4a8_where_trtllm_has_no_kernels(tmp_path, tiny_llama,
     code, _, stderr = kiln("validate", str(_recipe(tmp_path, tiny_llama, target, "engine")))
     assert code == 2
     assert why in stderr
+
+
+def test_validate_refuses_w4a8_in_groups_of_64(tmp_path, tiny_llama):
+    """TensorRT-LLM: "W4A8_AWQ with group_size = 64 is not implemented yet!"."""
+    recipe = scheme_recipe(tmp_path, tiny_llama, {**W4A8_RECIPE, "group_size": 64}, "h100-sxm")
+    code, _, stderr = kiln("validate", str(recipe))
+    assert code == 2
+    assert "group_size 64" in stderr and "group 128 only for W4A8_AWQ" in stderr
 
 
 def test_compile_plans_a_w4a8_engine_and_serves_the_modelopt_export(tmp_path, tiny_llama):

@@ -144,10 +144,14 @@ class BuildPlan:
             draft=self.draft.relative_to(root) if self.draft else None,
         )
 
-    def write_script(self, path: Path, *, cd: str | None = None) -> Path:
-        """Write an executable `build.sh` that checks the GPU, then runs every build.
+    def write_script(
+        self, path: Path, *, cd: str | None = None, pytorch_command: str | None = None
+    ) -> Path:
+        """Write an executable `build.sh` that checks the GPU and the TensorRT-LLM version,
+        then runs every build.
 
-        `cd`: a directory, relative to the script, to enter first (for relative paths).
+        `cd`: a directory, relative to the script, to enter first (for relative paths);
+        `pytorch_command`: what to run instead on a TensorRT-LLM that builds no engines.
         """
         major, minor = self.target.compute_capability
         want = f"{major}.{minor}"
@@ -166,6 +170,7 @@ class BuildPlan:
             f'({self.target.sm}); found: ${{found:-none}}" >&2',
             "  exit 1",
             "fi",
+            *_version_check(pytorch_command),
         ]
         if cd is not None:
             lines.append(f'cd "$(dirname "$0")/{cd}"')
@@ -178,6 +183,28 @@ class BuildPlan:
         path.write_text("\n".join(lines) + "\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         return path
+
+
+def _version_check(pytorch_command: str | None) -> list[str]:
+    """build.sh lines refusing a TensorRT-LLM other than TRTLLM_LINE.x, naming what to run
+    instead (the engine builder left TensorRT-LLM after 1.3.0rc20). The version is read by
+    $KILN_TRTLLM_PYTHON (default python3), the Python TensorRT-LLM is installed in."""
+    instead = (
+        f"serve the PyTorch path instead, from the artifact directory: {pytorch_command}"
+        if pytorch_command
+        else f"install tensorrt_llm=={TRTLLM_LINE}.* to build"
+    )
+    query = "from importlib.metadata import version; print(version('tensorrt_llm'))"
+    return [
+        f'trtllm_version="$("${{KILN_TRTLLM_PYTHON:-python3}}" -c "{query}" 2>/dev/null '
+        '|| echo "not installed")"',
+        'case "$trtllm_version" in',
+        f"  {TRTLLM_LINE}.*) ;;",
+        f'  *) echo "TensorRT-LLM $trtllm_version: this plan builds engines with '
+        f'{TRTLLM_LINE}.x (trtllm-build left TensorRT-LLM after 1.3.0rc20); {instead}" >&2',
+        "     exit 2 ;;",
+        "esac",
+    ]
 
 
 def gemm_plugin(algo: str, target: TargetProfile, max_batch_size: int) -> str:

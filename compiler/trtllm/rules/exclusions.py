@@ -64,6 +64,15 @@ GROUPWISE = frozenset({"W4A16_AWQ", "W4A8_AWQ", "W4A16_GPTQ"})
 
 
 INT4_GROUP_SIZES = (64, 128)
+# quantization/layers.py `validate_group_size`: "W4A8_AWQ with group_size = 64 is not
+# implemented yet!". Read from the engine layers; kiln applies it to the PyTorch path too
+# (ModelOpt, W4A8's one producer, quantises in groups of 128).
+GROUP_SIZES = {"W4A8_AWQ": (128,)}
+
+
+def group_sizes(algo: str) -> tuple[int, ...]:
+    """The group sizes TensorRT-LLM's group-wise kernels take for `algo`."""
+    return GROUP_SIZES.get(algo, INT4_GROUP_SIZES)
 
 
 # trtllm-build quantises these itself from float weights (convert_utils above).
@@ -90,7 +99,10 @@ def exclude_modules(excluded: list[str], algo: str, *, lm_head_quantised: bool) 
 
 def module_excluded(name: str, patterns: list[str] | None) -> bool:
     """Whether TensorRT-LLM keeps module `name` in float (quantize_layers)."""
-    return any(fnmatch.fnmatchcase(name, p) for p in (patterns or DEFAULT_EXCLUDES))
+    # Since TensorRT-LLM PR #3567 the defaults apply only where exclude_modules is absent
+    # (None); an empty list excludes nothing, so a quantised lm_head is expressible.
+    rules = DEFAULT_EXCLUDES if patterns is None else patterns
+    return any(fnmatch.fnmatchcase(name, p) for p in rules)
 
 
 def build_quantises(tensor: str, patterns: list[str] | None) -> bool:
@@ -104,10 +116,11 @@ def build_quantises(tensor: str, patterns: list[str] | None) -> bool:
 
 def group_problem(algo: str, group_size: int | None) -> str | None:
     """Why TensorRT-LLM refuses `group_size` for `algo` (None: it takes it)."""
-    if algo in GROUPWISE and group_size is not None and group_size not in INT4_GROUP_SIZES:
+    sizes = group_sizes(algo)
+    if algo in GROUPWISE and group_size is not None and group_size not in sizes:
         return (
             f"group_size {group_size}: TensorRT-LLM's group-wise int4 kernels take group "
-            f"{' or '.join(map(str, INT4_GROUP_SIZES))} only"
+            f"{' or '.join(map(str, sizes))} only for {algo}"
         )
     return None
 

@@ -7,7 +7,7 @@ checkpoint export, the PyTorch backend's checkpoint formats, or kiln's exact con
 from __future__ import annotations
 
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
-from kiln.compiler.trtllm.rules.exclusions import INT4_GROUP_SIZES, group_problem
+from kiln.compiler.trtllm.rules.exclusions import group_problem, group_sizes
 from kiln.compiler.trtllm.rules.pytorch import conversion_problem, pytorch_problem
 from kiln.compiler.trtllm.targets import (
     PATH_LABELS,
@@ -158,7 +158,7 @@ def check_target(scheme: Scheme, target_name: str, path: str = "both") -> list[P
                                 "scheme kiln exports for the engine path"))  # fmt: skip
     why = group_problem(algo, scheme.spec.group_size)
     if why is not None:
-        sizes = " or ".join(map(str, INT4_GROUP_SIZES))
+        sizes = " or ".join(map(str, group_sizes(algo)))
         problems.append(Problem("quantization.group_size", f"quantization.{why} ({target_name})",
                                 f"set quantization.group_size to {sizes}"))  # fmt: skip
     return problems

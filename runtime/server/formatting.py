@@ -95,6 +95,23 @@ def completion_logprobs(
     return out
 
 
+def prompt_logprobs(
+    prompt_ids: list[int], entries: list[LogprobEntry | None], top_n: int
+) -> list[Any]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token None (the first) or
+    {token id: {logprob, rank, decoded_token}} holding the top `top_n` and the prompt's own
+    token; JSON turns the ids into strings, as vLLM's answers have them."""
+    out: list[Any] = []
+    for token, entry in zip(prompt_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                             "decoded_token": lp.decoded_token}
+                    for t, lp in entry.items() if lp.rank <= top_n or t == token})  # fmt: skip
+    return out
+
+
 def chat_logprobs(tokens: list[int], entries: list[LogprobEntry], top_n: int) -> dict[str, Any]:
     """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
 

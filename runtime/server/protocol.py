@@ -124,6 +124,9 @@ class CompletionRequest(_Sampling):
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    # vLLM's extension: each prompt token's log-probability and the top N at its position,
+    # as `choices[i].prompt_logprobs` (token id → logprob, rank, decoded_token).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
 
@@ -150,7 +153,11 @@ class CompletionRequest(_Sampling):
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if max_tokens == 0 and not self.echo:
             raise UsageError("max_tokens=0 is allowed only with echo=true (prompt scoring)")
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if self.prompt_logprobs is not None and self.stream:
+            raise UsageError("`prompt_logprobs` are not available when `stream` is true")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         params = self._params(max(max_tokens, 1), self.logprobs, prompt_logprobs)
         return params, max_tokens == 0
 

@@ -124,8 +124,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             head = backend.tokens.decode(toks[:1]) if lps and lps[0] is None else None
             logprobs = fmt.completion_logprobs(toks + tokens, lps + entries, top_n, head)
         finish = ("length" if drop else result.finish_reason) if result.done else None
-        return {"index": result.index, "text": text, "logprobs": logprobs,
-                "finish_reason": finish}  # fmt: skip
+        out = {"index": result.index, "text": text, "logprobs": logprobs,
+               "finish_reason": finish}  # fmt: skip
+        if body.prompt_logprobs is not None:
+            entries = result.prompt_logprobs or [None] * len(result.prompt_ids)
+            out["prompt_logprobs"] = fmt.prompt_logprobs(
+                result.prompt_ids, entries, body.prompt_logprobs
+            )
+        return out
 
     def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
         return {"object": "text_completion", "choices": [choice(result, delta)]}

@@ -118,6 +118,34 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(
     assert torch.allclose(torch.tensor(tops), best, atol=1e-4)
 
 
+def test_prompt_logprobs_answer_as_vllm_shapes_them(
+    shared_server: LiveServer, tiny_llama: Path
+) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank,
+    decoded_token}} with the top N and the prompt's own token, matching transformers."""
+    ids = AutoTokenizer.from_pretrained(tiny_llama).encode(PROMPT)
+    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 3, "temperature": 0}
+    resp = httpx.post(f"{shared_server.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    [choice] = resp.json()["choices"]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for position, (token, entry) in enumerate(zip(ids[1:], entries[1:], strict=True)):
+        row = ref[position]
+        top = row.topk(3)
+        assert {int(t) for t, e in entry.items() if e["rank"] <= 3} == set(top.indices.tolist())
+        mine = entry[str(token)]
+        assert abs(mine["logprob"] - float(row[token])) < 1e-4
+        assert mine["rank"] == int((row > row[token]).sum()) + 1
+    streamed = httpx.post(
+        f"{shared_server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+    )
+    assert streamed.status_code == 400 and "prompt_logprobs" in streamed.text
+
+
 def test_chat_uses_the_chat_template(client: openai.OpenAI, tiny_llama: Path) -> None:
     messages = [{"role": "user", "content": "Say hi"}]
     out = client.chat.completions.create(

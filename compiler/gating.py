@@ -30,6 +30,7 @@ from typing import Any
 from kiln.compiler.compile import CompileResult
 from kiln.compiler.recipe.recipe import Recipe
 from kiln.compiler.stages import input_key
+from kiln.gates.measure.served import engine_unavailable
 from kiln.gates.measure.sides import SideSpec, resolve_side
 from kiln.gates.releases import Registry, check_channel
 from kiln.gates.settings import GatesSection
@@ -74,7 +75,15 @@ class GateStep:
 
 
 def check_gate_options(recipe: Recipe, promote: str | None, gate: bool) -> None:
-    """Refuse `--promote` without a gate before any compile work starts."""
+    """Refuse `--promote` without a gate, and a gate on an engine this machine lacks, before
+    any compile work starts."""
+    gates = recipe.config.gates
+    missing = engine_unavailable(gates.engine) if gate and gates is not None else None
+    if missing is not None:
+        raise UsageError(
+            f"{recipe.where('gates.engine')}: gates.engine: {missing} — compile with --no-gate "
+            "here and run `kiln gate ARTIFACT --engine ...` where the engine is installed"
+        )
     if promote is None:
         return
     check_channel(promote)

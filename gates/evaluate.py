@@ -38,7 +38,7 @@ class SideEval:
     engine: Any = None
 
 
-def _task_dirs(gates: GatesSection, base_dir: Path) -> list[Path]:
+def task_dirs(gates: GatesSection, base_dir: Path) -> list[Path]:
     extra = resolve_path(gates.tasks_dir, base_dir)
     return [BUILTIN_TASKS_DIR] if extra is None else [BUILTIN_TASKS_DIR, extra]
 
@@ -72,7 +72,7 @@ def _run_lm(
     results = {}
     if gates.tasks:  # a gate of distribution checks only runs no lm-eval task
         results = run_tasks(
-            lm, gates.tasks, _task_dirs(gates, base_dir), gates.limit, gates.num_fewshot or None
+            lm, gates.tasks, task_dirs(gates, base_dir), gates.limit, gates.num_fewshot or None
         )
     topk = ids = None
     if gates.divergence.enabled and texts:
@@ -99,7 +99,7 @@ def _evaluation_key(
 ) -> str:  # fmt: skip
     """What shapes a side's evaluation (see gates/measure/eval_cache.py)."""
     task_files = [
-        p for d in _task_dirs(gates, base_dir) if d.is_dir() for p in d.iterdir() if p.is_file()
+        p for d in task_dirs(gates, base_dir) if d.is_dir() for p in d.iterdir() if p.is_file()
     ]
     return evaluation_key(
         {

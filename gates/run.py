@@ -34,9 +34,11 @@ from kiln.gates.measure.divergence_texts import resolve_path
 from kiln.gates.measure.eval_cache import (
     EvaluationCache,
 )
+from kiln.gates.measure.served import parse_engine
 from kiln.gates.measure.shadow import compare_pair, summarize_pairs
 from kiln.gates.measure.shadow_step import Progress, ShadowSetup, shadow_step
 from kiln.gates.measure.sides import SideSpec, check_distinct, resolve_side
+from kiln.gates.on_engine import Traffic, compare_on_engine
 from kiln.gates.releases import Registry
 from kiln.gates.report import write_reports
 from kiln.gates.settings import GatesSection
@@ -88,19 +90,33 @@ def run_gate(
     traffic_path = Path(traffic) if traffic else resolve_path(gates.shadow.traffic, base_dir)
     records = read_traffic(traffic_path) if traffic_path else []
     notes: list[str] = []
+    in_process = gates.engine == "kiln"
     model_sides = cand.kind != "http" and base.kind != "http"
-    if not model_sides:
+    if not model_sides and in_process:
         notes.append("lm-eval tasks and KL divergence skipped: an endpoint side has no logprobs")
         if not records:
             raise UsageError(
                 "an http(s) endpoint side is compared by shadow traffic only; pass --traffic "
                 "FILE (recorded requests) or gates.shadow.traffic"
             )
-    if model_sides and not (gates.tasks or gates.divergence.enabled or records):
+    if (model_sides or not in_process) and not (gates.tasks or gates.divergence.enabled or records):
         raise UsageError(
             "the gate has nothing to measure: gates.tasks is empty, gates.divergence is off "
             "and no traffic was given; set one of them"
         )
+    choice = parse_engine(
+        gates.engine, gates.engine_args, gates.engine_target, gates.engine_timeout_s
+    )
+    if not choice.in_process:
+        traffic_run = None
+        if records:
+            timeout = gates.shadow.timeout_s
+            traffic_run = Traffic(records, gates.shadow.settings(), timeout)
+        log_dir = Path(out_dir) / "engines"
+        compared = compare_on_engine(
+            cand, base, gates, policy, choice, base_dir, log_dir, traffic_run, say, notes
+        )
+        return _finish(cand, base, policy, compared, out_dir, registry, notes, began)
     compared, cand_engine, base_engine = Comparisons(), None, None
     if model_sides and (gates.tasks or gates.divergence.enabled):
         compared, (cand_engine, base_engine) = compare_models(

@@ -11,6 +11,8 @@
       noise_floor: auto                      # the control's compute dtype (or off), below
       baseline_cache: true                   # reuse the baseline's evaluation (eval_cache.py)
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
+      engine: kiln                           # or kiln-serve, vllm, trtllm, an http(s) URL
+      engine_args: []                        # appended to the engine's command line
 
 `baseline` is what `kiln compile` gates against (`kiln gate` takes --baseline instead):
 `source` (the recipe's unquantised model, the default), an artifact or HF directory (relative
@@ -26,6 +28,14 @@ reads an unquoted `off` (and `no`, `false`) as a boolean: for a threshold it mea
 `gates.decide.mcnemar`); `inconclusive: pass` (the default) lets an inconclusive task through, with
 the loss its items could detect in the report, so the distribution checks decide;
 `inconclusive: fail` makes every task prove that no loss beyond the margin happened.
+
+`engine` is what evaluates the model sides (gates/measure/served.py): `kiln`, kiln's runtime
+in this process (the default), or a serving engine kiln starts on each side in turn (`kiln-serve`,
+`vllm`, `trtllm` with `engine_target`), or the URL of one already running. On a started engine
+the baseline runs on the same engine, so the comparison isolates quantisation from it, and
+(`engine_vs_runtime`) the candidate is scored in process too, so the report shows what the
+engine itself changes. A check the engine cannot answer is reported as not measured there and
+fails the gate. `engine_timeout_s` bounds an engine's start.
 
 `noise_floor` is the control (gates/measure/noise_floor.py): a float source baseline's own weights
 served by kiln's runtime and evaluated exactly as the candidate is. `auto` (the default)
@@ -49,6 +59,7 @@ from pydantic import (
 
 from kiln.gates.decide.rules import GatePolicy, default_policy
 from kiln.gates.measure.replay import ReplaySettings
+from kiln.gates.measure.served import ENGINES
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.strict import StrictModel
 
@@ -175,6 +186,18 @@ class GatesSection(StrictModel):
     noise_floor: Literal["auto", "bfloat16", "float16", "float32", "off"] = "auto"
     baseline_cache: bool = True
     shadow: ShadowSection = ShadowSection()
+    engine: str = "kiln"
+    engine_args: list[str] = Field(default_factory=list)
+    engine_target: str | None = None
+    engine_timeout_s: float = Field(900.0, gt=0.0, le=86400.0)
+    engine_vs_runtime: bool = True
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value in ENGINES or value.startswith(("http://", "https://")):
+            return value
+        raise ValueError(f"{value!r} is not one of {', '.join(ENGINES)} or an http(s):// URL")
 
     @field_validator("noise_floor", mode="before")
     @classmethod
@@ -208,7 +231,7 @@ def load_gates(data: dict[str, Any] | None, where: str) -> GatesSection:
         for error in exc.errors():
             parts = [str(p) for p in error["loc"] if not _UNION_TAG.search(str(p))]
             messages = grouped.setdefault(".".join(parts), [])
-            message = error["msg"]
+            message = str(error["msg"]).removeprefix("Value error, ")
             if isinstance(error.get("input"), bool) and "YAML" not in message:
                 message += (
                     " (YAML read an unquoted on/off/yes/no/true/false as a boolean: quote it)"

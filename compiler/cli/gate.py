@@ -58,6 +58,19 @@ def _old_spelling(name: str) -> str:
 )
 @click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
 @click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
+@click.option(
+    "--engine",
+    help="What evaluates the sides: kiln (in process, the default), kiln-serve, vllm, trtllm, "
+    "or the URL of a running server (overrides gates.engine).",
+)
+@click.option(
+    "--engine-arg",
+    "engine_args",
+    multiple=True,
+    help="An argument appended to the engine's command line (repeatable), e.g. "
+    "--engine-arg=--max-model-len=512.",
+)
+@click.option("--engine-target", help="trtllm: the artifact's target whose options to serve.")
 @REGISTRY_OPTION
 @click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
 @VERIFY_OPTION
@@ -79,6 +92,9 @@ class GateOptions:
     mirror_log: Path | None
     out: Path | None
     limit: int | None
+    engine: str | None
+    engine_args: tuple[str, ...]
+    engine_target: str | None
     registry_spec: str | None
     no_record: bool
     verify: Mode
@@ -87,6 +103,7 @@ class GateOptions:
 
 def run_gate_command(opts: GateOptions) -> None:
     """Load the gate settings, run the gate (or judge a mirror log), print and exit."""
+    from kiln.gates.measure.served import parse_engine
     from kiln.gates.measure.sides import resolve_side
     from kiln.gates.report import to_markdown
     from kiln.gates.run import gate_mirror_log, run_gate
@@ -105,6 +122,12 @@ def run_gate_command(opts: GateOptions) -> None:
         gates = load_gates(None, "defaults")
     if opts.limit is not None:
         gates = gates.model_copy(update={"limit": opts.limit})
+    engine = {"engine": opts.engine, "engine_args": list(opts.engine_args),
+              "engine_target": opts.engine_target}  # fmt: skip
+    if opts.engine is not None or opts.engine_args or opts.engine_target is not None:
+        parse_engine(opts.engine or gates.engine, opts.engine_args)  # its own words first
+        given = {k: v for k, v in engine.items() if v}
+        gates = load_gates({**gates.model_dump(), **given}, "--engine options")
     if out is None:
         label = cand.name if cand.kind == "http" else f"{cand.name}-{cand.digest[:12]}"
         out = Path("gate-reports") / re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")

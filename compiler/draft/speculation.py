@@ -32,7 +32,6 @@ The tokenizer comparison itself is compiler/draft/tokenizer_match.py.
 from __future__ import annotations
 
 import dataclasses
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import SpeculativeTarget
 from kiln.quant import calibration
 from kiln.quant.spec import CalibrationSpec
+from kiln.runtime.base.machine import cpu_name
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact import SpeculativeRecord
 
@@ -79,17 +79,9 @@ def device_facts() -> dict[str, Any]:
     """Where a cost ratio was measured: it holds for this device only."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "device": "cpu",
-        "name": cpu,
+        "name": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

@@ -13,6 +13,7 @@ from kiln.gates.measure.noise_floor import NoiseFloor, times_floor
 from kiln.gates.measure.shadow import ShadowReport
 
 NO_THRESHOLD = "reported only (no threshold set)"  # the detail of a check that is not gated
+NOT_MEASURED = "not measured"  # the outcome of a check its engine could not answer
 
 
 @dataclass(slots=True)
@@ -179,4 +180,7 @@ def verdict_checks(comparisons: Comparisons, policy: GatePolicy) -> list[Check]:
         ]
     if comparisons.shadow is not None:
         checks += shadow_checks(comparisons.shadow, policy)
+    for missing in comparisons.unmeasured:
+        checks.append(Check(f"{missing.check}: not measured", None, None, "measured", False,
+                            f"on {missing.engine}: {missing.reason}", NOT_MEASURED))  # fmt: skip
     return checks

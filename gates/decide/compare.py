@@ -117,6 +117,15 @@ class PerplexityComparison:
 
 
 @dataclass(slots=True)
+class Unmeasured:
+    """A check the engine that served a side could not answer: it fails the gate, named."""
+
+    check: str  # a task name, or "KL divergence"
+    engine: str  # the engine and its version
+    reason: str  # what it answered, in its words
+
+
+@dataclass(slots=True)
 class Comparisons:
     """Everything the gate compared between the two sides, before any threshold applies:
     what `build_verdict` turns into checks."""
@@ -126,6 +135,11 @@ class Comparisons:
     divergence: DivergenceSummary | None = None
     shadow: ShadowReport | None = None
     noise_floor: NoiseFloor | None = None
+    unmeasured: list[Unmeasured] = field(default_factory=list)
+    # Where each side was evaluated (gates/measure/served.py's records), and, for a candidate
+    # on a serving engine, how that engine's scores differ from kiln's runtime's on it.
+    engines: dict[str, Any] = field(default_factory=dict)
+    engine_vs_runtime: dict[str, Any] | None = None
 
 
 def compare_results(

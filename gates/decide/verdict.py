@@ -41,6 +41,8 @@ class GateVerdict:
     seconds: float | None = None
     notes: list[str] = field(default_factory=list)
     noise_floor: NoiseFloor | None = None
+    engines: dict[str, Any] = field(default_factory=dict)  # where each side was evaluated
+    engine_vs_runtime: dict[str, Any] | None = None
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -68,6 +70,8 @@ class GateVerdict:
             "seconds": self.seconds,
             "notes": self.notes,
             "noise_floor": self.noise_floor.to_dict() if self.noise_floor else None,
+            "engines": self.engines,
+            "engine_vs_runtime": self.engine_vs_runtime,
         }
         return _finite(data)
 
@@ -101,6 +105,8 @@ class GateVerdict:
             noise_floor=(
                 NoiseFloor.from_dict(data["noise_floor"]) if data.get("noise_floor") else None
             ),
+            engines=data.get("engines") or {},
+            engine_vs_runtime=data.get("engine_vs_runtime"),
         )
 
     def write(self, out_dir: str | Path) -> Path:
@@ -162,4 +168,6 @@ def build_verdict(
         seconds=seconds,
         notes=list(notes or []),
         noise_floor=comparisons.noise_floor,
+        engines=dict(comparisons.engines),
+        engine_vs_runtime=comparisons.engine_vs_runtime,
     )

@@ -18,6 +18,11 @@ and of a transformers side are comparable item by item.
 - loglikelihood_rolling: the same over lm-eval's disjoint rolling windows;
 - generate_until: greedy (or sampled) generation with the request's stop strings.
 
+`ScoringLM` holds all of that on top of two primitives, a batch of prompts' per-position
+log-probabilities and a batch of generations; `KilnLM` answers them with the engine in this
+process, `HttpLM` (gates/measure/http_lm.py) with an OpenAI-compatible server, so a model
+scored over HTTP is scored item for item as it is in process.
+
 Runtime-free fallback: `hf_source_lm` loads a float *model source* (a Hugging Face
 checkpoint directory) with lm-eval's own `hf` model. It exists only for the float baseline
 side of a gate; a candidate artifact is always evaluated through the runtime, because the
@@ -27,6 +32,7 @@ gate evaluates what ships.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,46 +45,25 @@ from kiln.runtime.base.errors import UsageError
 DEFAULT_MAX_LENGTH = 2048
 
 
-@register_model("kiln")
-class KilnLM(TemplateLM):
-    """An lm-eval model backed by `runtime.Engine` on an artifact (or a float HF directory)."""
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One generation request of `generate_until`: prompt ids and how to decode them."""
 
-    def __init__(
-        self,
-        artifact: str | None = None,
-        pretrained: str | None = None,
-        engine: Any = None,
-        max_length: int | None = None,
-        batch_size: int | str = 64,
-        device: str | None = None,
-        **engine_config: Any,
-    ) -> None:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    stop: list[str]
+
+
+class ScoringLM(TemplateLM):
+    """lm-eval's request types on a tokenizer plus two primitives a subclass answers:
+    `_prompt_logprobs` (per-position {token: entry with .logprob and .rank}) and `_generate`."""
+
+    def __init__(self, tokenizer: Any, max_length: int, batch_size: int) -> None:
         super().__init__()
-        if engine is None:
-            import torch
-
-            from kiln.runtime import Engine
-
-            # lm-eval's CLI passes device="cuda" by default; without a GPU run on the CPU.
-            if not device or (device.startswith("cuda") and not torch.cuda.is_available()):
-                device = "cpu"
-            engine_config.pop("max_batch_size", None)  # lm-eval's, not an engine setting
-            path = artifact or pretrained
-            if not path:
-                raise UsageError(
-                    "model `kiln` needs model_args artifact=PATH (a kiln artifact) or "
-                    "pretrained=DIR (a Hugging Face checkpoint directory)"
-                )
-            engine = Engine.load(path, device=device, **engine_config)
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        # The engine needs room for the scored window plus one generated token.
-        limit = engine.max_model_len - 2
-        self._max_length = min(int(max_length or DEFAULT_MAX_LENGTH), limit)
-        # Requests handed to the engine at once; it batches them continuously itself, so
-        # lm-eval's CLI default of 1 (or "auto") would only slow it down.
-        chunk = int(batch_size) if str(batch_size).isdigit() else 0
-        self.batch_size = chunk if chunk > 1 else 64
+        self.tokenizer = tokenizer
+        self._max_length = max_length
+        self.batch_size = batch_size
 
     # -- tokenisation, as lm-eval's hf model does it ----------------------------------
 
@@ -109,48 +94,20 @@ class KilnLM(TemplateLM):
             extra = {"add_special_tokens": False}
         return list(self.tokenizer.encode(string, **extra))
 
-    # -- scoring ----------------------------------------------------------------------
+    # -- the two primitives -----------------------------------------------------------
 
     def _prompt_logprobs(
         self, prompts: Sequence[list[int]], top_k: int = 0, starts: Sequence[int] | None = None
     ) -> list[Any]:
-        """Each prompt's per-position logprob dicts (None before its start), in batches.
+        """Each prompt's per-position {token: entry} (None before its start, `starts[i]`
+        defaulting to 1), holding the top `top_k` and the prompt's own token."""
+        raise NotImplementedError
 
-        `starts[i]` is prompt i's first scored token: the positions before it are the
-        context, which the engine's prefix cache computes once for every prompt sharing it.
-        So that the cache holds a context before its other continuations arrive, each batch
-        runs the first prompt of every context first and the rest after it.
-        """
-        from kiln.runtime import SamplingParams
+    def _generate(self, requests: Sequence[Generation]) -> list[str]:
+        """Each request's generated text (stop strings not yet cut)."""
+        raise NotImplementedError
 
-        starts = list(starts) if starts is not None else [1] * len(prompts)
-        first: dict[tuple[int, ...], int] = {}
-        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
-            first.setdefault(tuple(prompt[:start]), i)
-        leaders = sorted(first.values())
-        followers: dict[int, list[int]] = {i: [] for i in leaders}
-        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
-            leader = first[tuple(prompt[:start])]
-            if leader != i:
-                followers[leader].append(i)
-        out: list[Any] = [None] * len(prompts)
-        for begin in range(0, len(leaders), self.batch_size):
-            group = leaders[begin : begin + self.batch_size]
-            rest = [i for leader in group for i in followers[leader]]
-            for wave in (group, rest):
-                params = [
-                    SamplingParams(
-                        max_tokens=1,
-                        temperature=0.0,
-                        prompt_logprobs=top_k,
-                        prompt_logprobs_start=max(1, starts[i]),
-                    )
-                    for i in wave
-                ]
-                batch = [list(prompts[i]) for i in wave]
-                for i, output in zip(wave, self.engine.generate(batch, params), strict=True):
-                    out[i] = output.prompt_logprobs
-        return out
+    # -- scoring ----------------------------------------------------------------------
 
     def _loglikelihood_tokens(
         self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **_: Any
@@ -194,9 +151,7 @@ class KilnLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Generate for each (context, gen_kwargs); cut at the first stop string."""
-        from kiln.runtime import SamplingParams
-
-        prompts, params, stops = [], [], []
+        wanted = []
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = dict(gen_kwargs)
             until = kwargs.get("until") or []
@@ -204,22 +159,11 @@ class KilnLM(TemplateLM):
             max_gen = int(kwargs.get("max_gen_toks", 256))
             sampled = bool(kwargs.get("do_sample", False)) and kwargs.get("temperature", 0) > 0
             ids = self.tok_encode(context)[-max(1, self.max_length - max_gen) :]
-            prompts.append(ids)
-            params.append(
-                SamplingParams(
-                    max_tokens=max_gen,
-                    temperature=float(kwargs["temperature"]) if sampled else 0.0,
-                    stop=until,
-                )
-            )
-            stops.append(until)
-        texts: list[str] = []
-        for start in range(0, len(prompts), self.batch_size):
-            end = start + self.batch_size
-            texts += [o.text for o in self.engine.generate(prompts[start:end], params[start:end])]
+            temperature = float(kwargs["temperature"]) if sampled else 0.0
+            wanted.append(Generation(ids, max_gen, temperature, until))
         out = []
-        for text, until in zip(texts, stops, strict=True):
-            for stop in until:
+        for text, request in zip(self._generate(wanted), wanted, strict=True):
+            for stop in request.stop:
                 text = text.split(stop)[0]
             out.append(text)
         return out
@@ -235,6 +179,99 @@ class KilnLM(TemplateLM):
                 ]
             )
         return out
+
+
+@register_model("kiln")
+class KilnLM(ScoringLM):
+    """An lm-eval model backed by `runtime.Engine` on an artifact (or a float HF directory)."""
+
+    def __init__(
+        self,
+        artifact: str | None = None,
+        pretrained: str | None = None,
+        engine: Any = None,
+        max_length: int | None = None,
+        batch_size: int | str = 64,
+        device: str | None = None,
+        **engine_config: Any,
+    ) -> None:
+        if engine is None:
+            import torch
+
+            from kiln.runtime import Engine
+
+            # lm-eval's CLI passes device="cuda" by default; without a GPU run on the CPU.
+            if not device or (device.startswith("cuda") and not torch.cuda.is_available()):
+                device = "cpu"
+            engine_config.pop("max_batch_size", None)  # lm-eval's, not an engine setting
+            path = artifact or pretrained
+            if not path:
+                raise UsageError(
+                    "model `kiln` needs model_args artifact=PATH (a kiln artifact) or "
+                    "pretrained=DIR (a Hugging Face checkpoint directory)"
+                )
+            engine = Engine.load(path, device=device, **engine_config)
+        self.engine = engine
+        # The engine needs room for the scored window plus one generated token.
+        limit = engine.max_model_len - 2
+        # Requests handed to the engine at once; it batches them continuously itself, so
+        # lm-eval's CLI default of 1 (or "auto") would only slow it down.
+        chunk = int(batch_size) if str(batch_size).isdigit() else 0
+        super().__init__(
+            engine.tokenizer, min(int(max_length or DEFAULT_MAX_LENGTH), limit),
+            chunk if chunk > 1 else 64,
+        )  # fmt: skip
+
+    def _prompt_logprobs(
+        self, prompts: Sequence[list[int]], top_k: int = 0, starts: Sequence[int] | None = None
+    ) -> list[Any]:
+        """In batches; the positions before `starts[i]` are the context, which the engine's
+        prefix cache computes once for every prompt sharing it. So that the cache holds a
+        context before its other continuations arrive, each batch runs the first prompt of
+        every context first and the rest after it."""
+        from kiln.runtime import SamplingParams
+
+        starts = list(starts) if starts is not None else [1] * len(prompts)
+        first: dict[tuple[int, ...], int] = {}
+        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            first.setdefault(tuple(prompt[:start]), i)
+        leaders = sorted(first.values())
+        followers: dict[int, list[int]] = {i: [] for i in leaders}
+        for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            leader = first[tuple(prompt[:start])]
+            if leader != i:
+                followers[leader].append(i)
+        out: list[Any] = [None] * len(prompts)
+        for begin in range(0, len(leaders), self.batch_size):
+            group = leaders[begin : begin + self.batch_size]
+            rest = [i for leader in group for i in followers[leader]]
+            for wave in (group, rest):
+                params = [
+                    SamplingParams(
+                        max_tokens=1,
+                        temperature=0.0,
+                        prompt_logprobs=top_k,
+                        prompt_logprobs_start=max(1, starts[i]),
+                    )
+                    for i in wave
+                ]
+                batch = [list(prompts[i]) for i in wave]
+                for i, output in zip(wave, self.engine.generate(batch, params), strict=True):
+                    out[i] = output.prompt_logprobs
+        return out
+
+    def _generate(self, requests: Sequence[Generation]) -> list[str]:
+        from kiln.runtime import SamplingParams
+
+        texts: list[str] = []
+        for start in range(0, len(requests), self.batch_size):
+            chunk = requests[start : start + self.batch_size]
+            params = [
+                SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, stop=r.stop)
+                for r in chunk
+            ]
+            texts += [o.text for o in self.engine.generate([r.prompt for r in chunk], params)]
+        return texts
 
 
 # --- the float baseline: lm-eval's own transformers model ---------------------------

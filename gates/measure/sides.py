@@ -129,9 +129,15 @@ def check_distinct(cand: SideSpec, base: SideSpec, recording: bool) -> None:
 class HttpSide:
     """An OpenAI-compatible endpoint, called with `stream: true` through runtime.client."""
 
-    def __init__(self, url: str, model: str | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        timeout_s: float = 300.0,
+        api_key: str | None = None,
+    ) -> None:
         self.name = url
-        self._client = OpenAIClient(url, model, timeout_s)
+        self._client = OpenAIClient(url, model, timeout_s, api_key)
         self.base = self._client.base
         self._model_known = model is not None
 

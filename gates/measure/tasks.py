@@ -16,7 +16,7 @@ import logging
 import math
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,20 @@ def run_tasks(
     num_fewshot: int | None = None,
 ) -> dict[str, TaskResult]:
     """Evaluate an lm-eval LM on tasks (local ones first); per-item scores kept."""
+    results, _ = run_measurable_tasks(lm, tasks, task_dirs, limit, num_fewshot)
+    return results
+
+
+def run_measurable_tasks(
+    lm: Any,
+    tasks: Sequence[str],
+    task_dirs: Sequence[Path] = (BUILTIN_TASKS_DIR,),
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    unmeasurable: Callable[[str], str | None] | None = None,
+) -> tuple[dict[str, TaskResult], dict[str, str]]:
+    """`run_tasks`, except the tasks whose lm-eval output type `unmeasurable` gives a reason
+    for: those are not run, and come back as {task: reason}."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -105,19 +119,42 @@ def run_tasks(
         _check_known(tasks, set(manager.all_tasks), task_dirs, local)
         # lm-eval logs every request at INFO; the gate prints its own progress.
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
-        output = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            bootstrap_iters=0,
-            log_samples=True,
-            verbosity="WARNING",
-        )
-    if output is None:
-        raise UsageError("lm-eval returned no results (was this a non-zero rank?)")
-    return {name: _task_result(name, output) for name in tasks}
+        skipped: dict[str, str] = {}
+        if unmeasurable is not None:
+            kinds = output_types(manager, tasks)
+            for name in tasks:
+                why = next(filter(None, map(unmeasurable, kinds[name])), None)
+                if why is not None:
+                    skipped[name] = why
+        wanted = [t for t in tasks if t not in skipped]
+        output = None
+        if wanted:
+            output = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=wanted,
+                task_manager=manager,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                bootstrap_iters=0,
+                log_samples=True,
+                verbosity="WARNING",
+            )
+            if output is None:
+                raise UsageError("lm-eval returned no results (was this a non-zero rank?)")
+    return ({name: _task_result(name, output) for name in wanted} if output else {}), skipped
+
+
+def output_types(manager: Any, tasks: Sequence[str]) -> dict[str, set[str]]:
+    """Each task's lm-eval output types (a group's: its leaf tasks')."""
+    loaded = manager.load(list(tasks))
+    leaves, groups = loaded["tasks"], loaded.get("group_map") or {}
+
+    def kinds(name: str) -> set[str]:
+        if name in leaves:
+            return {str(leaves[name].OUTPUT_TYPE)}
+        return set().union(*(kinds(child) for child in groups.get(name, [])))
+
+    return {name: kinds(name) for name in tasks}
 
 
 def task_problems(tasks: Sequence[str], task_dirs: Sequence[Path]) -> list[str]:

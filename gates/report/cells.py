@@ -7,6 +7,7 @@ import math
 from kiln.gates.decide.compare import TaskComparison
 from kiln.gates.decide.verdict import GateVerdict
 from kiln.gates.measure.noise_floor import NoiseFloor
+from kiln.runtime.base.machine import describe_machine
 
 
 def num(value: float | None, digits: int = 4) -> str:
@@ -103,3 +104,50 @@ def floor_text(floor: NoiseFloor) -> str:
     parts += [f"{task} ratio {ratio:.4f}" for task, ratio in floor.perplexity_ratio.items()]
     parts += [f"{task} flips {pct(rate)}" for task, rate in floor.flip_rate.items()]
     return "; ".join(parts)
+
+
+def engine_lines(verdict: GateVerdict) -> list[tuple[str, str]]:
+    """(label, text) per side's engine (name, version, the command kiln ran, what kiln set)
+    and the machine, for a gate run on a serving engine; none for one in process."""
+    engines = verdict.engines or {}
+    out: list[tuple[str, str]] = []
+    for role in ("candidate", "baseline"):
+        record = engines.get(role)
+        if not record:
+            continue
+        text = f"{record.get('engine')} {record.get('version') or ''}".strip()
+        if record.get("url"):
+            text += f" at {record['url']} (model {record.get('model')})"
+        if record.get("command"):
+            text += f"; command: {' '.join(record['command'])}"
+        if record.get("config"):
+            text += f"; kiln set: {record['config']}"
+        if record.get("log"):
+            text += f"; log: {record['log']}"
+        out.append((f"engine ({role})", text))
+    if engines.get("machine"):
+        out.append(("machine", describe_machine(engines["machine"])))
+    return out
+
+
+def engine_vs_runtime_rows(verdict: GateVerdict) -> list[list[str]]:
+    """Per task: metric, the runtime's and the engine's value, items changed, agreement; then
+    a perplexity row per perplexity task and the KL row."""
+    found = verdict.engine_vs_runtime or {}
+    rows = []
+    for task, t in sorted((found.get("tasks") or {}).items()):
+        rows.append([task, t["metric"], num(t["runtime"]), num(t["engine"]),
+                     f"{t['items_changed']}/{t['items']}", pct(t["agreement"])])  # fmt: skip
+    for task, p in sorted((found.get("perplexity") or {}).items()):
+        rows.append([task, "perplexity", num(p["runtime"], 3), num(p["engine"], 3), "—",
+                     f"ratio {num(p['ratio'])}"])  # fmt: skip
+    kl = found.get("divergence")
+    if kl:
+        spread = f"mean {kl['kl_mean']:.5f}, p99 {kl['kl_p99']:.5f}"
+        top1 = f"top-1 {pct(kl['top1_agreement'])}"
+        rows.append(["next-token KL (runtime ‖ engine)", kl["method"], "—", spread,
+                     f"{kl['num_tokens']:,} tokens", top1])  # fmt: skip
+    return rows
+
+
+ENGINE_VS_RUNTIME_HEADER = ["", "metric", "kiln runtime", "engine", "items changed", "agreement"]

@@ -9,7 +9,10 @@ from typing import Any
 from kiln.gates.decide.verdict import GateVerdict
 from kiln.gates.measure.shadow import PairDiff
 from kiln.gates.report.cells import (
+    ENGINE_VS_RUNTIME_HEADER,
     detects,
+    engine_lines,
+    engine_vs_runtime_rows,
     flipped_items,
     flips_cell,
     floor_text,
@@ -227,6 +230,21 @@ def _shadow(verdict: GateVerdict) -> list[str]:
     return body
 
 
+def _engine_vs_runtime(verdict: GateVerdict) -> list[str]:
+    """How the serving engine's scores of the candidate differ from kiln's runtime's."""
+    rows = engine_vs_runtime_rows(verdict)
+    if not rows:
+        return []
+    e = html.escape
+    found = verdict.engine_vs_runtime or {}
+    head = "".join(f"<th>{e(h)}</th>" for h in ENGINE_VS_RUNTIME_HEADER)
+    body = [f"<h2>Engine vs {e(str(found.get('runtime')))} (reported only)</h2>",
+            f"<table><tr>{head}</tr>"]  # fmt: skip
+    body += [_row(*(e(c) for c in row), left=2) for row in rows]
+    body.append("</table>")
+    return body
+
+
 def _checks(verdict: GateVerdict) -> list[str]:
     """Every check of the verdict."""
     e = html.escape
@@ -275,9 +293,12 @@ def to_html(verdict: GateVerdict) -> str:
         _row("baseline", e(who(verdict.baseline)), left=2),
         _row("rule", e(rule_line(verdict).replace("`", "")), left=2),
         _row("created", e(verdict.created_at), left=2),
+        *(_row(e(label), e(text), left=2) for label, text in engine_lines(verdict)),
         "</table>",
     ]
-    for part in (_tasks, _perplexity, _divergence, _shadow, _checks, _notes_and_tools):
+    parts = (_tasks, _perplexity, _divergence, _engine_vs_runtime, _shadow, _checks,
+             _notes_and_tools)  # fmt: skip
+    for part in parts:
         body += part(verdict)
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

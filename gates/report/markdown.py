@@ -8,11 +8,14 @@ dependency for one page.
 
 from __future__ import annotations
 
-from kiln.gates.decide.checks import NO_THRESHOLD, Check
+from kiln.gates.decide.checks import NO_THRESHOLD, NOT_MEASURED, Check
 from kiln.gates.decide.verdict import GateVerdict, TaskComparison
 from kiln.gates.report.cells import (
+    ENGINE_VS_RUNTIME_HEADER,
     OUTCOME_MARK,
     detects,
+    engine_lines,
+    engine_vs_runtime_rows,
     flipped_items,
     flips_cell,
     floor_text,
@@ -29,12 +32,13 @@ MARKDOWN = "gate.md"
 
 
 _OPS = {"<=": "≤", ">=": "≥"}
-_CHECK_MARK = {"pass": "✅", "fail": "❌", "inconclusive": "❔", "reported": "➖"}
+_CHECK_MARK = {"pass": "✅", "fail": "❌", "inconclusive": "❔", "reported": "➖",
+               NOT_MEASURED: "⛔"}  # fmt: skip
 
 
 def _check_state(check: Check) -> str:
-    if check.outcome == "inconclusive":
-        return "inconclusive"
+    if check.outcome in ("inconclusive", NOT_MEASURED):
+        return check.outcome
     if check.threshold is None and check.op != "rule":
         return "reported"
     return "pass" if check.passed else "fail"
@@ -42,6 +46,8 @@ def _check_state(check: Check) -> str:
 
 def _check_cells(check: Check, tasks: dict[str, TaskComparison]) -> tuple[str, str]:
     """A check's value and its rule, in the units a reader compares them in."""
+    if check.outcome == NOT_MEASURED:
+        return "—", "measured on the engine"
     if check.op == "rule":
         task = tasks.get(check.name)
         if task is None or check.value is None or check.threshold is None:
@@ -55,7 +61,7 @@ def _check_cells(check: Check, tasks: dict[str, TaskComparison]) -> tuple[str, s
 def _failure(check: Check, tasks: dict[str, TaskComparison]) -> str:
     """`name value, needs threshold` for a failed check (its rule's reason for a task)."""
     value, threshold = _check_cells(check, tasks)
-    if check.op == "rule":
+    if check.op == "rule" or check.outcome == NOT_MEASURED:
         return f"{check.name}: {check.detail}"
     return f"{check.name} = {value}, needs {threshold}"
 
@@ -112,6 +118,7 @@ def to_markdown(verdict: GateVerdict) -> str:
         f"- candidate: `{who(verdict.candidate)}`",
         f"- baseline: `{who(verdict.baseline)}`",
         f"- {rule_line(verdict)}",
+        *(f"- {label}: {text}" for label, text in engine_lines(verdict)),
         "",
     ]
     if verdict.tasks:
@@ -162,6 +169,13 @@ def to_markdown(verdict: GateVerdict) -> str:
                 else ""
             )
         )
+    rows = engine_vs_runtime_rows(verdict)
+    if rows:
+        found = verdict.engine_vs_runtime or {}
+        lines += ["", f"Engine vs {found.get('runtime')}, on the candidate (reported only):", "",
+                  "| " + " | ".join(ENGINE_VS_RUNTIME_HEADER) + " |",
+                  "|" + "---|" * len(ENGINE_VS_RUNTIME_HEADER)]  # fmt: skip
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", *why_lines(verdict)]
     for note in verdict.notes:
         lines.append(f"\n> {note}")

@@ -139,6 +139,19 @@ def test_promote_without_a_gate_is_refused_before_any_work(
     assert not (tmp_path / "out").exists() and not (tmp_path / "g" / "out").exists()
 
 
+def test_a_gate_on_an_engine_this_machine_lacks_is_refused_before_any_work(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KILN_TRTLLM_SERVE", raising=False)
+    gated = gated_recipe(tmp_path, tiny_llama, "fp8")
+    gated.write_text(gated.read_text() + "  engine: trtllm\n")
+    code, _, stderr = kiln("compile", str(gated))
+    assert code == 2
+    assert "gates.engine: --engine trtllm: TensorRT-LLM is not installed here" in stderr
+    assert "compile with --no-gate" in stderr and f"{gated}:" in stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_one_layer_with_corrupted_scales_fails_a_gate_with_tightened_kl_and_top1(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

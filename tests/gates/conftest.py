@@ -47,7 +47,9 @@ def _prompt_of(body: dict[str, Any]) -> str:
 
 
 class OpenAIStub:
-    """A real HTTP server on 127.0.0.1 that streams a responder's text word by word."""
+    """A real HTTP server on 127.0.0.1 that streams a responder's text word by word (or
+    answers it whole to a request that does not stream), with no log-probabilities: a
+    server like TensorRT-LLM 1.2's completions."""
 
     def __init__(self, responder: Responder, delay_s: float = 0.0) -> None:
         self.responder = responder
@@ -82,6 +84,9 @@ class OpenAIStub:
                 if text.startswith("!500"):
                     self.send_error(500, "stub failure")
                     return
+                if not body.get("stream"):  # a whole answer, with no log-probabilities
+                    self._whole(text, chat)
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -100,6 +105,19 @@ class OpenAIStub:
                 self._event({"choices": [last]})
                 self._event({"choices": [], "usage": {"completion_tokens": len(pieces)}})
                 self.wfile.write(b"data: [DONE]\n\n")
+
+            def _whole(self, text: str, chat: bool) -> None:
+                choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                data = json.dumps({"choices": [choice]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def _event(self, data: dict[str, Any]) -> None:
                 self.wfile.write(f"data: {json.dumps(data)}\n\n".encode())

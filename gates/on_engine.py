@@ -5,11 +5,12 @@ Order of work:
 1. the candidate artifact served by the engine: the gate's tasks, its top-k prompt
    log-probabilities on the divergence texts, and its answers to the recorded traffic;
    then the engine is stopped;
-2. the baseline the same way on the same engine (a float source served as the candidate is:
-   same context, same engine, so the difference is the quantisation's), or as it is where it
-   is an endpoint URL; with `--engine URL` (a deployment kiln did not start) a model baseline
-   is evaluated in process, as `kiln` would, and the notes say the sides ran on different
-   engines;
+2. the baseline the same way on the same engine (a float source with the candidate's
+   context, on the engine's defaults: `--engine-arg`s are the candidate's serving
+   configuration under test, so a configuration that damages answers shows as a loss), or as
+   it is where it is an endpoint URL; with `--engine URL` (a deployment kiln did not start) a
+   model baseline is evaluated in process, as `kiln` would, and the notes say the sides ran
+   on different engines;
 3. the comparisons of the `kiln` path (tasks, perplexity, KL, shadow), plus every check the
    engine could not answer, named as not measured (it fails the gate);
 4. with `gates.engine_vs_runtime`, the candidate scored by kiln's runtime in process too:
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +223,10 @@ def compare_on_engine(
     unmeasured = list(c.unmeasured)
     b_answers: Any = None
     if base.kind == "http" or choice.name != URL_ENGINE:
+        # The engine arguments are the candidate's serving configuration under test; the
+        # baseline is served by the engine's defaults (with the same context).
         on = EngineChoice(URL_ENGINE, base.url, timeout_s=choice.timeout_s) if (
-            base.kind == "http") else choice  # fmt: skip
+            base.kind == "http") else replace(choice, args=())  # fmt: skip
         say(f"baseline: on {on.label}")
         b = _on_engine(on, base, "baseline", settings_for(base, cand_settings, top_k),
                        run(base.name), log_dir, probe)  # fmt: skip

@@ -12,7 +12,7 @@
       baseline_cache: true                   # reuse the baseline's evaluation (eval_cache.py)
       shadow: {traffic: ../traffic/sample.jsonl, max_requests: 24, max_tokens: 32}
       engine: kiln                           # or kiln-serve, vllm, trtllm, an http(s) URL
-      engine_args: []                        # appended to the engine's command line
+      engine_args: []                        # appended to the candidate's engine command
 
 `baseline` is what `kiln compile` gates against (`kiln gate` takes --baseline instead):
 `source` (the recipe's unquantised model, the default), an artifact or HF directory (relative

@@ -67,8 +67,8 @@ def _old_spelling(name: str) -> str:
     "--engine-arg",
     "engine_args",
     multiple=True,
-    help="An argument appended to the engine's command line (repeatable), e.g. "
-    "--engine-arg=--max-model-len=512.",
+    help="An argument appended to the candidate's engine command line, the serving "
+    "configuration under test (repeatable), e.g. --engine-arg=--kv-cache-dtype=fp8.",
 )
 @click.option("--engine-target", help="trtllm: the artifact's target whose options to serve.")
 @REGISTRY_OPTION

@@ -6,8 +6,10 @@ and main, 2026): `BaseLlmArgs` (tensor_parallel_size, pipeline_parallel_size,
 max_batch_size, max_input_len, max_seq_len, max_num_tokens, enable_chunked_prefill,
 kv_cache_config, speculative_config), `KvCacheConfig` (free_gpu_memory_fraction,
 enable_block_reuse, tokens_per_block, dtype — "fp8" for an FP8 KV cache, PyTorch backend
-only), `DecodingBaseConfig.from_dict` ("DraftTarget" → DraftTargetDecodingConfig; its
-`speculative_model_dir` is an accepted alias of `speculative_model` on main) and
+only), `DecodingBaseConfig.from_dict` ("DraftTarget" → DraftTargetDecodingConfig, spelled
+"Draft_Target" after 1.2: written for the installed TensorRT-LLM, 1.2 where none is,
+runtime/formats/trtllm_serve.py; its `speculative_model_dir` is an accepted alias of
+`speculative_model` on main) and
 `TorchLlmArgs.disable_overlap_scheduler`, which docs/source/features/speculative-decoding.md
 sets for draft/target and NGram ("NGram" → NGramDecodingConfig: max_draft_len,
 max_matching_ngram_size). The LLM API rejects unknown keys (extra="forbid"), so nothing else
@@ -26,6 +28,8 @@ from kiln.compiler.trtllm.rules.support import check_algos
 from kiln.compiler.trtllm.targets import get_profile
 from kiln.quant.spec import Scheme
 from kiln.runtime.base.errors import PreflightError
+from kiln.runtime.base.versions import version
+from kiln.runtime.formats.trtllm_serve import draft_target
 
 
 def serve_options(
@@ -80,7 +84,7 @@ def serve_options(
         options["enable_chunked_prefill"] = True
     if draft_dir is not None:
         options["speculative_config"] = {
-            "decoding_type": "DraftTarget",
+            "decoding_type": draft_target(version("tensorrt_llm", "tensorrt-llm")),
             "max_draft_len": max_draft_len,
             "speculative_model_dir": str(draft_dir),
         }

@@ -46,6 +46,7 @@ from kiln.gates.measure.sides import SideSpec
 from kiln.runtime.base.errors import KilnError, UsageError
 from kiln.runtime.base.versions import version
 from kiln.runtime.formats.artifact import MODEL_DIR, load_manifest
+from kiln.runtime.formats.trtllm_serve import options_for_version, trtllm_line
 
 ENGINES = ("kiln", "kiln-serve", "vllm", "trtllm")
 URL_ENGINE = "url"
@@ -54,9 +55,6 @@ STOP_WAIT_S = 30.0
 VLLM_PYTHON = "KILN_VLLM_PYTHON"
 TRTLLM_SERVE = "KILN_TRTLLM_SERVE"
 API_KEY = "KILN_ENGINE_API_KEY"  # sent as a bearer token to a URL engine
-# TensorRT-LLM's draft-target decoding type: 1.2's LLM API spells it DraftTarget, the PyTorch
-# backend after 1.2 "Draft_Target" in a strict union (shared/reference/TENSORRT_LLM.md).
-DRAFT_TARGET = {"1.2": "DraftTarget", "later": "Draft_Target"}
 
 
 class EngineError(KilnError):
@@ -315,20 +313,6 @@ def _trtllm_serve() -> str | None:
 def trtllm_version() -> str | None:
     """The installed TensorRT-LLM's version, or None."""
     return version("tensorrt_llm", "tensorrt-llm")
-
-
-def trtllm_line(found: str) -> str:
-    """Which options spelling a TensorRT-LLM version takes: "1.2", or "later"."""
-    return "1.2" if found.startswith(("1.2.", "1.1.", "1.0.", "0.")) else "later"
-
-
-def options_for_version(options: dict[str, Any], found: str) -> dict[str, Any]:
-    """trtllm-serve options as the installed version parses them (kiln writes 1.2's)."""
-    spec = options.get("speculative_config")
-    if not isinstance(spec, dict) or spec.get("decoding_type") not in DRAFT_TARGET.values():
-        return options
-    spelled = {**spec, "decoding_type": DRAFT_TARGET[trtllm_line(found)]}
-    return {**options, "speculative_config": spelled}
 
 
 def _target(side: SideSpec, wanted: str | None) -> tuple[str, Any]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -29,6 +27,7 @@ from kiln.compiler import sources
 from kiln.gates.decide.verdict import GateVerdict
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gates
+from kiln.runtime.base.machine import describe_machine, machine_facts
 from tests.gates.test_calibration import W8A8_RECIPE, calibration_candidates
 
 _TAIL = """calibration: {dataset: builtin:licenses, num_samples: 32, max_seq_len: 128}
@@ -66,21 +65,6 @@ def compile_recipe(work: Path, name: str, text: str) -> Path:
     if run.returncode != 0:
         raise SystemExit(f"compile {name} failed:\n{run.stderr[-3000:]}")
     return Path(json.loads(run.stdout.strip().splitlines()[-1])["artifact"])
-
-
-def machine() -> str:
-    """CPU model and its bf16/AMX flags (Linux), for the table's caption."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = [f for f in ("avx512_bf16", "amx_bf16", "amx_int8", "amx_tile") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, flags: {', '.join(wanted) or 'no bf16/AMX'}"
 
 
 def _task_cell(verdict: GateVerdict, task: str) -> str:
@@ -145,7 +129,10 @@ def main() -> None:
     if args.traffic:
         section["shadow"] = {"traffic": str(Path(args.traffic).resolve())}
     gates = load_gates(section, "gate_table")
-    print(f"machine: {machine()}; tasks {gates.tasks}, limit {gates.limit}", flush=True)
+    print(
+        f"machine: {describe_machine(machine_facts())}; tasks {gates.tasks}, limit {gates.limit}",
+        flush=True,
+    )
     ref = sources.parse_source("builtin:smollm2-135m-instruct", base_dir=work)
     source = sources.materialize(ref, work / "sources")
     w8a8 = compile_recipe(work, "W8A8", W8A8_RECIPE)

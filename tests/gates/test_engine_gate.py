@@ -17,13 +17,13 @@ import torch
 from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
+from kiln.compiler.trtllm.rules.serve_options import check_serve_options
 from kiln.gates.measure.http_lm import HttpLM
 from kiln.gates.measure.lm_eval_adapter import KilnLM
 from kiln.gates.measure.served import (
     EngineChoice,
     EngineError,
     ServeSettings,
-    options_for_version,
     parse_engine,
     serve_side,
     trtllm_command,
@@ -33,6 +33,7 @@ from kiln.gates.measure.sides import resolve_side
 from kiln.gates.run import run_gate
 from kiln.gates.settings import load_gates
 from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats.trtllm_serve import draft_target, options_for_version
 from kiln.runtime.server import NativeBackend, ServerConfig, create_app
 from tests.gates.conftest import build_artifact
 from tests.gates.test_gate_e2e import perturbed_copy
@@ -106,10 +107,14 @@ def _gone(url: str) -> bool:
 def test_a_gate_on_kiln_serve_starts_and_stops_it_and_scores_as_the_runtime(
     noisy_artifact: Path, tiny_llama: Path, tmp_path: Path
 ) -> None:
-    gates = load_gates({**GATES, "engine": "kiln-serve"}, "test")
+    # --engine-arg is the candidate's serving configuration; the baseline runs on defaults.
+    gates = load_gates({**GATES, "engine": "kiln-serve", "engine_args": ["--max-num-seqs=3"]},
+                       "test")  # fmt: skip
     outcome = run_gate(str(noisy_artifact), str(tiny_llama), gates, tmp_path / "out")
     verdict = outcome.verdict
     engines = verdict.engines
+    assert engines["candidate"]["command"][-1] == "--max-num-seqs=3"
+    assert "--max-num-seqs=3" not in engines["baseline"]["command"]
     for role in ("candidate", "baseline"):
         record = engines[role]
         assert record["engine"] == "kiln-serve" and "serve" in record["command"]
@@ -223,6 +228,11 @@ def test_trtllm_options_are_spelled_for_the_installed_version(noisy_artifact: Pa
     assert later["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": 4}
     ngram = {"speculative_config": {"decoding_type": "NGram"}}
     assert options_for_version(ngram, "1.3.0") == ngram
+    assert (draft_target(None), draft_target("1.2.1"), draft_target("1.3.0rc20")) == (
+        "DraftTarget", "DraftTarget", "Draft_Target")  # fmt: skip
+    spelled_later = {"decoding_type": "Draft_Target", "max_draft_len": 4,
+                     "speculative_model_dir": "draft/model"}  # fmt: skip
+    assert check_serve_options({"speculative_config": spelled_later}) == []
     side = resolve_side(str(noisy_artifact))
     with pytest.raises(UsageError, match="TensorRT-LLM is not installed here"):
         trtllm_command(side, 8123, ServeSettings(None, None, 20), None, tmp_path)

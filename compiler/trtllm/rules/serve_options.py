@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.runtime.formats.trtllm_serve import DRAFT_TARGET
+
 # tensorrt_llm/llmapi/llm_args.py: the LLM API models forbid unknown fields, so each dict
 # takes only its class's fields. These are the ones kiln writes (BaseLlmArgs / TorchLlmArgs,
 # KvCacheConfig; NGramDecodingConfig and DraftTargetDecodingConfig via
@@ -36,15 +38,17 @@ KV_CACHE_KEYS = frozenset(
 KV_CACHE_DTYPES = frozenset({"auto", "fp8"})  # KvCacheConfig.dtype on the PyTorch backend
 
 
+_DRAFT_KEYS = frozenset({"decoding_type", "max_draft_len", "speculative_model_dir"})
+# DraftTarget on 1.2, "Draft_Target" after it (runtime/formats/trtllm_serve.py).
 SPECULATIVE_KEYS = {
-    "DraftTarget": frozenset({"decoding_type", "max_draft_len", "speculative_model_dir"}),
+    **{spelling: _DRAFT_KEYS for spelling in DRAFT_TARGET.values()},
     "NGram": frozenset({"decoding_type", "max_draft_len", "max_matching_ngram_size"}),
 }
 
 
 # llm_args.py `supports_backend`: NGram and DraftTarget decoding run on the PyTorch backend
 # only, so an engine built for externally drafted tokens cannot be driven by the LLM API.
-SPECULATION_BACKENDS = {"DraftTarget": frozenset({"pytorch"}), "NGram": frozenset({"pytorch"})}
+SPECULATION_BACKENDS = {kind: frozenset({"pytorch"}) for kind in SPECULATIVE_KEYS}
 
 
 def check_serve_options(options: dict[str, Any]) -> list[str]:
@@ -62,7 +66,8 @@ def check_serve_options(options: dict[str, Any]) -> list[str]:
     if spec is not None:
         kind = spec.get("decoding_type")
         if kind not in SPECULATIVE_KEYS:
-            problems.append(f"speculative_config.decoding_type {kind!r}: use DraftTarget or NGram")
+            problems.append(f"speculative_config.decoding_type {kind!r}: use "
+                            f"{' or '.join(SPECULATIVE_KEYS)}")  # fmt: skip
         else:
             extra = sorted(set(spec) - SPECULATIVE_KEYS[kind])
             problems += [f"speculative_config.{k}: not a {kind} field" for k in extra]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiln.gates.decide.compare import Comparisons
 from kiln.gates.decide.rules import GatePolicy
@@ -43,7 +44,8 @@ from kiln.gates.releases import Registry
 from kiln.gates.report import write_reports
 from kiln.gates.settings import GatesSection
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.base.versions import GATE_TOOLS, versions
+from kiln.runtime.base.machine import machine_facts
+from kiln.runtime.base.versions import GATE_TOOLS, kiln_version, version, versions
 from kiln.runtime.formats.artifact.verified import Mode
 from kiln.runtime.formats.mirror_log import MirrorEntry, read_mirror_log
 from kiln.runtime.formats.traffic import COMPLETIONS, TrafficRecord, read_traffic
@@ -136,7 +138,22 @@ def run_gate(
             gates.noise_floor != "off",
         )
         compared.shadow = shadow_step(cand, base, (cand_engine, base_engine), setup, notes, say)
+    compared.engines = in_process_engines(cand, base)
     return _finish(cand, base, policy, compared, out_dir, registry, notes, began)
+
+
+def in_process_engines(cand: SideSpec, base: SideSpec) -> dict[str, Any]:
+    """The engines record of a gate run in this process: kiln's runtime for an artifact,
+    transformers for a float source, the URL for an endpoint; and the machine."""
+
+    def one(side: SideSpec) -> dict[str, Any]:
+        if side.kind == "http":
+            return {"engine": "url", "url": side.url}
+        if side.kind == "source":
+            return {"engine": "transformers", "version": version("transformers")}
+        return {"engine": "kiln", "version": kiln_version()}
+
+    return {"candidate": one(cand), "baseline": one(base), "machine": machine_facts()}
 
 
 def gate_mirror_log(

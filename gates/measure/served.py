@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 import yaml
+from packaging.version import InvalidVersion, Version
 
 from kiln.gates.measure.sides import SideSpec
 from kiln.runtime.base.errors import KilnError, UsageError
@@ -373,6 +374,26 @@ def trtllm_command(
 # --- asking a server --------------------------------------------------------------------
 
 
+# ModelOpt 0.47's notes: lm-eval loglikelihood tasks on TensorRT-LLM need >= 1.3.0rc11.
+TRTLLM_SCORES_FROM = "1.3.0rc11"
+
+
+def trtllm_capabilities(found: Capabilities, installed: str) -> Capabilities:
+    """What a trtllm-serve answered, less the prompt log-probabilities of a version older than
+    TRTLLM_SCORES_FROM, whatever it returned."""
+    try:
+        older = Version(installed) < Version(TRTLLM_SCORES_FROM)
+    except InvalidVersion:
+        older = False
+    if not older:
+        return found
+    why = (
+        f"TensorRT-LLM {installed} returns no usable prompt log-probabilities; "
+        f"loglikelihood needs >= {TRTLLM_SCORES_FROM}"
+    )
+    return Capabilities(False, False, why)
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -483,6 +504,8 @@ def serve_side(
             process.wait_ready(url, choice.timeout_s, what)
             model, length = _first_model(url, None)
             caps = probe(url, model, probe_prompt, None)
+            if choice.name == "trtllm":
+                caps = trtllm_capabilities(caps, config["tensorrt_llm"])
             yield Served(choice.name, url, model, _version(url, fallback), argv, config,
                          str(process.log), length, caps)  # fmt: skip
         finally:

@@ -108,7 +108,7 @@ def floor_text(floor: NoiseFloor) -> str:
 
 def engine_lines(verdict: GateVerdict) -> list[tuple[str, str]]:
     """(label, text) per side's engine (name, version, the command kiln ran, what kiln set)
-    and the machine, for a gate run on a serving engine; none for one in process."""
+    and the machine (in process: kiln's runtime or transformers, and the machine)."""
     engines = verdict.engines or {}
     out: list[tuple[str, str]] = []
     for role in ("candidate", "baseline"):

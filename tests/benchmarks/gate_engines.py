@@ -42,15 +42,18 @@ output: out
 """
 QUANTISED = {
     "float": "quantization: {method: none}\n",
-    "W8A8": "quantization: {method: smoothquant, weight_bits: 8, activations: int8_dynamic}\n",
+    "W8A8": (  # TensorRT-LLM runs INT8 SmoothQuant in engines only
+        "quantization: {method: smoothquant, weight_bits: 8, activations: int8_dynamic}\n"
+        "deploy: {trtllm_path: engine}\n"
+    ),
     "GPTQ W4A16": SCHEMES["GPTQ W4A16"],
     "FP8 static": SCHEMES["FP8 static"],
 }
 # The float artifact on vLLM, served in ways that change its answers.
 DAMAGE = {
-    "float, --max-model-len 96": ["--max-model-len", "96"],
-    "float, rope_theta 1000": ["--hf-overrides", '{"rope_theta": 1000.0}'],
-    "float, FP8 KV cache without scales": ["--kv-cache-dtype", "fp8"],
+    "float on --max-model-len 96": ["--max-model-len", "96"],
+    "float on rope_theta 1000": ["--hf-overrides", '{"rope_theta": 1000.0}'],
+    "float on an FP8 KV cache without scales": ["--kv-cache-dtype", "fp8"],
 }
 ROWS = [*QUANTISED, *DAMAGE]
 

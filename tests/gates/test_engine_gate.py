@@ -21,11 +21,13 @@ from kiln.compiler.trtllm.rules.serve_options import check_serve_options
 from kiln.gates.measure.http_lm import HttpLM
 from kiln.gates.measure.lm_eval_adapter import KilnLM
 from kiln.gates.measure.served import (
+    Capabilities,
     EngineChoice,
     EngineError,
     ServeSettings,
     parse_engine,
     serve_side,
+    trtllm_capabilities,
     trtllm_command,
     vllm_command,
 )
@@ -233,6 +235,11 @@ def test_trtllm_options_are_spelled_for_the_installed_version(noisy_artifact: Pa
     spelled_later = {"decoding_type": "Draft_Target", "max_draft_len": 4,
                      "speculative_model_dir": "draft/model"}  # fmt: skip
     assert check_serve_options({"speculative_config": spelled_later}) == []
+    answered = Capabilities(True, True)
+    assert trtllm_capabilities(answered, "1.3.0") is answered
+    old = trtllm_capabilities(answered, "1.2.1")
+    assert not old.prompt_logprobs and not old.echo_logprobs
+    assert "loglikelihood needs >= 1.3.0rc11" in (old.missing("scores") or "")
     side = resolve_side(str(noisy_artifact))
     with pytest.raises(UsageError, match="TensorRT-LLM is not installed here"):
         trtllm_command(side, 8123, ServeSettings(None, None, 20), None, tmp_path)

@@ -61,6 +61,13 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Qwen3ForCausalLM: per-head q/k norms, head_dim 64 (heads * head_dim
+    = 256, twice the hidden size, as Qwen3's explicit head_dim allows)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def smollm2_float(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded SmolLM2-135M-Instruct as a float checkpoint, materialised once per run of
     the suite, whatever its number of workers (its Q4_1 GGUF dequantised through transformers:

@@ -18,6 +18,7 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -27,7 +28,12 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+CONFIGS = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
 
 
 def corpus_text(limit_chars: int = 400_000) -> str:
@@ -112,6 +118,9 @@ def make_tiny_model(
                         seed * 7919 + zlib.crc32(name.encode())
                     ),
                 )
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Per-head norms initialised to ones would hide a weight applied wrongly.
+                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed))
     model.eval()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

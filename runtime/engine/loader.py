@@ -103,6 +103,8 @@ def load_model(
                 post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
                 gate_up=linear(p, PROJECTIONS["gate_up"]),
                 down=linear(p, PROJECTIONS["down"]),
+                q_norm=tensor(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
+                k_norm=tensor(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
             )
         )
     # As transformers does: a stored lm_head wins even when the config says tied.

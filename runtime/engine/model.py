@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
 
 Plain tensors and functions rather than nn.Modules: the engine only runs inference, and the
 forward reads top to bottom like the architecture. q/k/v and gate/up projections are stacked
@@ -69,6 +69,9 @@ class DecoderLayer:
     post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    # Qwen3: RMSNorm weights [head_dim] applied to each query and key head before RoPE.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 class CausalLM:
@@ -110,10 +113,9 @@ class CausalLM:
         )
 
     def _norms(self) -> list[torch.Tensor]:
-        return [
-            self.norm,
-            *(w for layer in self.layers for w in (layer.input_norm, layer.post_norm)),
-        ]
+        per_layer = ("input_norm", "post_norm", "q_norm", "k_norm")
+        held = (getattr(layer, n) for layer in self.layers for n in per_layer)
+        return [self.norm, *(w for w in held if w is not None)]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -135,6 +137,17 @@ class CausalLM:
             return torch.ops.kiln.silu_mul(gate_up.contiguous())
         half = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
+
+    def _norm_heads(self, qkv: torch.Tensor, layer: DecoderLayer) -> None:
+        """Qwen3's per-head RMSNorm of the queries and keys, written back into qkv (before
+        the rotary embedding, as transformers applies it)."""
+        c = self.config
+        for first, count, weight in ((0, c.num_heads, layer.q_norm),
+                                     (c.num_heads, c.num_kv_heads, layer.k_norm)):  # fmt: skip
+            assert weight is not None
+            cols = slice(first * c.head_dim, (first + count) * c.head_dim)
+            heads = qkv[:, cols].reshape(-1, c.head_dim)
+            qkv[:, cols] = self._rms_norm(heads, weight).view(qkv.shape[0], -1)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -165,6 +178,8 @@ class CausalLM:
         normed = self._rms_norm(residual, self.layers[0].input_norm) if self.layers else residual
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(normed)
+            if layer.q_norm is not None:
+                self._norm_heads(qkv, layer)
             # Queries and keys are rotated in one pass: they sit side by side in qkv.
             if self.fused:
                 torch.ops.kiln.rope_(qkv, positions, self.cos, self.sin, heads + kv_heads, dim)

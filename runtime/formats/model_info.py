@@ -13,13 +13,19 @@ from typing import Any
 from kiln.runtime.base.errors import ArtifactError
 
 # The families the runtime's forward pass runs, by Hugging Face model_type (which is also
-# llama.cpp's architecture name for these three) → the transformers class a config names. kiln
+# llama.cpp's architecture name for these) → the transformers class a config names. kiln
 # compiles exactly what its runtime runs: the gate evaluates an artifact through it.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+# Families whose attention normalises each query and key head (RMSNorm over head_dim, its own
+# weight per layer: `self_attn.q_norm`, `self_attn.k_norm`) before the rotary embedding.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# Families whose config.json sets `sliding_window` but applies it only with use_sliding_window.
+OPT_IN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 SUPPORTED = f"kiln compiles and serves {', '.join(SUPPORTED_ARCHITECTURES)}"
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -48,6 +54,7 @@ class ModelInfo:
     rope_type: str = "default"
     rope_scaling: dict[str, Any] | None = None  # the scaling parameters, unless rope_type default
     qkv_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)  # config.json as read
@@ -55,7 +62,8 @@ class ModelInfo:
     @property
     def num_parameters(self) -> int:
         """Parameters of the dense model: decoder layers, embedding, LM head unless tied."""
-        per_layer = sum(o * i for o, i in self.linear_shapes().values()) + self.hidden_size * 2
+        norms = self.hidden_size * 2 + (self.head_dim * 2 if self.qk_norm else 0)
+        per_layer = sum(o * i for o, i in self.linear_shapes().values()) + norms
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + self.hidden_size
 
@@ -91,7 +99,7 @@ class ModelInfo:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelInfo:
-        """Parse a config.json dict (Llama, Mistral, Qwen2 field names).
+        """Parse a config.json dict (Llama, Mistral, Qwen2, Qwen3 field names).
 
         Raises ValueError naming the field when one the shapes need is missing or unusable
         (configs of other families name them differently: GPT-2's n_embd, n_layer).
@@ -122,7 +130,7 @@ class ModelInfo:
         theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
         rope_type = str(rope.get("rope_type", rope.get("type", "default")))
         window = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+        if arch in OPT_IN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
             window = None
         eos = config.get("eos_token_id")
         return cls(
@@ -145,6 +153,7 @@ class ModelInfo:
             rope_type=rope_type,
             rope_scaling=rope if rope_type != "default" else None,
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             sliding_window=int(window) if window else None,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             config=dict(config),

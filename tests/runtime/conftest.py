@@ -145,12 +145,25 @@ def recipe(mode: str) -> tuple[list[Any], bool]:
 @pytest.fixture(scope="session")
 def quantized(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Build (once per mode) a compressed-tensors checkpoint of tiny_llama with llm-compressor."""
+    return quantizer(tiny_llama, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def quantized_qwen3(
+    tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """The same modes on tiny_qwen3 (per-head q/k norms, heads of 64)."""
+    return quantizer(tiny_qwen3, tmp_path_factory)
+
+
+def quantizer(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """mode → a compressed-tensors checkpoint of `source` made by llm-compressor (once)."""
     pytest.importorskip("llmcompressor")
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     ids = tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text())
     samples = [ids[i * 64 : (i + 1) * 64] for i in range(16)]
     data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * 64] * 16})
@@ -159,7 +172,7 @@ def quantized(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Cal
     def build(mode: str) -> Path:
         if mode not in built:
             modifiers, calibrate = recipe(mode)
-            model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
             extra = {
                 "dataset": data,
                 "num_calibration_samples": 16,
@@ -168,7 +181,7 @@ def quantized(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Cal
             }
             torch.manual_seed(0)
             oneshot(model=model, recipe=modifiers, **(extra if calibrate else {}))
-            out = tmp_path_factory.mktemp(mode)
+            out = tmp_path_factory.mktemp(f"{source.name}-{mode}")
             model.save_pretrained(out, save_compressed=True)
             tokenizer.save_pretrained(out)
             built[mode] = out

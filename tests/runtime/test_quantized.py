@@ -83,6 +83,23 @@ def test_quantized_checkpoint_matches_transformers(
         assert generated == hf_greedy(reference, prompt, 16)
 
 
+@pytest.mark.parametrize("mode", ["w4a16_gptq_sym", "w8a8_int8", "fp8_static_kv_fp8"])
+def test_qwen3_quantized_checkpoint_matches_transformers(
+    mode: str, quantized_qwen3: Callable[[str], Path]
+) -> None:
+    """Qwen3's per-head q/k norms stay float beside every weight format and the FP8 KV cache."""
+    model_dir = quantized_qwen3(mode)
+    engine = Engine.from_pretrained(model_dir)
+    layer = engine.model.layers[0]
+    assert isinstance(layer.qkv, LAYERS[mode]) and layer.q_norm is not None
+    assert layer.q_norm.shape == (64,) and layer.q_norm.dtype == engine.model.dtype
+    reference = hf_model(model_dir)
+    max_tol, mean_tol = TOLERANCE[mode]
+    prompt, generated = assert_close_to_reference(engine, reference, max_tol, mean_tol)
+    if max_tol < 1e-3:
+        assert generated == hf_greedy(reference, prompt, 16)
+
+
 @pytest.mark.parametrize("mode", ["w8a8_int8", "w4a16_asym"])
 def test_each_quantized_linear_matches_its_reference_layer(
     mode: str, quantized: Callable[[str], Path]

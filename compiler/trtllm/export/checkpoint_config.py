@@ -42,6 +42,10 @@ def checkpoint_config(
     family: dict[str, Any] = {}
     if info.architecture == "Qwen2ForCausalLM":  # models/qwen/config.py QWenConfig
         family = {"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False}
+    if info.architecture == "Qwen3ForCausalLM":
+        # QWenConfig.from_hugging_face: qwen_type from model_type, attn_bias False for qwen3;
+        # models/qwen/model.py QWenDecoderLayer derives qk_layernorm from qwen_type (PR #5650).
+        family = {"qwen_type": "qwen3", "attn_bias": False, "mlp_bias": False}
     return {
         **family,
         "producer": {

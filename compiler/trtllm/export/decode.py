@@ -135,6 +135,10 @@ def decode_checkpoint(ckpt_dir: Path) -> dict[str, torch.Tensor]:
             parts = [deq(r, f"{layer}.{trt}", rows, cols) for r in ranks]
             out[f"{hf}.{name}.weight"] = torch.cat(parts, dim=1 if row else 0)
         out[f"{hf}.input_layernorm.weight"] = first[f"{layer}.input_layernorm.weight"].float()
+        for norm in ("q", "k"):  # Qwen3
+            found = first.get(f"{layer}.attention.{norm}_layernorm.weight")
+            if found is not None:
+                out[f"{hf}.self_attn.{norm}_norm.weight"] = found.float()
         out[f"{hf}.post_attention_layernorm.weight"] = first[
             f"{layer}.post_layernorm.weight"
         ].float()

@@ -22,7 +22,8 @@ from kiln.runtime.formats.model_info import ModelInfo
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms, float in every export
 KV_CACHE_ALGO = {"fp8": "FP8", "int8": "INT8"}
 
 
@@ -124,6 +125,9 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
     for i in range(info.num_layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             key = f"model.layers.{i}.{norm}.weight"
+            src.tensors[key] = ckpt.tensor(key)
+        for norm in QK_NORMS if info.qk_norm else ():
+            key = f"model.layers.{i}.self_attn.{norm}.weight"
             src.tensors[key] = ckpt.tensor(key)
         if ckpt.kv_cache is not None:
             k, v = (s.to(torch.float32).reshape(()) for s in ckpt.kv_scales(i))

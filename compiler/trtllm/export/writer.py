@@ -69,7 +69,7 @@ from kiln.compiler.trtllm.export.linears import (
     pad_linear,
     shard,
 )
-from kiln.compiler.trtllm.export.source import Source, read_source
+from kiln.compiler.trtllm.export.source import QK_NORMS, Source, read_source
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
 from kiln.compiler.trtllm.rules.exclusions import (
     NO_EXCLUSIONS,
@@ -377,6 +377,11 @@ def _rank_tensors(
         out[f"{layer}.post_layernorm.weight"] = src.tensors[
             f"model.layers.{i}.post_attention_layernorm.weight"
         ].to(dtype)
+        for norm in QK_NORMS if info.qk_norm else ():
+            # models/qwen/convert.py: q_norm/k_norm load as attention.{q,k}_layernorm, float.
+            out[f"{layer}.attention.{norm[0]}_layernorm.weight"] = src.tensors[
+                f"model.layers.{i}.self_attn.{norm}.weight"
+            ].to(dtype)
         if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
             for norm in ("input_layernorm", "post_layernorm"):
                 out[f"{layer}.{norm}.scale_to_int"] = torch.ones(1, dtype=dtype)

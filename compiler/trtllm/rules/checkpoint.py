@@ -184,6 +184,10 @@ def expected_parameters(config: dict[str, Any]) -> dict[str, Param]:
         layer = f"transformer.layers.{i}"
         params[f"{layer}.input_layernorm.weight"] = Param((hidden,), (dtype,))
         params[f"{layer}.post_layernorm.weight"] = Param((hidden,), (dtype,))
+        if config.get("qwen_type") == "qwen3":  # models/qwen/model.py: qk_layernorm, RmsNorm
+            head = int(config["head_size"])
+            for norm in ("q_layernorm", "k_layernorm"):
+                params[f"{layer}.attention.{norm}.weight"] = Param((head,), (dtype,))
         if algo in NO_EXCLUSIONS:  # quantization/layers.py SmoothQuantRmsNorm
             params[f"{layer}.input_layernorm.scale_to_int"] = Param((1,), FLOATS)
             params[f"{layer}.post_layernorm.scale_to_int"] = Param((1,), FLOATS)

@@ -177,6 +177,12 @@ def expected_hf_tensors(config: dict[str, Any], quant: dict[str, Any]) -> dict[s
     for i in range(int(config["num_hidden_layers"])):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             params[f"model.layers.{i}.{norm}.weight"] = Param((hidden,), FLOATS)
+        if config.get("model_type") == "qwen3":
+            # _torch/modules/qk_norm_attention.py QKNormRoPEAttention: q_norm/k_norm RMSNorm
+            # over head_dim, loaded under their HF names.
+            head = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+            for norm in ("q_norm", "k_norm"):
+                params[f"model.layers.{i}.self_attn.{norm}.weight"] = Param((head,), FLOATS)
         if quant.get("kv_cache_quant_algo"):
             # ModelOpt quant_utils.py `_KV_CACHE_REPLACEMENTS`: k_bmm/v_bmm amax / maxbound
             # become `k_proj.k_scale` and `v_proj.v_scale`; linear.py

@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -499,14 +500,34 @@ def serve_side(
             raise UsageError(f"--engine {choice.name}: runs in process, not as a server")
         argv += list(choice.args)
         what = f"{choice.name} for the {role} ({side.name})"
-        process = EngineProcess(argv, env, log_dir / f"{role}-{choice.name}.log", None)
-        try:
-            process.wait_ready(url, choice.timeout_s, what)
-            model, length = _first_model(url, None)
-            caps = probe(url, model, probe_prompt, None)
-            if choice.name == "trtllm":
-                caps = trtllm_capabilities(caps, config["tensorrt_llm"])
-            yield Served(choice.name, url, model, _version(url, fallback), argv, config,
-                         str(process.log), length, caps)  # fmt: skip
-        finally:
-            process.stop()
+        with sigterm_exits():
+            process = EngineProcess(argv, env, log_dir / f"{role}-{choice.name}.log", None)
+            try:
+                process.wait_ready(url, choice.timeout_s, what)
+                model, length = _first_model(url, None)
+                caps = probe(url, model, probe_prompt, None)
+                if choice.name == "trtllm":
+                    caps = trtllm_capabilities(caps, config["tensorrt_llm"])
+                yield Served(choice.name, url, model, _version(url, fallback), argv, config,
+                             str(process.log), length, caps)  # fmt: skip
+            finally:
+                process.stop()
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While an engine kiln started runs, SIGTERM (a cancelled CI job, `kill`) makes kiln exit
+    through the `finally` that stops the engine, instead of ending kiln and leaving the engine
+    serving in its own session. Python's default SIGTERM runs no `finally`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,23 @@ def test_an_engine_that_will_not_start_names_its_log(noisy_artifact: Path, tmp_p
     assert str(tmp_path / "candidate-kiln-serve.log") in raised.value.message
     assert "No such option" in raised.value.message
     assert _serving(noisy_artifact) == []
+
+
+def test_sigterm_to_kiln_stops_the_engine_it_started(noisy_artifact: Path, tmp_path: Path) -> None:
+    """A cancelled CI job sends SIGTERM: kiln exits through the engine's stop, so the engine
+    (in its own session, which the signal does not reach) is not left serving."""
+    side = resolve_side(str(noisy_artifact))
+    choice = EngineChoice("kiln-serve")
+    before = signal.getsignal(signal.SIGTERM)
+    serving = serve_side(choice, side, ServeSettings(None, None, 5), tmp_path, "cand", [1])
+    with pytest.raises(SystemExit) as raised, serving as s:
+        assert _serving(noisy_artifact) != []
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert raised.value.code == 128 + signal.SIGTERM
+    assert _serving(noisy_artifact) == []
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{s.url}/health", timeout=2)
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_an_engine_slower_than_its_timeout_is_stopped_and_named(

@@ -50,9 +50,8 @@ def _shape_problems(model_dir: Path, info: ModelInfo) -> list[str]:
     from safetensors import SafetensorError, safe_open
 
     expected = {"model.embed_tokens.weight": (info.vocab_size, info.hidden_size)}
-    for short, shape in info.linear_shapes().items():
-        block = "self_attn" if short in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        expected[f"model.layers.0.{block}.{short}.weight"] = shape
+    for name, shape in info.layer_linears(0).items():
+        expected[f"model.layers.0.{name}.weight"] = shape
     found: dict[str, tuple[int, ...]] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         if regular_problem(path) is not None:
@@ -96,7 +95,33 @@ def ignore_problems(recipe: Recipe, info: ModelInfo, spec: QuantSpec, key: str) 
                 "narrow the list, or use method: none",
             )
         )
+    if not problems and info.moe is not None:
+        problems += _float_expert_problems(recipe, info, spec, key)
     return problems
+
+
+def _float_expert_problems(recipe: Recipe, info: ModelInfo, spec: QuantSpec, key: str) -> list[str]:
+    """A MoE model's experts hold most of its weights: an ignore list that keeps every expert
+    of a sparse layer float is refused, naming the layers (ModelOpt has shipped a recipe
+    that skipped all expert quantizers silently)."""
+    kept = []
+    for layer in range(info.num_layers):
+        if not info.is_sparse(layer):
+            continue
+        experts = [n for n in info.layer_linears(layer) if ".experts." in n]
+        if all(is_ignored(f"model.layers.{layer}.{n}", spec.ignore) for n in experts):
+            kept.append(f"model.layers.{layer}")
+    if not kept:
+        return []
+    shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
+    return [
+        recipe.problem(
+            f"{key}.ignore",
+            f"the ignore list keeps every expert of {shown} float "
+            f"({info.num_experts} experts each), so the experts would not be quantised",
+            "ignore single experts or projections, not all of them; or use method: none",
+        )
+    ]
 
 
 def length_problems(recipe: Recipe, info: ModelInfo) -> list[str]:

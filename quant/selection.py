@@ -26,12 +26,13 @@ def ignore_regexes(ignore: tuple[str, ...]) -> list[str]:
 
 
 def quantised_linears(info: ModelInfo, ignore: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """(out, in) of every linear that will be quantised, by full module name."""
-    shapes = info.linear_shapes()
+    """(out, in) of every linear that will be quantised, by full module name (a MoE router
+    never is: kiln keeps it float, as TensorRT-LLM and vLLM expect)."""
+    router = f".{info.moe.block}.{info.moe.router}" if info.moe else None
     out: dict[str, tuple[int, int]] = {}
     for layer in range(info.num_layers):
-        for short, shape in shapes.items():
-            block = "self_attn" if short in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            out[f"model.layers.{layer}.{block}.{short}"] = shape
+        for name, shape in info.layer_linears(layer).items():
+            if router is None or not f".{name}".endswith(router):
+                out[f"model.layers.{layer}.{name}"] = shape
     out["lm_head"] = (info.vocab_size, info.hidden_size)
     return {name: shape for name, shape in out.items() if not is_ignored(name, ignore)}

@@ -68,6 +68,22 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random MixtralForCausalLM: 4 experts of width 128, 2 per token."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-layer random Qwen3MoeForCausalLM: q/k norms, 4 experts of width 128, 2 per token,
+    top-k weights not renormalised, layer 1 dense (mlp_only_layers)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-moe"), arch="qwen3_moe", num_layers=3,
+        mlp_only_layers=[1], norm_topk_prob=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def smollm2_float(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded SmolLM2-135M-Instruct as a float checkpoint, materialised once per run of
     the suite, whatever its number of workers (its Q4_1 GGUF dequantised through transformers:

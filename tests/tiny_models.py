@@ -16,9 +16,11 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -33,7 +35,11 @@ CONFIGS = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "mixtral": MixtralConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
+# Mixture-of-experts fixtures: 4 experts, 2 per token, experts half the dense MLP's width.
+MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
 
 
 def corpus_text(limit_chars: int = 400_000) -> str:
@@ -86,9 +92,13 @@ def make_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     head_dim: int | None = None,
+    **extra: object,
 ) -> Path:
-    """Write a random `arch` checkpoint (float32) and its tokenizer to `path`."""
+    """Write a random `arch` checkpoint (float32) and its tokenizer to `path`; `extra`: more
+    config fields (a MoE model's experts)."""
     tokenizer = train_tokenizer(vocab_size)
+    if arch in ("mixtral", "qwen3_moe"):
+        extra = {**MOE, "moe_intermediate_size": intermediate_size // 2, **extra}
     config = CONFIGS[arch](
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -103,6 +113,7 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **extra,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

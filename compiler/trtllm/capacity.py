@@ -22,6 +22,9 @@ nothing loads. Bases, so the numbers can be checked by hand:
 - decode roofline: memory bandwidth ÷ bytes one GPU reads per decode step at batch 1 (its
   weights without the embedding table, plus one sequence's KV at max_seq_len / 2): an upper
   bound on tokens/s per sequence, ignoring all-reduce and kernel efficiency.
+- mixture of experts: every expert is resident (weights count them all; the router stays
+  16-bit, never quantised); a decode step reads only num_experts_per_tok experts per sparse
+  layer, so the roofline counts those.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ FLOAT16 = 2
 RUNTIME_BYTES = 3 * GiB // 2
 NCCL_BYTES = GiB // 2
 TP_CHOICES = (1, 2, 4, 8)
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,17 +195,29 @@ class _Case:
     target: TargetProfile
     deploy: DeploySpec
 
-    def layer_bytes(self, layer: int, tp: int) -> int:
+    def layer_bytes(self, layer: int, tp: int, active: bool = False) -> int:
+        """Bytes of decoder layer `layer` on one GPU at `tp`: every expert of a sparse layer
+        (all are resident), or with `active` only those one token reads."""
         info = self.info
         kv_share = _kv_heads_per_gpu(info, tp) / info.num_kv_heads
         total = 2 * info.hidden_size * FLOAT16  # two norms, replicated
-        for short, (out, inp) in info.linear_shapes().items():
-            block = "self_attn" if short in ATTENTION else "mlp"
-            ignored = is_ignored(f"model.layers.{layer}.{block}.{short}", self.ignore)
+        linears = info.active_linears(layer) if active else info.layer_linears(layer)
+        router = f"{info.moe.block}.{info.moe.router}" if info.moe else None
+        for name, (out, inp) in linears.items():
+            ignored = name == router or is_ignored(f"model.layers.{layer}.{name}", self.ignore)
             size = linear_bytes(out, inp, "NO_QUANT" if ignored else self.algo,
                                 self.group_size, self.symmetric)  # fmt: skip
-            total += int(size * kv_share) if short in ("k_proj", "v_proj") else size // tp
+            kv = name in ("self_attn.k_proj", "self_attn.v_proj")
+            total += int(size * kv_share) if kv else size // tp
         return total
+
+    def idle_expert_bytes(self, tp: int) -> int:
+        """Bytes on one GPU that a decode step does not read: the experts a token is not
+        routed to (0 for a dense model), per pipeline stage."""
+        info = self.info
+        idle = sum(self.layer_bytes(i, tp) - self.layer_bytes(i, tp, active=True)
+                   for i in range(info.num_layers))  # fmt: skip
+        return idle // self.deploy.pp_size
 
     def weights(self, tp: int) -> tuple[int, int, int]:
         """(whole model, busiest GPU, embedding table on it) in bytes."""
@@ -341,7 +355,8 @@ def plan(info: ModelInfo, scheme: Scheme, target: TargetProfile, deploy: DeployS
 
     kv_token = kv_bytes_per_token(info, kv_algo)
     blocks = math.ceil(deploy.max_seq_len / deploy.tokens_per_block) * deploy.tokens_per_block
-    step = chosen.weights_gpu - chosen.embedding + chosen.kv_token_gpu * deploy.max_seq_len // 2
+    read = chosen.weights_gpu - chosen.embedding - case.idle_expert_bytes(chosen.tp)
+    step = read + chosen.kv_token_gpu * deploy.max_seq_len // 2
     cost = None
     if deploy.gpu_price_per_hour and deploy.expected_output_tokens_per_s:
         per_hour = deploy.gpu_price_per_hour * chosen.tp * deploy.pp_size

@@ -18,7 +18,7 @@ import torch
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.engine.dtype import choose_dtype
 from kiln.runtime.engine.layers.kernels import make_linear
-from kiln.runtime.engine.model import CausalLM, DecoderLayer
+from kiln.runtime.engine.model import CausalLM, DecoderLayer, Experts
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint, read_config
 from kiln.runtime.formats.model_info import ModelInfo
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
@@ -91,20 +91,43 @@ def load_model(
     def tensor(name: str) -> torch.Tensor:
         return ckpt.tensor(name).to(device=device, dtype=compute)
 
+    def experts(p: str) -> Experts:
+        """A sparse layer's router (kept float: TensorRT-LLM and vLLM read it so) and every
+        expert's projections, each on the kernel of its own encoding."""
+        moe = config.moe
+        assert moe is not None
+        block = f"{p}.{moe.block}"
+        router = f"{block}.{moe.router}"
+        if ckpt.served_linear(router).scheme.type != "dense":
+            raise ArtifactError(
+                f"{model_dir}: {router} (the MoE router) is quantised; kiln serves float "
+                "routers, as TensorRT-LLM and vLLM do: add it to quantization.ignore"
+            )
+        named = [f"{block}.experts.{e}" for e in range(config.num_experts)]
+        return Experts(
+            router=tensor(f"{router}.weight"),
+            gate_up=[linear(e, (moe.gate, moe.up)) for e in named],
+            down=[linear(e, (moe.down,)) for e in named],
+            top_k=config.num_experts_per_tok,
+            normalize=config.norm_topk_prob,
+        )
+
     embed = tensor("model.embed_tokens.weight")
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
+        sparse = config.is_sparse(i)
         layers.append(
             DecoderLayer(
                 input_norm=tensor(f"{p}.input_layernorm.weight"),
                 qkv=linear(p, PROJECTIONS["qkv"]),
                 o_proj=linear(p, PROJECTIONS["o_proj"]),
                 post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
-                gate_up=linear(p, PROJECTIONS["gate_up"]),
-                down=linear(p, PROJECTIONS["down"]),
+                gate_up=None if sparse else linear(p, PROJECTIONS["gate_up"]),
+                down=None if sparse else linear(p, PROJECTIONS["down"]),
                 q_norm=tensor(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=tensor(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
+                experts=experts(p) if sparse else None,
             )
         )
     # As transformers does: a stored lm_head wins even when the config says tied.

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) and its mixture-of-experts
+variants (Mixtral, Qwen3-MoE) over a paged KV cache.
 
 Plain tensors and functions rather than nn.Modules: the engine only runs inference, and the
 forward reads top to bottom like the architecture. q/k/v and gate/up projections are stacked
@@ -19,6 +20,7 @@ qkv (attention.decode_attention).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,16 +64,54 @@ def rope_inv_freq(config: ModelInfo) -> torch.Tensor:
 
 
 @dataclass(slots=True)
+class Experts:
+    """A sparse MLP block: a float router [experts, hidden] and each expert's stacked gate/up
+    and down projections; each token runs its `top_k` experts by router softmax, weighted
+    (renormalised over the k where `normalize`), as transformers' Mixtral and Qwen3-MoE do."""
+
+    router: torch.Tensor
+    gate_up: list[Linear]
+    down: list[Linear]
+    top_k: int
+    normalize: bool
+
+    def __call__(
+        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            rows, slot = torch.where(chosen == expert)
+            picked = x.index_select(0, rows)
+            y = self.down[expert](silu_mul(self.gate_up[expert](picked)))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+
+@dataclass(slots=True)
 class DecoderLayer:
     input_norm: torch.Tensor
     qkv: Linear
     o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None  # None in a sparse layer (its experts hold the MLP)
+    down: Linear | None
     # Qwen3: RMSNorm weights [head_dim] applied to each query and key head before RoPE.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    experts: Experts | None = None
+
+    def mlp(
+        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        if self.experts is not None:
+            return self.experts(x, silu_mul)
+        assert self.gate_up is not None and self.down is not None
+        return self.down(silu_mul(self.gate_up(x)))
 
 
 class CausalLM:
@@ -199,12 +239,12 @@ class CausalLM:
             if attended.dtype != self.dtype:
                 attended = attended.to(self.dtype)
             residual, normed = self._add_rms_norm(residual, layer.o_proj(attended), layer.post_norm)
-            activated = self._silu_mul(layer.gate_up(normed))
+            mlp_out = layer.mlp(normed, self._silu_mul)
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else None
             if following is None:
-                residual = residual + layer.down(activated)
+                residual = residual + mlp_out
             else:
-                residual, normed = self._add_rms_norm(residual, layer.down(activated), following)
+                residual, normed = self._add_rms_norm(residual, mlp_out, following)
         selected = self._rms_norm(residual.index_select(0, logits_rows), self.norm)
         if greedy and self.greedy_head is not None:
             return self.greedy_head.argmax(selected)

@@ -20,12 +20,36 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # Families whose attention normalises each query and key head (RMSNorm over head_dim, its own
 # weight per layer: `self_attn.q_norm`, `self_attn.k_norm`) before the rotary embedding.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Families whose config.json sets `sliding_window` but applies it only with use_sliding_window.
-OPT_IN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+OPT_IN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class MoELayout:
+    """Where a mixture-of-experts family keeps its sparse block, by HF module name: the block
+    under `model.layers.N`, its router, and each expert's gate, up and down projections."""
+
+    block: str
+    router: str
+    gate: str
+    up: str
+    down: str
+    # Whether the top-k routing weights are renormalised to sum to one: always (Mixtral), or
+    # as config.json's norm_topk_prob says (None: Qwen3-MoE).
+    normalize: bool | None
+
+
+MOE_LAYOUTS = {
+    "MixtralForCausalLM": MoELayout("block_sparse_moe", "gate", "w1", "w3", "w2", True),
+    "Qwen3MoeForCausalLM": MoELayout("mlp", "gate", "gate_proj", "up_proj", "down_proj", None),
+}
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 SUPPORTED = f"kiln compiles and serves {', '.join(SUPPORTED_ARCHITECTURES)}"
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -56,19 +80,70 @@ class ModelInfo:
     qkv_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     sliding_window: int | None = None
+    # Mixture of experts: experts per sparse layer (0: dense), experts each token uses, each
+    # expert's MLP width, whether top-k weights are renormalised, and the dense layers among
+    # them (Qwen3-MoE's mlp_only_layers / decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)  # config.json as read
 
     @property
     def num_parameters(self) -> int:
-        """Parameters of the dense model: decoder layers, embedding, LM head unless tied."""
+        """Parameters of the model: decoder layers (every expert), embedding, LM head unless
+        tied."""
         norms = self.hidden_size * 2 + (self.head_dim * 2 if self.qk_norm else 0)
-        per_layer = sum(o * i for o, i in self.linear_shapes().values()) + norms
+        linears = sum(
+            o * i for i in range(self.num_layers) for o, i in self.layer_linears(i).values()
+        )
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size
+        return linears + self.num_layers * norms + embeddings + self.hidden_size
+
+    @property
+    def moe(self) -> MoELayout | None:
+        """The sparse block's layout of a mixture-of-experts model; None for a dense one."""
+        return MOE_LAYOUTS.get(self.architecture) if self.num_experts else None
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.dense_layers
+
+    def layer_linears(self, layer: int) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of every linear of decoder layer `layer`, by its module
+        name under `model.layers.N` (`self_attn.q_proj`, `mlp.down_proj`; a sparse layer's
+        router and each expert's projections: `mlp.gate`, `mlp.experts.3.up_proj`)."""
+        dense = self.linear_shapes()
+        out = {f"self_attn.{n}": dense[n] for n in ATTENTION_LINEARS}
+        moe = self.moe
+        if moe is None or not self.is_sparse(layer):
+            out.update({f"mlp.{n}": dense[n] for n in ("gate_proj", "up_proj", "down_proj")})
+            return out
+        width, hidden = self.moe_intermediate_size, self.hidden_size
+        out[f"{moe.block}.{moe.router}"] = (self.num_experts, hidden)
+        for e in range(self.num_experts):
+            expert = f"{moe.block}.experts.{e}"
+            out[f"{expert}.{moe.gate}"] = (width, hidden)
+            out[f"{expert}.{moe.up}"] = (width, hidden)
+            out[f"{expert}.{moe.down}"] = (hidden, width)
+        return out
+
+    def active_linears(self, layer: int) -> dict[str, tuple[int, int]]:
+        """The linears one token multiplies in `layer`: a sparse layer's router and only
+        num_experts_per_tok of its experts (the first ones stand for any)."""
+        moe = self.moe
+        if moe is None or not self.is_sparse(layer):
+            return self.layer_linears(layer)
+        used = {f"{moe.block}.experts.{e}." for e in range(self.num_experts_per_tok)}
+        return {
+            name: shape
+            for name, shape in self.layer_linears(layer).items()
+            if ".experts." not in name or name[: name.rindex(".") + 1] in used
+        }
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each decoder linear, by its HF module name."""
+        """(out_features, in_features) of each dense decoder linear, by its HF module name."""
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
         return {
@@ -133,11 +208,19 @@ class ModelInfo:
         if arch in OPT_IN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
             window = None
         eos = config.get("eos_token_id")
+        experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+        layers = int(config["num_hidden_layers"])
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense_layers = tuple(
+            i for i in range(layers) if i in (config.get("mlp_only_layers") or []) or (i + 1) % step
+        )
+        layout = MOE_LAYOUTS.get(arch)
+        normalize = layout.normalize if layout else None
         return cls(
             architecture=arch,
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
@@ -154,6 +237,17 @@ class ModelInfo:
             rope_scaling=rope if rope_type != "default" else None,
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            num_experts=experts if layout else 0,
+            num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if layout else 0,
+            moe_intermediate_size=int(
+                config.get("moe_intermediate_size") or config["intermediate_size"]
+            )
+            if layout
+            else 0,
+            norm_topk_prob=bool(
+                config.get("norm_topk_prob", False) if normalize is None else normalize
+            ),
+            dense_layers=dense_layers if layout else (),
             sliding_window=int(window) if window else None,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             config=dict(config),

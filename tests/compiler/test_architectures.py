@@ -96,3 +96,87 @@ def test_qwen3_compiles_to_the_engine_path_as_qwen_type_qwen3(
     for layer in range(2):
         for norm in ("q_layernorm", "k_layernorm"):
             assert f"transformer.layers.{layer}.attention.{norm}.weight" in names
+
+
+# ---- mixture of experts ----------------------------------------------------------------------
+
+# Qwen3-30B-A3B's config.json (the fields the shapes need): 30.5B parameters, 3.3B active.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+}  # fmt: skip
+
+
+def test_a_moe_models_weights_count_every_expert_and_its_decode_reads_the_active_ones() -> None:
+    from kiln.compiler.trtllm.capacity import DeploySpec, plan
+    from kiln.compiler.trtllm.targets import get_profile
+    from kiln.quant.schemes import resolve
+    from kiln.quant.spec import QuantSpec
+    from kiln.runtime.formats.model_info import ModelInfo
+
+    info = ModelInfo.from_hf_config(QWEN3_30B_A3B)
+    assert (info.num_experts, info.num_experts_per_tok, info.norm_topk_prob) == (128, 8, True)
+    assert info.num_parameters == pytest.approx(30.5e9, rel=0.01)
+    active = sum(o * i for n in range(48) for o, i in info.active_linears(n).values())
+    assert active + 2 * 151936 * 2048 == pytest.approx(3.3e9, rel=0.03)
+    fp8 = resolve(QuantSpec(method="fp8", weight_bits=8, activations="fp8_static"))
+    p = plan(info, fp8, get_profile("h200"), DeploySpec(max_seq_len=4096))
+    assert p.fits and p.tp_size == 1
+    assert p.weight_bytes == pytest.approx(30.5e9, rel=0.03)  # FP8: a byte per weight
+    # The roofline reads the active linears (FP8, a byte each; the routers and the float
+    # lm_head two) and half a sequence's KV, not the 128 experts' 30 GB.
+    routers = 48 * 128 * 2048
+    read = (active - routers) + 2 * routers + 2 * 151936 * 2048 + p.kv_bytes_per_token * 2048
+    assert p.decode_tokens_per_s_bound == pytest.approx(4800e9 / read, rel=0.03)
+    assert p.decode_tokens_per_s_bound > 5 * 4800e9 / p.weight_bytes
+
+
+def moe_recipe(tmp_path: Path, model: Path, extra: str = "", targets: str = "[]") -> Path:
+    path = tmp_path / "moe.yaml"
+    path.write_text(
+        f"name: moe\nmodel:\n  source: {model}\nquantization:\n  method: gptq\n"
+        f"  group_size: 64\n{extra}"
+        "calibration: {dataset: builtin:licenses, num_samples: 8, max_seq_len: 64}\n"
+        f"report: {{num_samples: 4, max_seq_len: 64}}\ntargets: {targets}\noutput: out\n"
+    )
+    return path
+
+
+def test_a_moe_model_compiles_with_every_expert_quantised_and_a_float_router(
+    tiny_qwen3_moe: Path, tmp_path: Path
+) -> None:
+    from kiln.runtime.engine.layers.int4 import Int4Linear
+
+    artifact = Path(compile_json(moe_recipe(tmp_path, tiny_qwen3_moe))["artifact"])
+    model = Engine.from_pretrained(artifact / "model").model
+    for index in (0, 2):
+        sparse = model.layers[index].experts
+        assert sparse is not None and len(sparse.gate_up) == 4
+        assert all(isinstance(e, Int4Linear) for e in (*sparse.gate_up, *sparse.down))
+        assert sparse.router.is_floating_point()
+    assert model.layers[1].experts is None  # mlp_only_layers: a dense MLP
+
+
+def test_an_ignore_list_that_keeps_every_expert_float_is_refused(
+    tiny_qwen3_moe: Path, tmp_path: Path
+) -> None:
+    path = moe_recipe(tmp_path, tiny_qwen3_moe, '  ignore: [lm_head, "re:.*experts.*"]\n')
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert "keeps every expert of model.layers.0, model.layers.2 float" in result.stderr
+
+
+def test_tensorrt_llm_targets_of_a_moe_model_are_refused_before_calibration(
+    tiny_mixtral: Path, tmp_path: Path
+) -> None:
+    path = moe_recipe(tmp_path, tiny_mixtral, targets="[h100-sxm]")
+    result = CliRunner().invoke(main, ["compile", str(path)])
+    assert result.exit_code == 2
+    assert "MixtralForCausalLM: kiln's TensorRT-LLM export writes dense decoders only" in (
+        result.stderr
+    )
+    assert not (tmp_path / "out" / ".kiln-cache" / "quantize").exists()  # nothing calibrated

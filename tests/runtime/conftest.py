@@ -156,6 +156,14 @@ def quantized_qwen3(
     return quantizer(tiny_qwen3, tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def quantized_qwen3_moe(
+    tiny_qwen3_moe: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """The same modes on tiny_qwen3_moe (4 experts, 2 per token; layer 1 dense)."""
+    return quantizer(tiny_qwen3_moe, tmp_path_factory)
+
+
 def quantizer(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """mode → a compressed-tensors checkpoint of `source` made by llm-compressor (once)."""
     pytest.importorskip("llmcompressor")

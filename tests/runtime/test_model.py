@@ -1,4 +1,5 @@
-"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2 and Qwen3."""
+"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2, Qwen3, Mixtral
+and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from tests.runtime.conftest import hf_greedy, hf_logprobs, hf_model, logprobs_of, prompt_ids
 
-ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3"]
+ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_mixtral", "tiny_qwen3_moe"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 

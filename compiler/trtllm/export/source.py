@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kiln.compiler.trtllm.rules.support import architecture_problem
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
@@ -22,7 +23,6 @@ from kiln.runtime.formats.model_info import ModelInfo
 from kiln.runtime.formats.weights import LinearWeights, WeightScheme
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms, float in every export
 KV_CACHE_ALGO = {"fp8": "FP8", "int8": "INT8"}
 
@@ -85,11 +85,8 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
     """
     ckpt = open_checkpoint(Path(model_dir))
     info = ModelInfo.from_hf_config(ckpt.config)
-    if info.architecture not in ARCHITECTURES:
-        raise UsageError(
-            f"{model_dir}: TensorRT-LLM export supports {', '.join(ARCHITECTURES)}, "
-            f"not {info.architecture}"
-        )
+    if (why := architecture_problem(info.architecture)) is not None:
+        raise UsageError(f"{model_dir}: {why.problem}")
     recorded = _recorded_algo(ckpt)
     src = Source(
         ckpt.config,

@@ -22,6 +22,27 @@ from kiln.quant.backends import BACKENDS
 from kiln.quant.registry import Problem
 from kiln.quant.spec import Scheme
 
+# The families kiln's TensorRT-LLM export writes, for both paths (export/source.py reads these).
+EXPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)  # fmt: skip
+
+
+def architecture_problem(architecture: str) -> Problem | None:
+    """Why kiln cannot export `architecture` for TensorRT-LLM (None where it can): the
+    mixture-of-experts families run on kiln's runtime and vLLM, but kiln has no TensorRT-LLM
+    export for them yet (its expert weight layouts and load rules are not written)."""
+    if architecture in EXPORTED_ARCHITECTURES:
+        return None
+    return Problem(
+        "targets",
+        f"{architecture}: kiln's TensorRT-LLM export writes dense decoders only "
+        f"({', '.join(EXPORTED_ARCHITECTURES)}); a mixture-of-experts export is not written",
+        "targets: [] (the artifact serves on kiln serve and vLLM, and `kiln gate --engine "
+        "vllm` gates it there)",
+    )
+
+
 FP8_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A8_AWQ"})
 
 

@@ -25,6 +25,7 @@ from kiln.quant import calibration
 from kiln.quant.prequantized import convert as prequantized
 from kiln.quant.prequantized.detect import PreQuantized
 from kiln.quant.spec import CalibrationSpec, Scheme
+from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact import (
     ExportRecord,
@@ -186,6 +187,7 @@ def build_model(
             return prequantized.convert(model_dir, out / "model").to_dict()
         scheme = quantize(model_dir, job.scheme, job.calibration, out / "model",
                                 progress=progress)  # fmt: skip
+        check_coverage(job, out)
         return scheme.to_dict()
 
     progress(f"{who}quantize: {job.scheme.name} with {job.scheme.spec.backend}")
@@ -209,6 +211,23 @@ def build_model(
         build.exports[tp] = cache.run(job.stage(f"export-tp{tp}"), export_key, run_export, force)
         stages.append(build.exports[tp])
     return build
+
+
+COVERAGE_FILE = "coverage.json"
+
+
+def check_coverage(job: ModelJob, out: Path) -> None:
+    """Count the quantised checkpoint's linears by kind into the stage (the report shows
+    them); UsageError naming the modules when the scheme quantised none, or left float one
+    that nothing keeps float."""
+    from kiln.quant.coverage import coverage, coverage_problem
+
+    if job.scheme.spec.method == "none":
+        return
+    found = coverage(out / "model", job.info, job.scheme.spec.ignore)
+    (out / COVERAGE_FILE).write_text(artifact.json_dumps(found))
+    if (problem := coverage_problem(found, job.scheme.name)) is not None:
+        raise UsageError(f"{job.source.spec}: {problem}")
 
 
 def _report(
@@ -239,6 +258,9 @@ def _report(
         texts = calibration.load_texts(spec, tokenizer, exclude=seen)
         report = quantization_report(build.source_model, build.model, texts,
                                      max_seq_len=spec.max_seq_len)  # fmt: skip
+        counted = build.quantized.path / COVERAGE_FILE
+        if counted.is_file():
+            report["coverage"] = json.loads(counted.read_text())
         (out / REPORT_FILE).write_text(artifact.json_dumps(report))
         return {"summary": {k: v for k, v in report.items() if not isinstance(v, (dict, list))}}
 

@@ -159,6 +159,39 @@ def test_a_moe_model_compiles_with_every_expert_quantised_and_a_float_router(
         assert all(isinstance(e, Int4Linear) for e in (*sparse.gate_up, *sparse.down))
         assert sparse.router.is_floating_point()
     assert model.layers[1].experts is None  # mlp_only_layers: a dense MLP
+    # The report counts each kind: 2 sparse layers x 4 experts x 3, 2 float routers.
+    report = json.loads((artifact / "reports" / "quantization.json").read_text())
+    assert report["coverage"]["counts"] == {
+        "attention": {"quantised": 12}, "mlp": {"quantised": 3},
+        "expert": {"quantised": 24}, "router": {"float": 2}, "lm_head": {"float": 1},
+    }  # fmt: skip
+    assert report["coverage"]["unexpected_float"] == []
+
+
+def test_a_linear_the_quantiser_left_float_unasked_is_named(tiny_llama: Path, tmp_path: Path):
+    """What a compile refuses (exit 2): a checkpoint whose quantiser skipped a linear the
+    recipe did not ignore, and one where it quantised nothing."""
+    from kiln.quant.coverage import coverage, coverage_problem
+    from kiln.quant.quantize import quantize
+    from kiln.quant.schemes import resolve
+    from kiln.quant.spec import CalibrationSpec, QuantSpec
+    from kiln.runtime.formats.checkpoint import read_config
+    from kiln.runtime.formats.model_info import ModelInfo
+
+    info = ModelInfo.from_hf_config(read_config(tiny_llama))
+    skipped = ("lm_head", "model.layers.1.mlp.down_proj")
+    spec = QuantSpec(method="fp8_dynamic", weight_bits=8, activations="fp8_dynamic", ignore=skipped)
+    quantize(tiny_llama, resolve(spec), CalibrationSpec(), tmp_path / "q")
+    found = coverage(tmp_path / "q", info, ("lm_head",))  # the recipe ignored only lm_head
+    assert found["unexpected_float"] == ["model.layers.1.mlp.down_proj"]
+    assert found["counts"]["mlp"] == {"quantised": 5, "float": 1}
+    problem = coverage_problem(found, "FP8 rowwise")
+    assert problem is not None and "left 1 linear(s) float" in problem
+    assert "model.layers.1.mlp.down_proj" in problem
+    assert coverage_problem(coverage(tmp_path / "q", info, skipped), "FP8 rowwise") is None
+    nothing = coverage(tiny_llama, info, ("lm_head",))
+    assert nothing["quantised"] == 0
+    assert "quantised none of the model's linears" in (coverage_problem(nothing, "FP8") or "")
 
 
 def test_an_ignore_list_that_keeps_every_expert_float_is_refused(

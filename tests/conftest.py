@@ -68,6 +68,12 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Phi3ForCausalLM: q/k/v and gate/up stored fused."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), arch="phi3")
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random MixtralForCausalLM: 4 experts of width 128, 2 per token."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral")

@@ -17,6 +17,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -37,6 +38,7 @@ CONFIGS = {
     "qwen3": Qwen3Config,
     "mixtral": MixtralConfig,
     "qwen3_moe": Qwen3MoeConfig,
+    "phi3": Phi3Config,
 }
 # Mixture-of-experts fixtures: 4 experts, 2 per token, experts half the dense MLP's width.
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}

@@ -33,6 +33,8 @@ PROJECTIONS = {
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
+# Phi-3's checkpoints store them stacked already, in the order the kernels stack them.
+FUSED = {"qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
 # What the kernels serve of a ModelOpt export: FP8 per-tensor static (Fp8Linear), W4A16 AWQ
 # (Int4Linear or DequantLinear), W8A8 SmoothQuant with static activations (Int8Linear),
 # NVFP4 (Nvfp4Linear, emulated) and W4A8 AWQ (as the FP8 weights the GPU multiplies, on
@@ -117,13 +119,14 @@ def load_model(
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
         sparse = config.is_sparse(i)
+        gate_up = FUSED["gate_up"] if config.fused_projections else PROJECTIONS["gate_up"]
         layers.append(
             DecoderLayer(
                 input_norm=tensor(f"{p}.input_layernorm.weight"),
-                qkv=linear(p, PROJECTIONS["qkv"]),
+                qkv=linear(p, FUSED["qkv"] if config.fused_projections else PROJECTIONS["qkv"]),
                 o_proj=linear(p, PROJECTIONS["o_proj"]),
                 post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
-                gate_up=None if sparse else linear(p, PROJECTIONS["gate_up"]),
+                gate_up=None if sparse else linear(p, gate_up),
                 down=None if sparse else linear(p, PROJECTIONS["down"]),
                 q_norm=tensor(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=tensor(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,

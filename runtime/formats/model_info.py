@@ -22,7 +22,11 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# Families whose checkpoints store q/k/v as one `self_attn.qkv_proj` and gate/up as one
+# `mlp.gate_up_proj` (Phi-3, Phi-4), in that order along the output rows.
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 # Families whose attention normalises each query and key head (RMSNorm over head_dim, its own
 # weight per layer: `self_attn.q_norm`, `self_attn.k_norm`) before the rotary embedding.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -79,6 +83,8 @@ class ModelInfo:
     rope_scaling: dict[str, Any] | None = None  # the scaling parameters, unless rope_type default
     qkv_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
+    partial_rotary_factor: float = 1.0  # the share of head_dim RoPE rotates
     sliding_window: int | None = None
     # Mixture of experts: experts per sparse layer (0: dense), experts each token uses, each
     # expert's MLP width, whether top-k weights are renormalised, and the dense layers among
@@ -115,6 +121,14 @@ class ModelInfo:
         name under `model.layers.N` (`self_attn.q_proj`, `mlp.down_proj`; a sparse layer's
         router and each expert's projections: `mlp.gate`, `mlp.experts.3.up_proj`)."""
         dense = self.linear_shapes()
+        if self.fused_projections:
+            q, kv = dense["q_proj"][0], dense["k_proj"][0]
+            return {
+                "self_attn.qkv_proj": (q + 2 * kv, self.hidden_size),
+                "self_attn.o_proj": dense["o_proj"],
+                "mlp.gate_up_proj": (2 * self.intermediate_size, self.hidden_size),
+                "mlp.down_proj": dense["down_proj"],
+            }
         out = {f"self_attn.{n}": dense[n] for n in ATTENTION_LINEARS}
         moe = self.moe
         if moe is None or not self.is_sparse(layer):
@@ -165,6 +179,11 @@ class ModelInfo:
             problems.append(
                 f"hidden_act {self.hidden_act!r} is not supported; the runtime has silu"
             )
+        if self.partial_rotary_factor != 1.0:
+            problems.append(
+                f"partial_rotary_factor {self.partial_rotary_factor} is not supported; the "
+                "runtime rotates whole heads"
+            )
         if self.rope_type not in ROPE_TYPES:
             problems.append(
                 f"rope type {self.rope_type!r} is not supported; the runtime has "
@@ -203,6 +222,7 @@ class ModelInfo:
         heads = int(config["num_attention_heads"])
         rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
         theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+        partial = float(rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
         rope_type = str(rope.get("rope_type", rope.get("type", "default")))
         window = config.get("sliding_window")
         if arch in OPT_IN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
@@ -237,6 +257,8 @@ class ModelInfo:
             rope_scaling=rope if rope_type != "default" else None,
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            fused_projections=arch in FUSED_ARCHITECTURES,
+            partial_rotary_factor=partial,
             num_experts=experts if layout else 0,
             num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if layout else 0,
             moe_intermediate_size=int(

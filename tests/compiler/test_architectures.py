@@ -209,7 +209,31 @@ def test_tensorrt_llm_targets_of_a_moe_model_are_refused_before_calibration(
     path = moe_recipe(tmp_path, tiny_mixtral, targets="[h100-sxm]")
     result = CliRunner().invoke(main, ["compile", str(path)])
     assert result.exit_code == 2
-    assert "MixtralForCausalLM: kiln's TensorRT-LLM export writes dense decoders only" in (
+    assert "MixtralForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (
         result.stderr
     )
     assert not (tmp_path / "out" / ".kiln-cache" / "quantize").exists()  # nothing calibrated
+
+
+def test_phi3s_fused_projections_compile_quantised_and_tensorrt_llm_is_refused(
+    tiny_phi3: Path, tmp_path: Path
+) -> None:
+    """Phi-3 stores q/k/v and gate/up fused: each is one quantised linear, served as stored."""
+    from kiln.runtime.engine.layers.fp8 import Fp8Linear
+
+    path = tmp_path / "phi3.yaml"
+    path.write_text(
+        f"name: phi3\nmodel:\n  source: {tiny_phi3}\nquantization: {{method: fp8_dynamic}}\n"
+        "report: {num_samples: 4, max_seq_len: 64}\ntargets: []\noutput: out\n"
+    )
+    artifact = Path(compile_json(path)["artifact"])
+    report = json.loads((artifact / "reports" / "quantization.json").read_text())
+    assert report["coverage"]["counts"] == {
+        "attention": {"quantised": 4}, "mlp": {"quantised": 4}, "lm_head": {"float": 1},
+    }  # fmt: skip
+    layer = Engine.from_pretrained(artifact / "model").model.layers[0]
+    assert isinstance(layer.qkv, Fp8Linear) and layer.qkv.out_features == 128 + 2 * 64
+    path.write_text(path.read_text().replace("targets: []", "targets: [h100-sxm]"))
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert "Phi3ForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (result.stderr)

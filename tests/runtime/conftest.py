@@ -157,6 +157,14 @@ def quantized_qwen3(
 
 
 @pytest.fixture(scope="session")
+def quantized_phi3(
+    tiny_phi3: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """The same modes on tiny_phi3 (fused qkv_proj and gate_up_proj)."""
+    return quantizer(tiny_phi3, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def quantized_qwen3_moe(
     tiny_qwen3_moe: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:

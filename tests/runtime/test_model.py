@@ -1,5 +1,5 @@
-"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2, Qwen3, Mixtral
-and Qwen3-MoE."""
+"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from tests.runtime.conftest import hf_greedy, hf_logprobs, hf_model, logprobs_of, prompt_ids
 
-ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_mixtral", "tiny_qwen3_moe"]
+ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral",
+         "tiny_qwen3_moe"]  # fmt: skip
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 

@@ -84,15 +84,19 @@ def test_quantized_checkpoint_matches_transformers(
 
 
 @pytest.mark.parametrize("mode", ["w4a16_gptq_sym", "w8a8_int8", "fp8_static_kv_fp8"])
-def test_qwen3_quantized_checkpoint_matches_transformers(
-    mode: str, quantized_qwen3: Callable[[str], Path]
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_other_architectures_quantized_match_transformers(
+    arch: str, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    """Qwen3's per-head q/k norms stay float beside every weight format and the FP8 KV cache."""
-    model_dir = quantized_qwen3(mode)
+    """Qwen3's per-head q/k norms stay float beside every weight format and the FP8 KV cache;
+    Phi-3's fused qkv_proj and gate_up_proj are each one quantised linear, served as stored."""
+    model_dir = request.getfixturevalue(f"quantized_{arch}")(mode)
     engine = Engine.from_pretrained(model_dir)
     layer = engine.model.layers[0]
-    assert isinstance(layer.qkv, LAYERS[mode]) and layer.q_norm is not None
-    assert layer.q_norm.shape == (64,) and layer.q_norm.dtype == engine.model.dtype
+    assert isinstance(layer.qkv, LAYERS[mode])
+    if arch == "qwen3":
+        assert layer.q_norm is not None and layer.q_norm.shape == (64,)
+        assert layer.q_norm.dtype == engine.model.dtype
     reference = hf_model(model_dir)
     max_tol, mean_tol = TOLERANCE[mode]
     prompt, generated = assert_close_to_reference(engine, reference, max_tol, mean_tol)

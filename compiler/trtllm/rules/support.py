@@ -29,15 +29,15 @@ EXPORTED_ARCHITECTURES = (
 
 
 def architecture_problem(architecture: str) -> Problem | None:
-    """Why kiln cannot export `architecture` for TensorRT-LLM (None where it can): the
-    mixture-of-experts families run on kiln's runtime and vLLM, but kiln has no TensorRT-LLM
-    export for them yet (its expert weight layouts and load rules are not written)."""
+    """Why kiln cannot export `architecture` for TensorRT-LLM (None where it can): Phi-3 and
+    the mixture-of-experts families run on kiln's runtime and vLLM, but kiln has no TensorRT-LLM
+    export for them yet (their weight layouts and load rules are not written)."""
     if architecture in EXPORTED_ARCHITECTURES:
         return None
     return Problem(
         "targets",
-        f"{architecture}: kiln's TensorRT-LLM export writes dense decoders only "
-        f"({', '.join(EXPORTED_ARCHITECTURES)}); a mixture-of-experts export is not written",
+        f"{architecture}: kiln's TensorRT-LLM export writes "
+        f"{', '.join(EXPORTED_ARCHITECTURES)} only; this family's export is not written yet",
         "targets: [] (the artifact serves on kiln serve and vLLM, and `kiln gate --engine "
         "vllm` gates it there)",
     )

@@ -110,6 +110,14 @@ def gate(art: Path, source: Path, section: dict[str, Any], out: Path) -> GateVer
     return run_gate(str(art), str(source), load_gates(section, "gate_engines"), out).verdict
 
 
+def root_cause(message: str) -> str:
+    """The line of an engine's log tail that says why it stopped: its last `...Error: ...`
+    line that is not a wrapper pointing elsewhere ("See root cause above")."""
+    lines = [line.strip() for line in message.splitlines() if "Error: " in line]
+    causes = [line for line in lines if "root cause above" not in line]
+    return ((causes or lines or message.splitlines())[-1])[:300]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-gate-engines"))
@@ -151,7 +159,7 @@ def main() -> None:
             verdict: GateVerdict | None = gate(art, source, section, out)
             why = ""
         except EngineError as exc:
-            verdict, why = None, exc.message.splitlines()[-1][:300]
+            verdict, why = None, root_cause(exc.message)
         lines.append(row(name, engine, verdict, time.perf_counter() - began, why))
         print(lines[-1], flush=True)
     print("\n" + HEADER + "\n" + "\n".join(lines))

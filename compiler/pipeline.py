@@ -186,7 +186,7 @@ def build_model(
         if job.imported is not None:
             return prequantized.convert(model_dir, out / "model").to_dict()
         scheme = quantize(model_dir, job.scheme, job.calibration, out / "model",
-                                progress=progress)  # fmt: skip
+                          progress=progress, routing_out=out / ROUTING_FILE)  # fmt: skip
         check_coverage(job, out)
         return scheme.to_dict()
 
@@ -214,6 +214,7 @@ def build_model(
 
 
 COVERAGE_FILE = "coverage.json"
+ROUTING_FILE = "moe_routing.json"
 
 
 def check_coverage(job: ModelJob, out: Path) -> None:
@@ -258,9 +259,9 @@ def _report(
         texts = calibration.load_texts(spec, tokenizer, exclude=seen)
         report = quantization_report(build.source_model, build.model, texts,
                                      max_seq_len=spec.max_seq_len)  # fmt: skip
-        counted = build.quantized.path / COVERAGE_FILE
-        if counted.is_file():
-            report["coverage"] = json.loads(counted.read_text())
+        for key, name in (("coverage", COVERAGE_FILE), ("moe_routing", ROUTING_FILE)):
+            if (build.quantized.path / name).is_file():
+                report[key] = json.loads((build.quantized.path / name).read_text())
         (out / REPORT_FILE).write_text(artifact.json_dumps(report))
         return {"summary": {k: v for k, v in report.items() if not isinstance(v, (dict, list))}}
 

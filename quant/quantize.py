@@ -11,7 +11,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.quant import calibration as calib_data
 from kiln.quant.backends.base import Backend, QuantJob
@@ -22,6 +22,9 @@ from kiln.runtime.base.errors import CalibrationDataError, PreflightError, Stage
 from kiln.runtime.base.versions import versions
 from kiln.runtime.formats.artifact import CalibrationRecord, SchemeRecord
 
+if TYPE_CHECKING:
+    from kiln.runtime.formats.model_info import ModelInfo
+
 
 def quantize(
     model_dir: Path,
@@ -30,6 +33,7 @@ def quantize(
     out_dir: Path,
     *,
     progress: Callable[[str], None] | None = None,
+    routing_out: Path | None = None,
 ) -> SchemeRecord:
     """Quantise the float checkpoint in `model_dir` into the empty directory `out_dir` with
     `scheme` (preflight resolved it; its `spec` carries the backend and the ignore list).
@@ -37,7 +41,9 @@ def quantize(
     Returns the manifest's `scheme` record: scheme, backend, format, TensorRT-LLM algorithm
     names, calibration data, library versions and seconds taken. Raises PreflightError or
     CalibrationDataError for a spec or data that cannot work (before loading the model) and
-    StageFailure when the quantisation library fails.
+    StageFailure when the quantisation library fails. For a mixture-of-experts model the
+    tokens routed to each expert are counted first (quant/moe_routing.py) and written as JSON
+    to `routing_out`; `calibration.moe_experts: fail` refuses starved experts there.
     """
     from kiln.quant.backends import BACKENDS
     from kiln.runtime.formats.model_info import ModelInfo
@@ -74,12 +80,15 @@ def quantize(
     samples: list[list[int]] = []
     if scheme.needs_calibration:
         samples, record.calibration = calibration_samples(calibration, tokenizer)
+        if info.moe is not None:
+            _count_routing(model, info, samples, calibration, routing_out, say)
         say(f"calibrating {scheme.label} with {backend.name} on {len(samples)} samples")
     else:
         say(f"quantising {scheme.label} with {backend.name} (no calibration data needed)")
     try:
         with torch.no_grad():
-            backend.run(QuantJob(model, tokenizer, scheme, spec, samples, out_dir, say))
+            everything = calibration.moe_experts == "all"
+            backend.run(QuantJob(model, tokenizer, scheme, spec, samples, out_dir, say, everything))
     except Exception as exc:
         raise StageFailure(
             f"{backend.name} failed to produce {scheme.label} from {model_dir}: "
@@ -91,6 +100,31 @@ def quantize(
         shutil.copy2(source_generation, out_dir / "generation_config.json")
     record.seconds = round(time.perf_counter() - start, 3)
     return record
+
+
+def _count_routing(
+    model: Any,
+    info: ModelInfo,
+    samples: list[list[int]],
+    calibration: CalibrationSpec,
+    out: Path | None,
+    say: Callable[[str], None],
+) -> None:
+    """Count the calibration tokens each expert is routed; refuse starved ones under `fail`."""
+    from kiln.quant.moe_routing import routed_tokens, routing_report, starved_problem
+
+    say(f"counting the calibration tokens routed to each of {info.num_experts} experts")
+    counts = routed_tokens(model, info, samples)
+    report = routing_report(counts, info, calibration.moe_min_tokens, calibration.moe_experts)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2))
+    starved = report["starved"]
+    if starved and calibration.moe_experts == "fail":
+        raise CalibrationDataError(starved_problem(report) or "")
+    if starved:
+        policy = calibration.moe_experts
+        say(f"{len(starved)} expert(s) routed fewer than {calibration.moe_min_tokens} tokens "
+            f"(calibration.moe_experts: {policy}); the report lists them")  # fmt: skip
 
 
 def scheme_record(scheme: Scheme, backend: Backend) -> SchemeRecord:

@@ -37,6 +37,8 @@ class CalibrationSpec:
     max_seq_len: int = 256
     seed: int = 0
     text_field: str = "text"  # for plain jsonl datasets
+    moe_experts: str = "all"  # all | warn | fail (quant/moe_routing.py)
+    moe_min_tokens: int = 16
     base_dir: str = "."  # relative dataset paths resolve against the recipe's directory
     extra: dict[str, str] = field(default_factory=dict)
 

@@ -115,6 +115,11 @@ class CalibrationSection(StrictModel):
     max_seq_len: int = Field(256, ge=16, le=32768)
     seed: int = 0
     text_field: str = "text"
+    # Mixture of experts (quant/moe_routing.py): calibrate every expert on every token (all),
+    # or only on the tokens routed to it, reporting (warn) or refusing (fail) experts routed
+    # fewer than moe_min_tokens.
+    moe_experts: Literal["all", "warn", "fail"] = "all"
+    moe_min_tokens: int = Field(16, ge=0)
 
 
 class ReportSection(StrictModel):

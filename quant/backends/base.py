@@ -25,6 +25,9 @@ class QuantJob:
     samples: list[list[int]]  # token-id lists, already cut to max_seq_len
     out_dir: Path
     progress: Callable[[str], None]
+    # Mixture of experts: calibrate every expert on every token (calibration.moe_experts:
+    # all), not only on those routed to it.
+    calibrate_all_experts: bool = True
 
 
 RunFn = Callable[[QuantJob], None]

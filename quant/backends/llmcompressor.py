@@ -113,6 +113,7 @@ def run(job: QuantJob) -> None:
             num_calibration_samples=max(len(samples), 1),
             max_seq_length=max((len(s) for s in samples), default=None),
             shuffle_calibration_samples=False,
+            moe_calibrate_all_experts=job.calibrate_all_experts,
         )
     job.progress(f"saving compressed-tensors checkpoint to {job.out_dir}")
     job.model.save_pretrained(job.out_dir, save_compressed=True)

@@ -237,3 +237,47 @@ def test_phi3s_fused_projections_compile_quantised_and_tensorrt_llm_is_refused(
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2
     assert "Phi3ForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (result.stderr)
+
+
+def starved_moe(source: Path, target: Path) -> Path:
+    """tiny_qwen3_moe with experts 2 and 3 of every sparse layer never routed: every embedding
+    carries a large first coordinate, which the residual stream keeps, and the routers score
+    it positively for experts 0 and 1 and negatively for 2 and 3."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    tensors["model.embed_tokens.weight"][:, 0] = 50.0
+    for layer in (0, 2):
+        router = torch.zeros_like(tensors[f"model.layers.{layer}.mlp.gate.weight"])
+        router[:2, 0], router[2:, 0] = 10.0, -10.0
+        tensors[f"model.layers.{layer}.mlp.gate.weight"] = router
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize("policy", ["warn", "fail", "all"])
+def test_experts_the_calibration_never_reaches_are_reported_or_refused(
+    tiny_qwen3_moe: Path, tmp_path: Path, policy: str
+) -> None:
+    model = starved_moe(tiny_qwen3_moe, tmp_path / "starved")
+    path = moe_recipe(tmp_path, model)
+    calibration = "num_samples: 8, max_seq_len: 64"
+    path.write_text(path.read_text().replace(calibration, f"{calibration}, moe_experts: {policy}"))
+    names = [f"model.layers.{i}.mlp.experts.{e}" for i in (0, 2) for e in (2, 3)]
+    result = CliRunner().invoke(main, ["compile", str(path), "--json"])
+    if policy == "fail":
+        assert result.exit_code == 2
+        assert "4 expert(s) were routed fewer than 16 calibration tokens" in result.stderr
+        assert all(f"{n} (0 tokens)" in result.stderr for n in names)
+        return
+    assert result.exit_code == 0, result.stderr
+    artifact = Path(json.loads(result.stdout)["artifact"])
+    routing = json.loads((artifact / "reports" / "quantization.json").read_text())["moe_routing"]
+    assert routing["policy"] == policy
+    assert [s["expert"] for s in routing["starved"]] == names
+    assert all(s["tokens"] == 0 for s in routing["starved"])
+    assert routing["tokens_per_expert"]["0"][2:] == [0, 0]

@@ -285,15 +285,15 @@ def test_parameter_count_matches_the_weights_on_disk(tiny_llama: Path) -> None:
 
 
 def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: Path) -> None:
-    from transformers import Phi3Config
+    from transformers import OlmoConfig
 
-    config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-    config.architectures = ["Phi3ForCausalLM"]
+    config = OlmoConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    config.architectures = ["OlmoForCausalLM"]
     config.save_pretrained(tmp_path)
     info = sources.inspect_source(sources.parse_source(str(tmp_path), base_dir=tmp_path))
     problems = sources.check_architecture(info)
     assert len(problems) == 1
-    assert "architecture Phi3ForCausalLM is not supported" in problems[0]
+    assert "architecture OlmoForCausalLM is not supported" in problems[0]
     assert all(arch in problems[0] for arch in SUPPORTED_ARCHITECTURES)
 
 

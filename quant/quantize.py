@@ -64,6 +64,14 @@ def quantize(
         record.seconds = round(time.perf_counter() - start, 3)
         return record
 
+    if (info.moe is not None and scheme.needs_calibration and calibration.moe_experts == "all"
+            and spec.backend != "llmcompressor"):  # fmt: skip
+        # Only llm-compressor can run every expert on every calibration token.
+        raise PreflightError(
+            f"calibration.moe_experts: all: backend {spec.backend} calibrates each expert on "
+            "the tokens routed to it only; set calibration.moe_experts: warn or fail, or use "
+            "backend: llmcompressor"
+        )
     if scheme.needs_calibration:
         problems = calib_data.check(calibration)
         if problems:

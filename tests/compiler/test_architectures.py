@@ -281,3 +281,14 @@ def test_experts_the_calibration_never_reaches_are_reported_or_refused(
     assert [s["expert"] for s in routing["starved"]] == names
     assert all(s["tokens"] == 0 for s in routing["starved"])
     assert routing["tokens_per_expert"]["0"][2:] == [0, 0]
+
+
+def test_every_expert_on_every_token_is_refused_where_the_backend_cannot(tiny_qwen3_moe: Path):
+    from kiln.quant.quantize import quantize
+    from kiln.quant.schemes import resolve
+    from kiln.quant.spec import CalibrationSpec, QuantSpec
+    from kiln.runtime.base.errors import PreflightError
+
+    fp8 = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static", backend="modelopt")
+    with pytest.raises(PreflightError, match="backend modelopt calibrates each expert on"):
+        quantize(tiny_qwen3_moe, resolve(fp8), CalibrationSpec(), Path("/nonexistent"))

@@ -73,6 +73,29 @@ def tiny_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), arch="phi3")
 
 
+# Gemma 3 in small: a window of 8 tokens on layers 0 and 1, layer 2 global; scores scaled by a
+# query_pre_attn_scalar that is not head_dim; global layers rotate with base 1e6 and linear
+# scaling, sliding ones with base 10000, as Gemma 3 4B's config.json has them.
+GEMMA3 = {
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 48,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-layer random Gemma3ForCausalLM (GEMMA3), embeddings tied, norms random."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-gemma3"), arch="gemma3_text", num_layers=3,
+        tie_word_embeddings=True, **GEMMA3,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random MixtralForCausalLM: 4 experts of width 128, 2 per token."""

@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -39,6 +40,7 @@ CONFIGS = {
     "mixtral": MixtralConfig,
     "qwen3_moe": Qwen3MoeConfig,
     "phi3": Phi3Config,
+    "gemma3_text": Gemma3TextConfig,
 }
 # Mixture-of-experts fixtures: 4 experts, 2 per token, experts half the dense MLP's width.
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
@@ -134,6 +136,11 @@ def make_tiny_model(
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 # Per-head norms initialised to ones would hide a weight applied wrongly.
                 param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed))
+            elif arch == "gemma3_text" and name.endswith("norm.weight"):
+                # Gemma's norms scale by (1 + weight) from zeros: random, each its own, so a
+                # norm applied in the wrong place or without its offset shows.
+                generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                param.uniform_(-0.5, 0.5, generator=generator)
     model.eval()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

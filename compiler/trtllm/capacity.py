@@ -153,6 +153,29 @@ def kv_bytes_per_token(info: ModelInfo, kv_algo: str | None) -> int:
     return int(2 * info.num_layers * info.num_kv_heads * info.head_dim * kv_dtype(kv_algo))
 
 
+def held_tokens(info: ModelInfo, layer: int, seq_len: int, block: int) -> int:
+    """KV tokens decoder layer `layer` holds for one sequence of `seq_len` tokens: the whole
+    context in whole blocks, or on a sliding-window layer at most its window and the block it
+    straddles (TensorRT-LLM keeps a block pool per window size; vLLM's hybrid KV cache manager
+    frees the blocks behind the window)."""
+    full = math.ceil(seq_len / block) * block
+    window = info.layer_window(layer)
+    return full if window is None else min(full, (math.ceil(window / block) + 1) * block)
+
+
+def mean_held_tokens(info: ModelInfo, seq_len: int, block: int) -> float:
+    """`held_tokens` averaged over the decoder layers (seq_len rounded to blocks when no layer
+    slides)."""
+    layers = range(info.num_layers)
+    return sum(held_tokens(info, i, seq_len, block) for i in layers) / info.num_layers
+
+
+def _mean_read_tokens(info: ModelInfo, context: int) -> float:
+    """The keys a decode step reads per layer at `context`, averaged over the layers."""
+    windows = (info.layer_window(i) for i in range(info.num_layers))
+    return sum(min(context, w or context) for w in windows) / info.num_layers
+
+
 def _kv_heads_per_gpu(info: ModelInfo, tp: int) -> int:
     return info.num_kv_heads // tp if info.num_kv_heads % tp == 0 else 1
 
@@ -254,7 +277,7 @@ class _Case:
         layers = math.ceil(info.num_layers / d.pp_size)
         heads = _kv_heads_per_gpu(info, tp)
         kv_token = int(2 * layers * heads * info.head_dim * kv_dtype(self.kv_algo))
-        kv_request = math.ceil(d.max_seq_len / d.tokens_per_block) * d.tokens_per_block * kv_token
+        kv_request = math.ceil(kv_token * mean_held_tokens(info, d.max_seq_len, d.tokens_per_block))
         free = self.target.memory_bytes - weights_gpu - reserve
         kv_cache = int(max(free, 0) * d.kv_free_fraction)
         return _Fit(tp, weights, weights_gpu, embedding, reserve, kv_token, kv_cache,
@@ -354,9 +377,14 @@ def plan(info: ModelInfo, scheme: Scheme, target: TargetProfile, deploy: DeployS
     notes += [str(p) for p in check_algos(algo, kv_algo, target, "both")]
 
     kv_token = kv_bytes_per_token(info, kv_algo)
-    blocks = math.ceil(deploy.max_seq_len / deploy.tokens_per_block) * deploy.tokens_per_block
+    held = mean_held_tokens(info, deploy.max_seq_len, deploy.tokens_per_block)
+    sliding = [i for i in range(info.num_layers) if info.layer_window(i) is not None]
+    if sliding:
+        notes.append(f"{len(sliding)} of {info.num_layers} layers attend within a sliding "
+                     f"window of {info.sliding_window} tokens and hold only it in the KV "
+                     "cache")  # fmt: skip
     read = chosen.weights_gpu - chosen.embedding - case.idle_expert_bytes(chosen.tp)
-    step = read + chosen.kv_token_gpu * deploy.max_seq_len // 2
+    step = read + chosen.kv_token_gpu * _mean_read_tokens(info, deploy.max_seq_len // 2)
     cost = None
     if deploy.gpu_price_per_hour and deploy.expected_output_tokens_per_s:
         per_hour = deploy.gpu_price_per_hour * chosen.tp * deploy.pp_size
@@ -375,7 +403,7 @@ def plan(info: ModelInfo, scheme: Scheme, target: TargetProfile, deploy: DeployS
         reserve_bytes_per_gpu=chosen.reserve,
         kv_bytes_per_token=kv_token,
         kv_bytes_per_token_per_gpu=chosen.kv_token_gpu,
-        kv_bytes_per_request=kv_token * blocks,
+        kv_bytes_per_request=math.ceil(kv_token * held),
         kv_cache_bytes_per_gpu=chosen.kv_cache,
         max_concurrent_sequences=chosen.sequences,
         recommended_max_batch_size=min(deploy.max_batch_size, chosen.sequences),

@@ -18,6 +18,10 @@ model's dtype, where the torch path around the kernel makes ~10 operator calls p
 (W4A16 SmolLM2-135M, one stream, one thread, a 2-core Zen 3 EPYC: 17.9 -> 16.0 ms per token;
 its bf16 checkpoint 34.4 -> 30.0 ms).
 
+Sliding-window layers (Mistral, Gemma 3) attend through `AttentionMetadata.windowed`: the same
+rows with masks that also hide the keys behind each query's window, on the torch path. The
+cache holds every layer's whole context (the windows are masked, not evicted).
+
 The KV cache may hold FP8 or INT8 codes with per-tensor (or per-head) scales from the
 checkpoint: values are quantised on write and dequantised on read, so attention always sees
 exactly what the cache holds, as on the serving GPU.
@@ -69,6 +73,10 @@ class AttentionMetadata:
     # (the torch path only).
     decode_bias: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # What the sliding-window layers attend with (the same rows, masks that also hide what
+    # lies behind the window), where some row's context exceeds the window; None: every
+    # context fits it and these masks serve them too.
+    windowed: AttentionMetadata | None = None
 
 
 class PagedKVCache:

@@ -390,15 +390,12 @@ class Engine:
     def _max_model_len(model: CausalLM, config: EngineConfig) -> int:
         c = model.config
         limit = c.max_position_embeddings
-        if c.sliding_window:
-            limit = min(limit, c.sliding_window)
         if config.max_model_len is None:
             return limit
         if config.max_model_len > limit:
             raise UsageError(
                 f"max_model_len={config.max_model_len} exceeds the model's {limit} "
-                "(max_position_embeddings, or sliding_window which this runtime does not "
-                "implement); lower it"
+                "(max_position_embeddings); lower it"
             )
         return config.max_model_len
 

@@ -93,6 +93,12 @@ def load_model(
     def tensor(name: str) -> torch.Tensor:
         return ckpt.tensor(name).to(device=device, dtype=compute)
 
+    def norm(name: str) -> torch.Tensor:
+        """An RMSNorm's weight; Gemma's scale by (1 + weight), folded here in float32."""
+        if not config.gemma:
+            return tensor(name)
+        return (ckpt.tensor(name).float() + 1.0).to(device=device, dtype=compute)
+
     def experts(p: str) -> Experts:
         """A sparse layer's router (kept float: TensorRT-LLM and vLLM read it so) and every
         expert's projections, each on the kernel of its own encoding."""
@@ -119,18 +125,22 @@ def load_model(
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
         sparse = config.is_sparse(i)
+        sandwich = config.gemma  # Gemma 3's own norms around the MLP
         gate_up = FUSED["gate_up"] if config.fused_projections else PROJECTIONS["gate_up"]
         layers.append(
             DecoderLayer(
-                input_norm=tensor(f"{p}.input_layernorm.weight"),
+                input_norm=norm(f"{p}.input_layernorm.weight"),
                 qkv=linear(p, FUSED["qkv"] if config.fused_projections else PROJECTIONS["qkv"]),
                 o_proj=linear(p, PROJECTIONS["o_proj"]),
-                post_norm=tensor(f"{p}.post_attention_layernorm.weight"),
+                post_norm=norm(f"{p}.post_attention_layernorm.weight"),
                 gate_up=None if sparse else linear(p, gate_up),
                 down=None if sparse else linear(p, PROJECTIONS["down"]),
-                q_norm=tensor(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
-                k_norm=tensor(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
+                q_norm=norm(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
                 experts=experts(p) if sparse else None,
+                pre_mlp_norm=norm(f"{p}.pre_feedforward_layernorm.weight") if sandwich else None,
+                post_mlp_norm=norm(f"{p}.post_feedforward_layernorm.weight") if sandwich else None,
+                windowed=config.layer_window(i) is not None,
             )
         )
     # As transformers does: a stored lm_head wins even when the config says tied.
@@ -139,7 +149,7 @@ def load_model(
     else:
         lm_head = make_linear([LinearWeights(WeightScheme(), embed)], compute, device)
     positions = max_model_len or config.max_position_embeddings
-    model = CausalLM(config, embed, layers, tensor("model.norm.weight"), lm_head, positions)
+    model = CausalLM(config, embed, layers, norm("model.norm.weight"), lm_head, positions)
     model.dtype_reason = choice.reason
     return model, kv_cache_spec(ckpt, config.num_layers)
 

@@ -1,5 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) and its mixture-of-experts
-variants (Mixtral, Qwen3-MoE) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, SmolLM2) and its
+mixture-of-experts variants (Mixtral, Qwen3-MoE) over a paged KV cache.
+
+Gemma 3 differs in place, not in structure: its norms' (1 + weight) is folded into the weights
+at load, its embedding output is scaled by sqrt(hidden_size), attention output and the MLP's
+input and output get their own norms (`DecoderLayer.pre_mlp_norm`/`post_mlp_norm`), its MLP
+gates with tanh-approximated GELU, and its sliding-window layers rotate with their own base and
+attend through the step's windowed metadata (`AttentionMetadata.windowed`).
 
 Plain tensors and functions rather than nn.Modules: the engine only runs inference, and the
 forward reads top to bottom like the architecture. q/k/v and gate/up projections are stacked
@@ -40,13 +46,13 @@ from kiln.runtime.engine.sampling import greedy_tokens
 from kiln.runtime.formats.model_info import ModelInfo
 
 
-def rope_inv_freq(config: ModelInfo) -> torch.Tensor:
-    """Rotary inverse frequencies, with linear or Llama-3 scaling applied."""
+def rope_inv_freq(config: ModelInfo, local: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or Llama-3 scaling applied; with `local`, those
+    of the sliding-window layers of a family that rotates them with their own base, unscaled."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling
+    theta = config.local_rope_theta if local and config.local_rope_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
@@ -104,6 +110,11 @@ class DecoderLayer:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     experts: Experts | None = None
+    # Gemma 3: the norms of the MLP's input and output (then post_norm is the attention
+    # output's norm), and whether the layer attends within the sliding window.
+    pre_mlp_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    windowed: bool = False
 
     def mlp(
         self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
@@ -136,15 +147,19 @@ class CausalLM:
         self.dtype = embed.dtype
         self.dtype_reason = "the weights' dtype"  # the loader says why it chose this dtype
         self.device = embed.device
-        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), rope_inv_freq(config))
-        # Tables for x * cos + rotate_half(x) * sin with rotate_half's sign folded into sin.
-        self.cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(
-            device=self.device, dtype=self.dtype
+        self.cos, self.sin = self._rope_tables(rope_inv_freq(config), max_model_len)
+        # The sliding layers' own tables (Gemma 3); the global ones where they share them.
+        self.local_cos, self.local_sin = (
+            self._rope_tables(rope_inv_freq(config, local=True), max_model_len)
+            if config.local_rope_theta
+            else (self.cos, self.sin)
         )
-        self.sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(
-            device=self.device, dtype=self.dtype
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        # Gemma 3 scales the embedding output by sqrt(hidden_size), rounded to the weights' dtype.
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=self.dtype) if config.gemma else None
         )
-        self.scale = config.head_dim**-0.5
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.fused = (
             self.device.type == "cpu"
             and self.dtype in (torch.float32, torch.bfloat16)
@@ -152,8 +167,18 @@ class CausalLM:
             and native.available()
         )
 
+    def _rope_tables(
+        self, inv_freq: torch.Tensor, positions: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for x * cos + rotate_half(x) * sin with rotate_half's sign folded into sin."""
+        freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+        cos = torch.cat((freqs.cos(), freqs.cos()), -1)
+        sin = torch.cat((-freqs.sin(), freqs.sin()), -1)
+        return (cos.to(device=self.device, dtype=self.dtype),
+                sin.to(device=self.device, dtype=self.dtype))  # fmt: skip
+
     def _norms(self) -> list[torch.Tensor]:
-        per_layer = ("input_norm", "post_norm", "q_norm", "k_norm")
+        per_layer = ("input_norm", "post_norm", "q_norm", "k_norm", "pre_mlp_norm", "post_mlp_norm")
         held = (getattr(layer, n) for layer in self.layers for n in per_layer)
         return [self.norm, *(w for w in held if w is not None)]
 
@@ -173,6 +198,10 @@ class CausalLM:
         return residual, self._rms_norm(residual, weight)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the stacked [gate | up] projection: silu, or Gemma's tanh GELU."""
+        if self.gelu:
+            half = gate_up.shape[-1] // 2
+            return F.gelu(gate_up[:, :half], approximate="tanh").mul_(gate_up[:, half:])
         if self.fused:
             return torch.ops.kiln.silu_mul(gate_up.contiguous())
         half = gate_up.shape[-1] // 2
@@ -209,37 +238,50 @@ class CausalLM:
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         qk_size = (heads + kv_heads) * dim
+        rows = token_ids.shape[0]
+        tables = {False: (self.cos, self.sin), True: (self.local_cos, self.local_sin)}
         if not self.fused:
-            cos = self.cos[positions].unsqueeze(1)
-            sin = self.sin[positions].unsqueeze(1)
-        # one native call per layer for a decode-only step (queries and keys rotated in place)
-        fused_attention = self.fused and fused_decode(meta, token_ids.shape[0], self.dtype)
+            picked = {local: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+                      for local, (cos, sin) in tables.items()}  # fmt: skip
         residual = F.embedding(token_ids, self.embed)
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
         normed = self._rms_norm(residual, self.layers[0].input_norm) if self.layers else residual
         for index, layer in enumerate(self.layers):
+            local = c.layer_types[index] == "sliding_attention" if c.layer_types else False
+            layer_meta = meta.windowed if layer.windowed and meta.windowed is not None else meta
             qkv = layer.qkv(normed)
             if layer.q_norm is not None:
                 self._norm_heads(qkv, layer)
             # Queries and keys are rotated in one pass: they sit side by side in qkv.
             if self.fused:
-                torch.ops.kiln.rope_(qkv, positions, self.cos, self.sin, heads + kv_heads, dim)
-            if fused_attention:
-                attended = decode_attention(index, qkv, heads, cache, meta, self.scale)
+                cos, sin = tables[local]
+                torch.ops.kiln.rope_(qkv, positions, cos, sin, heads + kv_heads, dim)
+            # one native call for a decode-only step (queries and keys rotated in place)
+            if self.fused and fused_decode(layer_meta, rows, self.dtype):
+                attended = decode_attention(index, qkv, heads, cache, layer_meta, self.scale)
             else:
                 if self.fused:
                     qk = qkv[:, :qk_size].unflatten(-1, (heads + kv_heads, dim))
                 else:
                     qk = self._rope(
-                        qkv[:, :qk_size].unflatten(-1, (heads + kv_heads, dim)), cos, sin
+                        qkv[:, :qk_size].unflatten(-1, (heads + kv_heads, dim)), *picked[local]
                     )
                 v = qkv[:, qk_size:].unflatten(-1, (kv_heads, dim))
                 attended = paged_attention(
-                    index, qk[:, :heads], qk[:, heads:], v, cache, meta, self.scale
+                    index, qk[:, :heads], qk[:, heads:], v, cache, layer_meta, self.scale
                 )
             if attended.dtype != self.dtype:
                 attended = attended.to(self.dtype)
-            residual, normed = self._add_rms_norm(residual, layer.o_proj(attended), layer.post_norm)
+            attn_out = layer.o_proj(attended)
+            if layer.pre_mlp_norm is not None:  # Gemma 3: the attention output has its norm
+                attn_out = self._rms_norm(attn_out, layer.post_norm)
+                residual, normed = self._add_rms_norm(residual, attn_out, layer.pre_mlp_norm)
+            else:
+                residual, normed = self._add_rms_norm(residual, attn_out, layer.post_norm)
             mlp_out = layer.mlp(normed, self._silu_mul)
+            if layer.post_mlp_norm is not None:
+                mlp_out = self._rms_norm(mlp_out, layer.post_mlp_norm)
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else None
             if following is None:
                 residual = residual + mlp_out

@@ -53,6 +53,9 @@ class ModelRunner:
         self.device = model.device
         # Decided once (the kernel builds on first use, at load rather than mid-request).
         self.native_decode = native_decode(cache)
+        # The window of the model's sliding-window layers, if it has any.
+        self.window = next((w for i in range(model.config.num_layers)
+                            if (w := model.config.layer_window(i))), None)  # fmt: skip
 
     def run(self, step: SchedulerOutput) -> StepLogits:
         order = sorted(
@@ -98,23 +101,17 @@ class ModelRunner:
             meta.decode_lens = lens
             meta.native_decode = self.native_decode
             if not self.native_decode:
-                keys = torch.arange(width * bs, device=self.device)
-                hidden = keys.unsqueeze(0) >= lens.unsqueeze(1)
-                bias = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
-                bias.masked_fill_(hidden, float("-inf"))
-                meta.decode_bias = bias.view(1, len(lens), 1, -1)
+                meta.decode_bias = self._decode_bias(lens, width * bs, None)
         for request, first, count in prefills:
             start = request.num_computed_tokens
             context = start + count
             blocks = self._tensor(request.block_table[: -(-context // bs)])
-            causal: torch.Tensor | None = None
-            if start > 0:  # the chunk's queries sit at the end of a longer context
-                query_pos = torch.arange(start, context, device=self.device).unsqueeze(1)
-                hidden = torch.arange(context, device=self.device).unsqueeze(0) > query_pos
-                causal = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
-                causal.masked_fill_(hidden, float("-inf"))
+            # the chunk's queries sit at the end of a longer context
+            causal = self._chunk_bias(start, context, None) if start > 0 else None
             meta.prefills.append(PrefillChunk(first, count, context, blocks, causal))
             self._plan_rows(request, first, count, rows, sample_rows, prompt_rows)
+        if self.window is not None:
+            meta.windowed = self._windowed(meta, decode_lens, self.window)
 
         args = (self._tensor(token_ids), self._tensor(positions), self.cache, meta)
         if self._greedy_only(prompt_rows, sample_rows):
@@ -122,6 +119,57 @@ class ModelRunner:
             return StepLogits(tokens.new_empty((0,)), tokens, prompt_rows, sample_rows)
         logits = self.model.forward(*args, self._tensor(rows))
         return StepLogits(logits, None, prompt_rows, sample_rows)
+
+    def _windowed(
+        self, meta: AttentionMetadata, decode_lens: list[int], window: int
+    ) -> AttentionMetadata | None:
+        """The step's metadata for sliding-window layers: rows whose context exceeds `window`
+        get masks hiding the keys behind it (decodes on the torch path); None where none does."""
+        long_decodes = any(n > window for n in decode_lens)
+        if not long_decodes and all(c.context_len <= window for c in meta.prefills):
+            return None
+        out = AttentionMetadata(
+            slot_mapping=meta.slot_mapping,
+            num_decodes=meta.num_decodes,
+            decode_block_ids=meta.decode_block_ids,
+            decode_lens=meta.decode_lens,
+            native_decode=meta.native_decode and not long_decodes,
+            decode_bias=meta.decode_bias,
+        )
+        if long_decodes:
+            assert meta.decode_block_ids is not None and meta.decode_lens is not None
+            width = meta.decode_block_ids.numel() // meta.num_decodes * self.block_size
+            out.decode_bias = self._decode_bias(meta.decode_lens, width, window)
+        for chunk in meta.prefills:
+            if chunk.context_len > window:
+                start = chunk.context_len - chunk.length
+                chunk = PrefillChunk(chunk.start, chunk.length, chunk.context_len,
+                                     chunk.block_ids, self._chunk_bias(start, chunk.context_len,
+                                                                       window))  # fmt: skip
+            out.prefills.append(chunk)
+        return out
+
+    def _decode_bias(self, lens: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+        """Additive mask [1, rows, 1, width] hiding each decode row's padding (and, with
+        `window`, the keys more than window - 1 positions behind its query)."""
+        keys = torch.arange(width, device=self.device).unsqueeze(0)
+        hidden = keys >= lens.unsqueeze(1)
+        if window is not None:
+            hidden |= keys <= lens.unsqueeze(1) - 1 - window
+        bias = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
+        return bias.masked_fill_(hidden, float("-inf")).view(1, len(lens), 1, -1)
+
+    def _chunk_bias(self, start: int, context: int, window: int | None) -> torch.Tensor:
+        """Additive mask [context - start, context] for queries at positions [start, context):
+        causal, and with `window` hiding keys window or more positions behind each query (as
+        transformers' sliding-window mask: key > query - window)."""
+        query_pos = torch.arange(start, context, device=self.device).unsqueeze(1)
+        keys = torch.arange(context, device=self.device).unsqueeze(0)
+        hidden = keys > query_pos
+        if window is not None:
+            hidden |= keys <= query_pos - window
+        causal = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device)
+        return causal.masked_fill_(hidden, float("-inf"))
 
     def _greedy_only(
         self,

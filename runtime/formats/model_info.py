@@ -23,15 +23,24 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Families whose checkpoints store q/k/v as one `self_attn.qkv_proj` and gate/up as one
 # `mlp.gate_up_proj` (Phi-3, Phi-4), in that order along the output rows.
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 # Families whose attention normalises each query and key head (RMSNorm over head_dim, its own
 # weight per layer: `self_attn.q_norm`, `self_attn.k_norm`) before the rotary embedding.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# Families whose config.json sets `sliding_window` but applies it only with use_sliding_window.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# Families whose config.json sets `sliding_window` but applies it only with use_sliding_window,
+# on the layers from max_window_layers on.
 OPT_IN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Gemma 3: RMSNorms scale by (1 + weight), the embedding output is multiplied by
+# sqrt(hidden_size), attention output and the MLP's input and output each have their own norm
+# (`post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`),
+# scores are scaled by query_pre_attn_scalar ** -0.5, and sliding-window layers (every one but
+# each sliding_window_pattern-th) rotate with their own base (rope_local_base_freq).
+GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +95,13 @@ class ModelInfo:
     fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
     partial_rotary_factor: float = 1.0  # the share of head_dim RoPE rotates
     sliding_window: int | None = None
+    # Each decoder layer's attention, "sliding_attention" or "full_attention", as transformers
+    # reads config.json (every layer of Mistral slides; Gemma 3 all but every sixth).
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3 (see GEMMA_ARCHITECTURES): norms offset by one, scaled embeddings, sandwich norms.
+    gemma: bool = False
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, else head_dim's
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base where it differs
     # Mixture of experts: experts per sparse layer (0: dense), experts each token uses, each
     # expert's MLP width, whether top-k weights are renormalised, and the dense layers among
     # them (Qwen3-MoE's mlp_only_layers / decoder_sparse_step).
@@ -101,7 +117,8 @@ class ModelInfo:
     def num_parameters(self) -> int:
         """Parameters of the model: decoder layers (every expert), embedding, LM head unless
         tied."""
-        norms = self.hidden_size * 2 + (self.head_dim * 2 if self.qk_norm else 0)
+        sandwich = 2 if self.gemma else 0  # pre/post feed-forward norms
+        norms = self.hidden_size * (2 + sandwich) + (self.head_dim * 2 if self.qk_norm else 0)
         linears = sum(
             o * i for i in range(self.num_layers) for o, i in self.layer_linears(i).values()
         )
@@ -112,6 +129,11 @@ class ModelInfo:
     def moe(self) -> MoELayout | None:
         """The sparse block's layout of a mixture-of-experts model; None for a dense one."""
         return MOE_LAYOUTS.get(self.architecture) if self.num_experts else None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The tokens layer `layer` attends to (its own included); None: the whole context."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.dense_layers
@@ -175,10 +197,16 @@ class ModelInfo:
         problems = []
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             problems.append(f"architecture {self.architecture} is not supported; {SUPPORTED}")
-        if self.hidden_act != "silu":
+        if self.hidden_act not in ACTIVATIONS:
             problems.append(
-                f"hidden_act {self.hidden_act!r} is not supported; the runtime has silu"
+                f"hidden_act {self.hidden_act!r} is not supported; the runtime has "
+                f"{', '.join(ACTIVATIONS)}"
             )
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if self.config.get(name) is not None:
+                problems.append(f"{name} {self.config[name]} is not supported (Gemma 2's)")
+        if self.config.get("use_bidirectional_attention"):
+            problems.append("use_bidirectional_attention (an embedding model) is not supported")
         if self.partial_rotary_factor != 1.0:
             problems.append(
                 f"partial_rotary_factor {self.partial_rotary_factor} is not supported; the "
@@ -220,16 +248,22 @@ class ModelInfo:
     def _parse(cls, config: dict[str, Any], arch: str) -> ModelInfo:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
-        rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        params = config.get("rope_parameters") or {}
+        local = params.get("sliding_attention") or {}
+        if "full_attention" in params:  # one set per layer type (Gemma 3, transformers 5)
+            params = params["full_attention"]
+        rope = {**(config.get("rope_scaling") or {}), **params}
         theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
         partial = float(rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
         rope_type = str(rope.get("rope_type", rope.get("type", "default")))
         window = config.get("sliding_window")
         if arch in OPT_IN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
             window = None
+        layers = int(config["num_hidden_layers"])
+        gemma = arch in GEMMA_ARCHITECTURES
+        local_theta = local.get("rope_theta", config.get("rope_local_base_freq"))
         eos = config.get("eos_token_id")
         experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-        layers = int(config["num_hidden_layers"])
         step = int(config.get("decoder_sparse_step") or 1)
         dense_layers = tuple(
             i for i in range(layers) if i in (config.get("mlp_only_layers") or []) or (i + 1) % step
@@ -250,7 +284,7 @@ class ModelInfo:
             ),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-            hidden_act=str(config.get("hidden_act", "silu")),
+            hidden_act=str(config.get("hidden_activation") or config.get("hidden_act", "silu")),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_type=rope_type,
@@ -271,9 +305,31 @@ class ModelInfo:
             ),
             dense_layers=dense_layers if layout else (),
             sliding_window=int(window) if window else None,
+            layer_types=tuple(_layer_types(config, arch, layers, window is not None)),
+            gemma=gemma,
+            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256)
+            if gemma
+            else None,
+            local_rope_theta=float(local_theta or 10000.0) if gemma else None,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             config=dict(config),
         )
+
+
+def _layer_types(config: dict[str, Any], arch: str, layers: int, window: bool) -> list[str]:
+    """Each layer's attention ("sliding_attention" or "full_attention") as transformers reads
+    config.json: its layer_types, else the family's rule."""
+    if config.get("layer_types"):
+        return [str(t) for t in config["layer_types"]]
+    if arch in GEMMA_ARCHITECTURES:
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        return [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    if not window:
+        return ["full_attention"] * layers
+    first = int(config.get("max_window_layers", 28)) if arch in OPT_IN_WINDOW_ARCHITECTURES else 0
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
 
 
 def _architecture(config: dict[str, Any]) -> str:

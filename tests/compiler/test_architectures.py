@@ -239,6 +239,72 @@ def test_phi3s_fused_projections_compile_quantised_and_tensorrt_llm_is_refused(
     assert "Phi3ForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (result.stderr)
 
 
+# google/gemma-3-4b-it's text config, as its config.json gives it (old field names).
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForCausalLM"], "hidden_size": 2560, "intermediate_size": 10240,
+    "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "vocab_size": 262208, "sliding_window": 1024, "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def test_plan_holds_only_the_window_on_gemma3s_sliding_layers() -> None:
+    """Gemma 3 4B at 32k: its 29 sliding layers hold their 1,024-token window and the block it
+    straddles, its 5 global ones (every sixth) all 32,768 tokens: a quarter of a full cache."""
+    from kiln.compiler.trtllm.capacity import DeploySpec, plan
+    from kiln.compiler.trtllm.targets import get_profile
+    from kiln.quant.schemes import resolve
+    from kiln.quant.spec import QuantSpec
+    from kiln.runtime.formats.model_info import ModelInfo
+
+    info = ModelInfo.from_hf_config(GEMMA3_4B)
+    assert [i for i in range(34) if info.layer_window(i) is None] == [5, 11, 17, 23, 29]
+    assert (info.rope_theta, info.local_rope_theta, info.query_pre_attn_scalar) == (1e6, 1e4, 256)
+    assert info.rope_scaling == {"rope_type": "linear", "factor": 8.0} and info.gemma
+    assert info.num_parameters == pytest.approx(3.88e9, rel=0.01)
+    fp8 = resolve(QuantSpec(method="fp8", weight_bits=8, activations="fp8_static"))
+    deploy = DeploySpec(max_seq_len=32768)
+    p = plan(info, fp8, get_profile("h100-sxm"), deploy)
+    per_layer_token = 2 * 4 * 256 * 2  # K and V x KV heads x head_dim x bf16
+    assert p.kv_bytes_per_token == 34 * per_layer_token
+    block = deploy.tokens_per_block
+    window = (1024 // block + 1) * block
+    assert p.kv_bytes_per_request == pytest.approx(per_layer_token * (5 * 32768 + 29 * window))
+    assert p.kv_bytes_per_request < p.kv_bytes_per_token * 32768 / 4
+    assert any("29 of 34 layers attend within a sliding window of 1024" in n for n in p.notes)
+
+
+def test_gemma3_compiles_with_awq_and_tensorrt_llm_is_refused(tiny_gemma3: Path, tmp_path: Path):
+    """Gemma 3 through llm-compressor's AWQ (its Gemma 3 mappings smooth into the offset
+    norms): every decoder linear quantised, and the artifact serves within
+    W4A16's tolerance of transformers on the same files."""
+    from kiln.runtime.engine.layers.int4 import Int4Linear
+    from tests.runtime.conftest import assert_close_to_reference
+
+    path = tmp_path / "gemma3.yaml"
+    path.write_text(
+        f"name: gemma3\nmodel:\n  source: {tiny_gemma3}\nquantization: {{method: awq}}\n"
+        "calibration: {dataset: builtin:licenses, num_samples: 8, max_seq_len: 64}\n"
+        "report: {num_samples: 4, max_seq_len: 64}\ntargets: []\noutput: out\n"
+    )
+    artifact = Path(compile_json(path)["artifact"])
+    report = json.loads((artifact / "reports" / "quantization.json").read_text())
+    # the head is the embedding, tied: not a linear of its own
+    assert report["coverage"]["counts"] == {"attention": {"quantised": 12}, "mlp": {"quantised": 9}}
+    engine = Engine.from_pretrained(artifact / "model")
+    assert isinstance(engine.model.layers[2].qkv, Int4Linear)
+    assert_close_to_reference(engine, hf_model(artifact / "model"), 0.05, 0.02)
+    path.write_text(path.read_text().replace("targets: []", "targets: [h100-sxm]"))
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert "Gemma3ForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (
+        result.stderr
+    )
+
+
 def starved_moe(source: Path, target: Path) -> Path:
     """tiny_qwen3_moe with experts 2 and 3 of every sparse layer never routed: every embedding
     carries a large first coordinate, which the residual stream keeps, and the routers score

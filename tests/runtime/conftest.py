@@ -165,6 +165,14 @@ def quantized_phi3(
 
 
 @pytest.fixture(scope="session")
+def quantized_gemma3(
+    tiny_gemma3: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """The same modes on tiny_gemma3 (offset norms, sliding-window layers, tanh GELU)."""
+    return quantizer(tiny_gemma3, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def quantized_qwen3_moe(
     tiny_qwen3_moe: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:

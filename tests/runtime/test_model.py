@@ -1,4 +1,4 @@
-"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2, Qwen3, Phi-3,
+"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3,
 Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from tests.runtime.conftest import hf_greedy, hf_logprobs, hf_model, logprobs_of, prompt_ids
 
-ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral",
-         "tiny_qwen3_moe"]  # fmt: skip
+ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_gemma3",
+         "tiny_mixtral", "tiny_qwen3_moe"]  # fmt: skip
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -110,3 +110,77 @@ def test_prompt_too_long_is_a_usage_error(tiny_llama: Path) -> None:
     engine = Engine.from_pretrained(tiny_llama, max_model_len=16)
     with pytest.raises(UsageError, match="shorten the prompt"):
         engine.add_request(list(range(20)))
+
+
+def test_sliding_window_layers_match_transformers_through_chunks_and_cached_prefixes(
+    tiny_gemma3: Path,
+) -> None:
+    """Gemma 3's window of 8 on two of three layers, with prompts of 11 to 50 tokens cut into
+    chunks of 5 and a repeated prompt served from the prefix cache: every chunk, decode and
+    cache hit attends to exactly the window transformers' mask allows."""
+    engine = Engine.from_pretrained(tiny_gemma3, block_size=4, max_num_batched_tokens=5)
+    hf = hf_model(tiny_gemma3)
+    prompts = prompt_ids(tiny_gemma3)
+    prompts.append(prompts[2])  # a prefix-cache hit longer than the window
+    for prompt, out in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_mistrals_window_is_attended_not_a_length_limit(tiny_mistral: Path, tmp_path: Path) -> None:
+    """A Mistral config with sliding_window 8 serves contexts past 8, each layer attending to
+    its last 8 tokens as transformers does (the runtime once capped max_model_len there)."""
+    model_dir = edited_copy(tiny_mistral, tmp_path / "windowed", sliding_window=8)
+    engine = Engine.from_pretrained(model_dir, block_size=4)
+    prompt = prompt_ids(model_dir, 1)[0]
+    reference = hf_logprobs(hf_model(model_dir), prompt)
+    expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(prompt_logprob_matrix(engine, prompt), expected, atol=1e-4, rtol=0)
+    out = engine.generate([prompt], GREEDY)[0]
+    assert len(prompt) > 8 and out.token_ids == hf_greedy(hf_model(model_dir), prompt, 24)
+
+
+# Gemma 3's chat template, its structure as google/gemma-3-*-it ship it: the system prompt
+# folded into the first user turn, the assistant called "model", turns closed by <end_of_turn>.
+GEMMA3_CHAT = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ prefix if loop.first else '' }}{{ m['content'] | trim }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_a_gemma3_chat_renders_its_template_and_stops_at_its_generation_eos(
+    tiny_gemma3: Path, tmp_path: Path
+) -> None:
+    """The chat prompt is the model's own template, rendered as transformers renders it, and
+    generation stops at any of generation_config.json's eos_token_id (Gemma 3 lists
+    <end_of_turn> beside <eos>): here the tiny model's second greedy token stands for it."""
+    from transformers import AutoTokenizer
+
+    from kiln.runtime.engine.chat import chat_token_ids
+
+    model_dir = tmp_path / "gemma3-chat"
+    shutil.copytree(tiny_gemma3, model_dir)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = GEMMA3_CHAT
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    engine = Engine.from_pretrained(model_dir)
+    prompt = chat_token_ids(engine.tokenizer, messages)
+    assert prompt == list(getattr(expected, "input_ids", expected))
+    assert engine.tokenizer.decode(prompt).endswith("<start_of_turn>model\n")
+    free = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    stop = free[0].token_ids[1]
+    eos = [tokenizer.eos_token_id, stop]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    out = Engine.from_pretrained(model_dir).generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0)
+    )[0]
+    assert out.token_ids == free[0].token_ids[: free[0].token_ids.index(stop) + 1]
+    assert out.finish_reason == "stop"

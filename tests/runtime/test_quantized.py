@@ -84,12 +84,13 @@ def test_quantized_checkpoint_matches_transformers(
 
 
 @pytest.mark.parametrize("mode", ["w4a16_gptq_sym", "w8a8_int8", "fp8_static_kv_fp8"])
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
 def test_other_architectures_quantized_match_transformers(
     arch: str, mode: str, request: pytest.FixtureRequest
 ) -> None:
     """Qwen3's per-head q/k norms stay float beside every weight format and the FP8 KV cache;
-    Phi-3's fused qkv_proj and gate_up_proj are each one quantised linear, served as stored."""
+    Phi-3's fused qkv_proj and gate_up_proj are each one quantised linear, served as stored;
+    Gemma 3's sliding-window layers read the FP8 KV cache within their window."""
     model_dir = request.getfixturevalue(f"quantized_{arch}")(mode)
     engine = Engine.from_pretrained(model_dir)
     layer = engine.model.layers[0]

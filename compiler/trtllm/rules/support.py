@@ -29,9 +29,9 @@ EXPORTED_ARCHITECTURES = (
 
 
 def architecture_problem(architecture: str) -> Problem | None:
-    """Why kiln cannot export `architecture` for TensorRT-LLM (None where it can): Phi-3 and
-    the mixture-of-experts families run on kiln's runtime and vLLM, but kiln has no TensorRT-LLM
-    export for them yet (their weight layouts and load rules are not written)."""
+    """Why kiln cannot export `architecture` for TensorRT-LLM (None where it can): Phi-3,
+    Gemma 3 and the mixture-of-experts families run on kiln's runtime and vLLM, but kiln has no
+    TensorRT-LLM export for them yet (their weight layouts and load rules are not written)."""
     if architecture in EXPORTED_ARCHITECTURES:
         return None
     return Problem(

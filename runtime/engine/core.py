@@ -35,6 +35,7 @@ from kiln.runtime.engine.sampling import (
     Logprob,
     SamplingParams,
     make_generator,
+    process_logits,
     sample,
     token_logprobs,
 )
@@ -302,7 +303,12 @@ class Engine:
                 else:
                     rows = logits[torch.tensor(index, device=logits.device)]
                 params = [r.params for r in requests]
-                tokens = sample(rows, params, [r.generator for r in requests])
+                processed = process_logits(
+                    rows, params, [r.prompt_token_ids for r in requests],
+                    [r.output_token_ids for r in requests],
+                    [self._stop_ids(r.params) for r in requests],
+                )  # fmt: skip
+                tokens = sample(processed, params, [r.generator for r in requests])
             entries = logprob_entries(self.detokenizer, requests, rows, tokens)
             for request, token, entry in zip(requests, tokens.tolist(), entries, strict=True):
                 self._emit(request, token, entry)
@@ -327,6 +333,11 @@ class Engine:
         if not request.finished:
             self.kv.cache_full_blocks(request)
         return delta_output(request)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that stop a request: its stop_token_ids and, unless ignore_eos, eos."""
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
 
     def _emit(self, request: Request, token: int, entry: dict[int, Logprob] | None) -> bool:
         """Append one token and apply the stop rules; True when that finished the request."""

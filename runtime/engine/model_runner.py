@@ -184,7 +184,10 @@ class ModelRunner:
             and not prompt_rows
             and bool(sample_rows)
             and all(
-                r.params.greedy and r.params.logprobs is None and not r.spec_token_ids
+                r.params.greedy
+                and r.params.logprobs is None
+                and not r.spec_token_ids
+                and not r.params.processes_logits
                 for r, _ in sample_rows
             )
         )

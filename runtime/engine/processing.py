@@ -46,6 +46,14 @@ class PromptLimits:
                 f"max_num_batched_tokens={budget} with chunked prefill off; raise the budget "
                 "or enable chunked prefill"
             )
+        outside = sorted(
+            t for t in (*params.stop_token_ids, *params.logit_bias) if not 0 <= t < vocab
+        )
+        if outside:
+            raise UsageError(
+                f"request {rid}: stop_token_ids / logit_bias name token ids {outside[:5]} "
+                f"outside the vocabulary [0, {vocab})"
+            )
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         if self.blocks_needed(longest) > self.num_blocks:
             raise UsageError(
@@ -63,13 +71,21 @@ def stop_status(
 ) -> RequestStatus | None:
     """Whether `token`, just appended, finishes `request`, and how (None: it goes on)."""
     params = request.params
-    if token in params.stop_token_ids:
-        request.stop_reason = token
+    # As vLLM: stop tokens count from the min_tokens-th output token, stop strings after it.
+    generated = request.num_output_tokens
+    stop_id = token in params.stop_token_ids
+    if generated >= params.min_tokens and (
+        stop_id or (not params.ignore_eos and token in eos_token_ids)
+    ):
+        if stop_id:
+            request.stop_reason = token
+        if params.include_stop_str_in_output and params.detokenize and detokenizer:
+            detokenizer.step(request)  # vLLM: the stop token's text is then kept
         return RequestStatus.FINISHED_STOPPED
-    if not params.ignore_eos and token in eos_token_ids:
-        return RequestStatus.FINISHED_STOPPED
-    if params.detokenize and detokenizer and find_stop(request, detokenizer.step(request)):
-        return RequestStatus.FINISHED_STOPPED
+    if params.detokenize and detokenizer:
+        delta = detokenizer.step(request)
+        if generated > params.min_tokens and find_stop(request, delta):
+            return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None

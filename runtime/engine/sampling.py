@@ -1,9 +1,15 @@
 """Sampling: per-request parameters, the batched sampler, and log-probability records.
 
-Temperature, top-k and top-p are applied to the whole batch with tensor ops; only requests
-with their own seed draw their noise row by row, from their own `torch.Generator`, so a
-seeded request gives the same tokens whatever else shares its batch. Log-probabilities are
-those of the raw model distribution (before temperature, top-k, top-p), as in vLLM.
+Temperature, min-p, top-k and top-p are applied to the whole batch with tensor ops; only
+requests with their own seed draw their noise row by row, from their own `torch.Generator`, so
+a seeded request gives the same tokens whatever else shares its batch. Log-probabilities are
+those of the raw model distribution (before any of this), as vLLM's default logprobs mode.
+
+Before sampling, `process_logits` applies what vLLM applies in the same order: min_tokens
+(the request's stop tokens at -inf until it has that many), logit_bias, then the repetition
+penalty (prompt and output tokens: positive logits divided by it, negative ones multiplied) and
+OpenAI's presence and frequency penalties (output tokens: logit -= frequency * count +
+presence * [count > 0]).
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: stop tokens and strings are not honoured before this many output tokens.
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
@@ -56,6 +69,15 @@ class SamplingParams:
             problems.append(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p={self.min_p} must be in [0, 1]")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens={self.min_tokens} must be in [0, max_tokens]")
+        if self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name}={getattr(self, name)} must be in [-2, 2]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -71,6 +93,18 @@ class SamplingParams:
             problems.append("stop strings need detokenize=True")
         if problems:
             raise UsageError("invalid sampling params: " + "; ".join(problems))
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether `process_logits` changes this request's logits (then its steps need logits,
+        not the model's argmaxes, and it is not speculated)."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+        )
 
     @property
     def greedy(self) -> bool:
@@ -135,15 +169,60 @@ def sample(
     return tokens
 
 
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    stop_ids: list[frozenset[int]],
+) -> torch.Tensor:
+    """Each row's logits after its min_tokens, logit_bias and penalties (see the module
+    docstring); rows whose params change nothing are returned as they are. `stop_ids`: each
+    request's stop tokens (its eos unless ignore_eos, and its stop_token_ids)."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p, row = params[i], logits[i]
+        if len(outputs[i]) < p.min_tokens and stop_ids[i]:
+            row[torch.tensor(sorted(t for t in stop_ids[i] if t < vocab), dtype=torch.int64)] = (
+                float("-inf")
+            )
+        for token, bias in p.logit_bias.items():
+            row[token] += bias
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+            seen[torch.tensor(prompts[i] + outputs[i], dtype=torch.int64, device=row.device)] = True
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalised, row))
+        if (p.presence_penalty or p.frequency_penalty) and outputs[i]:
+            ids = torch.tensor(outputs[i], dtype=torch.int64, device=row.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row of `logits` samples from: softmax after the row's
-    temperature, top-k and top-p (non-greedy params only)."""
+    temperature, min-p, top-k and top-p (non-greedy params only)."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     # From each row's maximum down: a small temperature sends the rest to -inf, never the
     # maximum itself (0 / t is 0), so the softmax stays a distribution.
     shifted = logits - logits.max(dim=-1, keepdim=True).values
-    scaled = _top_k_top_p(shifted / temps.unsqueeze(1), params)
+    scaled = _top_k_top_p(_min_p(shifted / temps.unsqueeze(1), params), params)
     return torch.softmax(scaled, dim=-1)
+
+
+def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask tokens whose probability (after temperature) is below min_p times the row's
+    largest, as vLLM does; `logits` are shifted so that each row's maximum is 0."""
+    if all(p.min_p == 0 for p in params):
+        return logits
+    ps = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    # p_i / p_max = exp(logit_i - logit_max), and the maximum is 0 here.
+    return logits.masked_fill(logits.exp() < ps.unsqueeze(1), float("-inf"))
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

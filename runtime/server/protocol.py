@@ -1,9 +1,10 @@
 """The OpenAI request bodies the server accepts, as pydantic models (they become the OpenAPI
 spec), and their translation into SamplingParams.
 
-Only what the runtime can honour is accepted: an unsupported option with a non-default value
-(penalties, logit_bias, tools) is a 400 naming it, never silently ignored. Unknown extra
-fields are ignored, as OpenAI-compatible servers do, so clients that send e.g. `user` work.
+Every field of OpenAI's and vLLM's request schemas is either honoured as vLLM honours it or,
+with a value other than its default, refused with a 400 naming it (`REFUSED`): never accepted
+and silently ignored. Fields neither schema has are ignored, as vLLM ignores them; metadata
+that changes no output (`user`, `metadata`, `store`, `request_id`) is accepted.
 """
 
 from __future__ import annotations
@@ -46,6 +47,57 @@ def lone_surrogate(body: Any) -> tuple[str, int, str] | None:
     return None
 
 
+# OpenAI and vLLM request fields kiln does not implement: (the values that mean "off", why).
+# A request that sends one with another value is refused naming it; vLLM's field names.
+_NO_DECODING = "constrained decoding, which this server does not do"
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "best_of": ((None, 1), "best_of > 1 (ranking several candidates) is not supported; use n"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search only"),
+    "allowed_token_ids": ((None,), f"allowed_token_ids needs {_NO_DECODING}"),
+    "bad_words": ((None, []), f"bad_words needs {_NO_DECODING}"),
+    "guided_json": ((None,), f"guided_json needs {_NO_DECODING}"),
+    "guided_regex": ((None,), f"guided_regex needs {_NO_DECODING}"),
+    "guided_choice": ((None,), f"guided_choice needs {_NO_DECODING}"),
+    "guided_grammar": ((None,), f"guided_grammar needs {_NO_DECODING}"),
+    "structured_outputs": ((None,), f"structured_outputs needs {_NO_DECODING}"),
+    "logits_processors": ((None, []), "custom logits_processors are not supported"),
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported; shorten it"),
+    "spaces_between_special_tokens": ((None, True), "only the default spacing is supported"),
+    "return_tokens_as_token_ids": ((None, False), "tokens are returned as text only"),
+    "return_token_ids": ((None, False), "token ids are not returned; use logprobs"),
+    "priority": ((None, 0), "request priorities are not supported (first come, first served)"),
+    "chat_template": ((None,), "the model's own chat template is used; drop chat_template"),
+    "chat_template_kwargs": ((None, {}), "chat_template_kwargs are not supported"),
+    "documents": ((None, []), "documents (RAG templates) are not supported"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported"),
+    "add_special_tokens": ((None, False), "add_special_tokens is not supported for chat"),
+    "tool_choice": ((None, "none"), "tools (function calling) are not supported"),
+    "functions": ((None, []), "functions (function calling) are not supported"),
+    "function_call": ((None, "none"), "function_call (function calling) is not supported"),
+    "parallel_tool_calls": ((None, False, True), "tools are not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported by this model's server"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "mm_processor_kwargs": ((None, {}), "multimodal inputs are not supported"),
+    "kv_transfer_params": ((None,), "disaggregated KV transfer is not supported"),
+}
+
+
+def refused_field(body: Any, refused: dict[str, tuple[tuple[Any, ...], str]]) -> str | None:
+    """The first field of `body` in `refused` sent with a value other than null or one of its
+    "off" values (of the same JSON type); None when there is none."""
+    if not isinstance(body, dict):
+        return None
+    for name, (off, _) in refused.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in off):
+            return name
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -67,8 +119,29 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    # OpenAI's: token id (as a string) → a bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's sampling extensions.
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, body: Any) -> Any:
+        name = refused_field(body, REFUSED)
+        if name is not None:
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{name}: {why}; leave it out (or at its default)",
+                {"name": name, "why": REFUSED[name][1], "param": name},
+            )
+        return body
 
     @model_validator(mode="before")
     @classmethod
@@ -86,11 +159,11 @@ class _Sampling(BaseModel):
         return body
 
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> Any:
-        if self.presence_penalty or self.frequency_penalty:
-            raise UsageError(
-                "presence_penalty and frequency_penalty are not supported by this server; "
-                "leave them at 0"
-            )
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise UsageError(f"logit_bias: key {key!r} is not a token id")
+            bias[int(key)] = value
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise UsageError("`stop` strings must be non-empty")
@@ -105,6 +178,15 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            min_tokens=min(self.min_tokens, max_tokens),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias,
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     @property
@@ -128,7 +210,6 @@ class CompletionRequest(_Sampling):
     # as `choices[i].prompt_logprobs` (token id → logprob, rank, decoded_token).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: a text, or a list of token ids."""
@@ -148,8 +229,6 @@ class CompletionRequest(_Sampling):
         (echo with max_tokens 0: the caller wants the prompt's log-probabilities only)."""
         if self.suffix:
             raise UsageError("`suffix` is not supported by this server")
-        if self.logit_bias:
-            raise UsageError("`logit_bias` is not supported by this server")
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if max_tokens == 0 and not self.echo:
             raise UsageError("max_tokens=0 is allowed only with echo=true (prompt scoring)")
@@ -192,6 +271,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: False renders the chat without opening the assistant's turn.
+    add_generation_prompt: bool = True
+    echo: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template expects them (developer reads as system)."""
@@ -205,6 +288,13 @@ class ChatCompletionRequest(_Sampling):
         max_tokens, as OpenAI's is "up to the context")."""
         if self.tools:
             raise UsageError("`tools` (function calling) is not supported by this server")
+        if self.echo:
+            raise UsageError("chat `echo` is not supported by this server; leave it false")
+        if self.prompt_logprobs is not None:
+            raise UsageError(
+                "chat `prompt_logprobs` are not supported; use /v1/completions with the "
+                "rendered prompt"
+            )
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise UsageError(

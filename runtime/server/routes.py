@@ -153,7 +153,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
     def tokenise() -> tuple[list[int], SamplingParams]:
         _check_bytes(backend, "".join(m["content"] for m in messages), "messages")
-        ids = backend.tokens.chat_ids(messages)
+        ids = backend.tokens.chat_ids(messages, body.add_generation_prompt)
         params = body.sampling_params(backend.max_model_len - len(ids))
         backend.validate(ids, params, rid)
         limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

@@ -59,6 +59,8 @@ class TokenizerPool:
         with self.borrow() as tokenizer:
             return str(tokenizer.decode(token_ids, skip_special_tokens=False))
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         with self.borrow() as tokenizer:
-            return chat_token_ids(tokenizer, messages)
+            return chat_token_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)

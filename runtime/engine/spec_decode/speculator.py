@@ -281,7 +281,11 @@ class Speculator:
                 request.params.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens,
             )
-            eligible = request.params.speculative and not request.wants_prompt_logprobs
+            eligible = (
+                request.params.speculative
+                and not request.wants_prompt_logprobs
+                and not request.params.processes_logits  # penalties read each token's past
+            )
             if k >= 1 and eligible and request.num_tokens - request.num_computed_tokens == 1:
                 chosen.append(request)
                 ks.append(k)

@@ -11,6 +11,7 @@ tokens proposed after the previous one and may emit several tokens per request
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import time
@@ -29,7 +30,13 @@ from kiln.runtime.engine.kv_cache import KVCacheManager, build_kv_cache
 from kiln.runtime.engine.loader import KVCacheSpec, load_model
 from kiln.runtime.engine.model import CausalLM
 from kiln.runtime.engine.model_runner import ModelRunner, StepLogits
-from kiln.runtime.engine.outputs import EngineStats, RequestOutput, delta_output, final_output
+from kiln.runtime.engine.outputs import (
+    ITERATION_TOKENS_BUCKETS,
+    EngineStats,
+    RequestOutput,
+    delta_output,
+    final_output,
+)
 from kiln.runtime.engine.processing import PromptLimits, logprob_entries, named, stop_status
 from kiln.runtime.engine.sampling import (
     Logprob,
@@ -110,6 +117,8 @@ class Engine:
         self._generation_tokens = 0
         self._steps = 0
         self._busy = 0.0
+        self._iteration_buckets = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_tokens = 0
 
     @classmethod
     def from_pretrained(
@@ -274,6 +283,9 @@ class Engine:
                 self.speculator.propose(self.scheduler.running)
         self._steps += 1
         self._busy += time.perf_counter() - began
+        tokens = sum(scheduled.num_new_tokens)
+        self._iteration_buckets[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)] += 1
+        self._iteration_tokens += tokens
         return outputs
 
     def _update(self, scheduled: SchedulerOutput, step: StepLogits) -> list[RequestOutput]:
@@ -392,6 +404,14 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._steps,
             busy_seconds=self._busy,
+            iteration_tokens_buckets=list(self._iteration_buckets),
+            iteration_tokens_sum=self._iteration_tokens,
+            cache_config={
+                "block_size": str(self.config.block_size),
+                "num_gpu_blocks": str(self.num_blocks),
+                "cache_dtype": str(self.config.kv_cache_dtype),
+                "enable_prefix_caching": str(self.config.enable_prefix_caching),
+            },
             **(self.speculator.metrics() if self.speculator is not None else {}),
         )
 

@@ -26,6 +26,18 @@ class RequestOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    # Seconds from arrival to its first schedule (vLLM's queue time); None until scheduled.
+    queue_time: float | None = None
+
+
+def queue_time(request: Request) -> float | None:
+    if request.first_scheduled_time is None:
+        return None
+    return max(0.0, request.first_scheduled_time - request.arrival_time)
+
+
+# vLLM's buckets for the tokens of one engine step (vllm/v1/metrics/buckets.py).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(slots=True)
@@ -49,6 +61,12 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Tokens each step computed, as counts per bucket of ITERATION_TOKENS_BUCKETS (the last
+    # one above them all), and their sum: vLLM's iteration_tokens_total histogram.
+    iteration_tokens_buckets: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
+    # What vLLM's cache_config_info reports: block size, blocks, cache dtype, prefix caching.
+    cache_config: dict[str, str] = field(default_factory=dict)
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:
@@ -87,6 +105,7 @@ def delta_output(request: Request) -> RequestOutput:
             else None
         ),
         num_cached_tokens=request.num_cached_tokens,
+        queue_time=queue_time(request),
     )
     request.sent_text_len = visible
     request.sent_tokens = request.num_output_tokens
@@ -107,4 +126,5 @@ def final_output(request: Request) -> RequestOutput:
         logprobs=request.logprobs if params.logprobs is not None else None,
         prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
         num_cached_tokens=request.num_cached_tokens,
+        queue_time=queue_time(request),
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -155,6 +156,8 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:  # the end of its queueing time
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             scheduled[request] = num_new
             budget -= num_new

@@ -62,6 +62,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # monotonic, when it first left the queue
     # Speculative decoding: draft tokens to verify next step (not in all_token_ids) and,
     # for sampled requests with a draft model, the draft's distribution at each [k, vocab].
     spec_token_ids: list[int] = field(default_factory=list)

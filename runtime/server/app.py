@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.runtime.base.errors import KilnError, UsageError
@@ -91,7 +92,7 @@ def create_app(
     digest: str = "",
 ) -> FastAPI:
     """An OpenAI-compatible app serving `backend`."""
-    metrics = ServerMetrics(backend.stats, config.model_name)
+    metrics = ServerMetrics(backend.stats, config.model_name, backend.max_model_len)
     state = ServerState(backend, config, metrics, recorder, mirror)
     state.extra["digest"] = digest
     # With API keys the schema needs a key too, and the browser pages (which fetch the
@@ -103,6 +104,10 @@ def create_app(
                   docs_url="/docs" if open_docs else None,
                   redoc_url="/redoc" if open_docs else None)  # fmt: skip
     app.state.kiln = state
+    # vLLM's HTTP metrics (http_requests_total, http_request_duration_seconds, ...), from the
+    # library vLLM uses, into the same registry; /metrics and /health are not counted.
+    Instrumentator(excluded_handlers=["/metrics", "/health"],
+                   registry=metrics.registry).instrument(app)  # fmt: skip
     app.add_middleware(
         BodyLimits, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s
     )

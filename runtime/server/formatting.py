@@ -22,6 +22,7 @@ class ChoiceResult:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: list[LogprobEntry | None] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
     done: bool = False
     first_chunk: bool = True  # streaming: nothing sent for this choice yet
     # The latest delta, for streaming.
@@ -72,13 +73,14 @@ def completion_logprobs(
     entries: list[LogprobEntry | None],
     top_n: int,
     first_text: str | None = None,
+    offset: int = 0,
 ) -> dict[str, Any]:
     """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs,
-    text_offset. An entry of None (the first prompt token, whose text is `first_text`)
-    gives null log-probabilities, as OpenAI does."""
+    text_offset (from `offset`, the characters a stream sent before these). An entry of None
+    (the first prompt token, whose text is `first_text`) gives null log-probabilities, as
+    OpenAI does."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                            "text_offset": []}  # fmt: skip
-    offset = 0
     for token, entry in zip(tokens, entries, strict=True):
         text = _text(entry, token) if entry is not None else (first_text or "")
         out["tokens"].append(text)

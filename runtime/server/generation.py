@@ -56,18 +56,18 @@ async def stream_choice(
     result.sent = result.sent or time.perf_counter()
     gen = backend.generate(spec.prompt_ids, spec.params, spec.request_id)
     finished = False
+    queue: float | None = None
     try:
         async for out in gen:
             now = time.perf_counter()
+            if out.queue_time is not None:
+                queue = out.queue_time
             if out.prompt_logprobs is not None:
                 result.prompt_logprobs = list(out.prompt_logprobs)
             if out.token_ids:
                 if result.first is None:
                     result.first = now
                     metrics.ttft.observe(now - result.sent)
-                    queued = _queue_time(state, spec.request_id)
-                    if queued is not None:
-                        metrics.queue_time.observe(queued)
                 elif result.last is not None:
                     gap = (now - result.last) / len(out.token_ids)
                     for _ in out.token_ids:
@@ -81,25 +81,22 @@ async def stream_choice(
             result.delta_logprobs = list(out.logprobs or [])
             if out.finished:
                 result.finish_reason = out.finish_reason
+                result.stop_reason = out.stop_reason
                 result.done = True
                 finished = True
-                metrics.e2e.observe(now - result.sent)
+                first = result.first
+                metrics.finished(
+                    out.finish_reason, len(spec.prompt_ids), len(result.token_ids),
+                    spec.params.max_tokens, now - result.sent, queue,
+                    None if first is None else first - result.sent,
+                    None if first is None else now - first,
+                )  # fmt: skip
             yield result
     finally:
         if not finished:  # before any await: a cancelled task may not get past one
             backend.abort(spec.request_id)
+            metrics.success["abort"].inc()
         await gen.aclose()  # type: ignore[attr-defined]
-
-
-def _queue_time(state: ServerState, request_id: str) -> float | None:
-    """Waiting time before the first schedule, where the engine records when that was."""
-    engine = getattr(state.backend, "engine", None)
-    request = getattr(engine, "requests", {}).get(request_id)
-    scheduled = getattr(request, "first_scheduled_time", None)
-    arrival = getattr(request, "arrival_time", None)
-    if scheduled is None or arrival is None:
-        return None
-    return max(0.0, float(scheduled) - float(arrival))
 
 
 async def collect_choice(state: ServerState, spec: ChoiceSpec, sent: float) -> ChoiceResult:

@@ -104,6 +104,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ids, echo = await run_in_threadpool(tokenise)
     texts = [p if isinstance(p, str) else None for p in prompts]
     top_n = body.logprobs or 0
+    sent_chars: dict[int, int] = {}  # streaming: characters sent so far, per choice
 
     def choice(result: ChoiceResult, delta: bool) -> dict[str, Any]:
         first = not delta or result.first_chunk
@@ -120,12 +121,17 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             toks += result.prompt_ids
             lps += result.prompt_logprobs or [None] * len(result.prompt_ids)
         logprobs = None
+        # Streamed, text_offset goes on from the text already sent (vLLM: 0, 6, 7, 8 ...).
+        offset = sent_chars.get(result.index, 0) if delta else 0
         if body.logprobs is not None:
             head = backend.tokens.decode(toks[:1]) if lps and lps[0] is None else None
-            logprobs = fmt.completion_logprobs(toks + tokens, lps + entries, top_n, head)
+            logprobs = fmt.completion_logprobs(toks + tokens, lps + entries, top_n, head, offset)
+        if delta:
+            sent_chars[result.index] = offset + len(text)
         finish = ("length" if drop else result.finish_reason) if result.done else None
+        stop_reason = result.stop_reason if finish else None
         out = {"index": result.index, "text": text, "logprobs": logprobs,
-               "finish_reason": finish}  # fmt: skip
+               "finish_reason": finish, "stop_reason": stop_reason}  # fmt: skip
         if body.prompt_logprobs is not None:
             entries = result.prompt_logprobs or [None] * len(result.prompt_ids)
             out["prompt_logprobs"] = fmt.prompt_logprobs(
@@ -168,13 +174,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
     def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
         content: dict[str, Any] = {"content": result.delta}
-        if result.first_chunk:
-            content["role"] = "assistant"
         finish = result.finish_reason if result.done else None
-        if not result.delta and not result.first_chunk and finish is None:
+        if not result.delta and finish is None:
             return None
         choice = {"index": result.index, "delta": content, "finish_reason": finish,
+                  "stop_reason": result.stop_reason if finish else None,
                   "logprobs": logprobs(result.delta_tokens, result.delta_logprobs)}  # fmt: skip
+        return {"object": "chat.completion.chunk", "choices": [choice]}
+
+    def opening(index: int) -> dict[str, Any]:
+        """vLLM's and OpenAI's first chunk of each choice: the role, no content yet."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return {"object": "chat.completion.chunk", "choices": [choice]}
 
     def choices(results: list[ChoiceResult]) -> list[dict[str, Any]]:
@@ -184,6 +195,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                 "message": {"role": "assistant", "content": r.text},
                 "logprobs": logprobs(r.token_ids, r.logprobs),
                 "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
             }
             for r in results
         ]
@@ -191,7 +203,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     prompt_text = "\n".join(m["content"] for m in messages)
     return await _respond(
         request, state, body, CHAT_COMPLETIONS, rid, [ids], params, chunk,
-        choices, [prompt_text], False, messages=messages,
+        choices, [prompt_text], False, messages=messages, opening=opening,
     )  # fmt: skip
 
 
@@ -208,9 +220,11 @@ async def _respond(
     prompt_texts: list[str | None],
     drop: bool,
     messages: list[dict[str, str]] | None = None,
+    opening: Callable[[int], dict[str, Any]] | None = None,
 ) -> Response:
     specs = choice_specs(rid, prompts, params, body.n)
     state.admit(len(specs))
+    state.metrics.n.observe(body.n)
     sent = time.perf_counter()
     head = {"id": rid, "created": now(), "model": state.config.model_name}
     prompt_tokens = sum(len(p) for p in prompts)
@@ -241,8 +255,11 @@ async def _respond(
         return JSONResponse(final(results))
 
     release = _Once(lambda: state.release(len(specs)))
+    stream_kind = "chat.completion.chunk" if endpoint == CHAT_COMPLETIONS else "text_completion"
+    frames = _sse(state, specs, sent, head, chunk, body.include_usage, final, after, release,
+                  stream_kind, opening)  # fmt: skip
     return _ReleasingStream(
-        _sse(state, specs, sent, head, chunk, body.include_usage, final, after, release),
+        frames,
         release,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
@@ -286,8 +303,12 @@ async def _sse(
     final: Callable[[list[ChoiceResult]], dict[str, Any]],
     after: Callable[[list[ChoiceResult]], None],
     release: Callable[[], None],
+    kind: str,
+    opening: Callable[[int], dict[str, Any]] | None,
 ) -> AsyncIterator[str]:
-    """Interleave every choice's deltas as SSE frames; `data: [DONE]` last."""
+    """Interleave every choice's deltas as SSE frames (after each choice's `opening` frame,
+    where the endpoint has one); the usage-only chunk, where asked, is of the stream's
+    object `kind`; `data: [DONE]` last."""
     results = [ChoiceResult(s.index, s.prompt_ids, sent=sent) for s in specs]
     frames: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
 
@@ -305,6 +326,9 @@ async def _sse(
 
     tasks = [asyncio.ensure_future(pump(s, r)) for s, r in zip(specs, results, strict=True)]
     try:
+        if opening is not None:
+            for spec in specs:
+                yield fmt.sse({**head, **opening(spec.index)})
         running = len(tasks)
         while running:
             item = await frames.get()
@@ -318,7 +342,7 @@ async def _sse(
                 yield fmt.sse(item)
         if include_usage:
             usage = final(results)["usage"]
-            yield fmt.sse({**head, "object": "chunk", "choices": [], "usage": usage})
+            yield fmt.sse({**head, "object": kind, "choices": [], "usage": usage})
         yield fmt.sse("[DONE]")
         after(results)
     finally:

@@ -195,25 +195,65 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert model.id == MODEL
 
 
+# vLLM 0.32's metrics (vllm/v1/metrics/loggers.py) a vLLM dashboard reads, by Prometheus type;
+# spec_decode_* appear where the engine reports them (the shared server's engine does).
+VLLM_METRICS = {
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge",
+    "kv_cache_usage_perc": "gauge", "prefix_cache_queries": "counter",
+    "prefix_cache_hits": "counter", "prompt_tokens": "counter", "generation_tokens": "counter",
+    "num_preemptions": "counter", "request_success": "counter",
+    "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
+    "iteration_tokens_total": "histogram", "request_params_n": "histogram",
+    "request_params_max_tokens": "histogram", "time_to_first_token_seconds": "histogram",
+    "inter_token_latency_seconds": "histogram",
+    "request_time_per_output_token_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
+    "request_inference_time_seconds": "histogram", "request_prefill_time_seconds": "histogram",
+    "request_decode_time_seconds": "histogram", "cache_config_info": "gauge",
+    "spec_decode_num_drafts": "counter", "spec_decode_num_accepted_tokens": "counter",
+}  # fmt: skip
+
+
 def test_metrics_use_vllm_names(shared_server: LiveServer, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(f"{shared_server.url}/metrics").text
-    for name in (
-        "time_to_first_token_seconds_count",
-        "inter_token_latency_seconds_count",
-        "e2e_request_latency_seconds_count",
-        "request_queue_time_seconds_count",
-        "num_requests_running",
-        "num_requests_waiting",
-        "kv_cache_usage_perc",
-        "prefix_cache_queries_total",
-        "prefix_cache_hits_total",
-        "prompt_tokens_total",
-        "generation_tokens_total",
-        "spec_decode_num_drafts_total",
-        "spec_decode_num_accepted_tokens_total",
-    ):
-        assert f'vllm:{name}{{model_name="{MODEL}"}}' in text, name
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ours = {"model_name": MODEL, "engine": "0"}
+    for name, kind in VLLM_METRICS.items():
+        family = families[f"vllm:{name}"]
+        assert family.type == kind, name
+        # cache_config_info's labels are the cache settings and engine, as vLLM's
+        labels = {"engine": "0"} if name == "cache_config_info" else ours
+        assert all(labels.items() <= sample.labels.items() for sample in family.samples), name
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        want = {**ours, **labels}.items()
+        found = [s.value for s in families[family].samples
+                 if s.name == sample and want <= s.labels.items()]  # fmt: skip
+        assert len(found) == 1, (sample, labels)
+        return float(found[0])
+
+    success = "vllm:request_success"
+    assert value(success, success + "_total", finished_reason="length") >= 1.0
+    assert value(success, success + "_total", finished_reason="error") == 0.0  # made at zero
+    ttft = "vllm:time_to_first_token_seconds"
+    assert value(ttft, ttft + "_bucket", le="0.001") >= 0
+    steps = "vllm:iteration_tokens_total"
+    assert value(steps, steps + "_bucket", le="16384.0") >= 2  # a prefill and decodes
+    info = families["vllm:cache_config_info"].samples[0].labels
+    assert {"block_size", "num_gpu_blocks", "cache_dtype", "engine"} <= set(info)
+    # the process and HTTP metrics a vLLM server exposes beside its own
+    process = (
+        "process_cpu_seconds",
+        "process_resident_memory_bytes",
+        "python_gc_objects_collected",
+    )
+    for name in (*process, "http_requests", "http_request_duration_seconds"):
+        assert name in families, name
+    assert any(s.labels.get("handler") == "/v1/completions"
+               for s in families["http_requests"].samples)  # fmt: skip
     stats = shared_server.state.backend.stats()
-    counter = f'vllm:generation_tokens_total{{model_name="{MODEL}"}}'
-    assert f"{counter} {stats.generation_tokens_total:.1f}" in text
+    tokens = "vllm:generation_tokens"
+    assert value(tokens, tokens + "_total") == stats.generation_tokens_total

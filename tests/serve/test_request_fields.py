@@ -4,6 +4,7 @@ processors where it has the same one), and each one it does not is a 400 naming 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,50 @@ def test_a_field_kiln_does_not_implement_is_a_400_naming_it(
         assert (
             httpx.post(f"{shared_server.url}/v1/{route}", json=body, timeout=60).status_code == 200
         )
+
+
+def sse_frames(server: LiveServer, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    frames = []
+    with httpx.stream("POST", f"{server.url}/v1/{route}", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                frames.append(json.loads(line.removeprefix("data: ")))
+    return frames
+
+
+def test_streamed_chunks_have_vllms_shape(shared_server: LiveServer, tiny_llama: Path) -> None:
+    """A chat stream opens each choice with a role-only chunk; the usage-only chunk is of the
+    stream's own object; a completion stream's text_offset runs on across chunks."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    frames = sse_frames(shared_server, "chat/completions", chat)
+    assert frames[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in f["choices"][0]["delta"] for f in frames[1:-1])
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 4
+    assert {f["object"] for f in frames} == {"chat.completion.chunk"}
+    prompt = prompt_ids(tiny_llama, 1)[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    frames = sse_frames(shared_server, "completions", body)
+    assert {f["object"] for f in frames} == {"text_completion"}
+    offsets, texts = [], []
+    for frame in frames[:-1]:
+        offsets += frame["choices"][0]["logprobs"]["text_offset"]
+        texts += frame["choices"][0]["logprobs"]["tokens"]
+    assert offsets == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert offsets[-1] > 0
+
+
+def test_queue_time_is_observed(shared_server: LiveServer) -> None:
+    before = _count(shared_server, "vllm:request_queue_time_seconds_count")
+    completion(shared_server, prompt="hello", max_tokens=2)
+    assert _count(shared_server, "vllm:request_queue_time_seconds_count") == before + 1
+
+
+def _count(server: LiveServer, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))  # fmt: skip

@@ -4,8 +4,8 @@
         --include_path recipes/tasks --tasks kiln_mc,kiln_qa
 
 (lm-eval has no plugin discovery, so its own `lm_eval` command only knows `kiln` once this
-module is imported; running the module starts lm-eval's CLI with `kiln` registered and
-kiln's `${KILN_TASKS_DIR}` task placeholders resolved.)
+module is imported; running the module starts lm-eval's CLI with `kiln` registered beside
+lm-eval's own models and `${KILN_TASKS_DIR}` placeholders of a user's task files resolved.)
 
 `KilnLM` builds on lm-eval's `TemplateLM`, so contexts and continuations are tokenised
 exactly as lm-eval's `hf` model does (trailing spaces moved into the continuation, the
@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# lm-eval's own models, registered before `kiln` joins them (its registry loads them only
+# while it is empty, so `--model hf` would otherwise be unknown beside `kiln`).
+import lm_eval.models  # noqa: F401
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window

@@ -1,10 +1,12 @@
 """Offline lm-eval tasks: load them from local YAML, run them, keep per-item scores.
 
-Task YAML in `recipes/tasks/` names its data as `${KILN_TASKS_DIR}/file.jsonl`. lm-eval
-passes `data_files` to `datasets.load_dataset` as is, which resolves relative paths
-against the working directory, so each task directory is copied to a temporary one with
-the placeholder replaced by the directory's absolute path (its Python helpers are copied
-beside, since `!function` resolves next to the YAML).
+Task YAML in `recipes/tasks/` loads its data with `custom_dataset: !function kiln_data.load`
+(the JSONL beside the module), which stock lm-eval reads from any working directory. A user's
+task directory may instead name its data as `${KILN_TASKS_DIR}/file.jsonl` (lm-eval passes
+`data_files` to `datasets.load_dataset` as is, which resolves relative paths against the
+working directory): task directories are gathered into a temporary one with that placeholder
+replaced by the directory's absolute path, their Python helpers copied beside (`!function`
+resolves next to the YAML) and their other files linked there.
 
 Per-item scores come from lm-eval's logged samples (`log_samples=True`); the gate pairs
 them by `doc_id` across the two sides.
@@ -50,7 +52,8 @@ class TaskResult:
 
 
 def prepare_task_dir(sources: Sequence[Path], into: Path) -> Path:
-    """Copy task YAML (placeholder resolved) and helpers from each source dir into `into`."""
+    """Copy task YAML (placeholder resolved) and helpers from each source dir into `into`,
+    and link its data files there (a helper reads them beside itself)."""
     into.mkdir(parents=True, exist_ok=True)
     for source in sources:
         source = source.resolve()
@@ -62,6 +65,8 @@ def prepare_task_dir(sources: Sequence[Path], into: Path) -> Path:
                 (into / path.name).write_text(text)
             elif path.suffix == ".py":
                 shutil.copy2(path, into / path.name)
+            elif path.is_file() and not (into / path.name).exists():
+                (into / path.name).symlink_to(path)
     return into
 
 

@@ -44,13 +44,23 @@ def test_unknown_keys_and_bad_values_are_named(tmp_path: Path) -> None:
 
 
 def test_task_files_resolve_their_data_directory(tmp_path: Path) -> None:
-    out = prepare_task_dir([BUILTIN_TASKS_DIR], tmp_path / "tasks")
+    """The built-in tasks read their data beside kiln_data.py (copied, its data linked); a
+    user's task file that names `${KILN_TASKS_DIR}` gets its own directory's path."""
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "mine.yaml").write_text(
+        "task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {PLACEHOLDER}/mine.jsonl\n"
+    )
+    out = prepare_task_dir([BUILTIN_TASKS_DIR, user], tmp_path / "tasks")
     assert local_task_names(out) == {
-        "kiln_ppl", "kiln_mc", "kiln_qa", "kiln_cloze", "kiln_next_word"
+        "kiln_ppl", "kiln_mc", "kiln_qa", "kiln_cloze", "kiln_next_word", "mine"
     }  # fmt: skip
-    for path in out.glob("*.yaml"):
-        text = path.read_text()
-        assert PLACEHOLDER not in text and str(BUILTIN_TASKS_DIR) in text
+    assert PLACEHOLDER not in (out / "mine.yaml").read_text()
+    assert str(user.resolve()) in (out / "mine.yaml").read_text()
+    assert (out / "kiln_data.py").is_file() and (out / "kiln_mc.jsonl").resolve() == (
+        BUILTIN_TASKS_DIR / "kiln_mc.jsonl"
+    ).resolve()
 
 
 def test_task_data_is_well_formed_and_small() -> None:
@@ -112,7 +122,7 @@ def test_default_tasks_have_a_thousand_items_each_one_kind_of_scoring_each() -> 
         ]
         text = path.read_text()
         kinds[name] = text.split("output_type: ", 1)[1].split()[0]
-        data = text.split(f"{PLACEHOLDER}/", 1)[1].split()[0]
+        data = text.split("data_file: ", 1)[1].split()[0]
         rows = (BUILTIN_TASKS_DIR / data).read_text().splitlines()
         if kinds[name] != "loglikelihood_rolling":  # perplexity is scored by token, not item
             assert len(rows) >= 1000, (name, len(rows))

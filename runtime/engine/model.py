@@ -240,9 +240,13 @@ class CausalLM:
         qk_size = (heads + kv_heads) * dim
         rows = token_ids.shape[0]
         tables = {False: (self.cos, self.sin), True: (self.local_cos, self.local_sin)}
-        if not self.fused:
-            picked = {local: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-                      for local, (cos, sin) in tables.items()}  # fmt: skip
+        if not self.fused:  # each distinct table indexed once (the local one is often global)
+            picked = {False: (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))}
+            picked[True] = (
+                (self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1))
+                if c.local_rope_theta
+                else picked[False]
+            )
         residual = F.embedding(token_ids, self.embed)
         if self.embed_scale is not None:
             residual = residual * self.embed_scale

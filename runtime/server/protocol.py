@@ -178,7 +178,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,  # above max_tokens: SamplingParams refuses it (a 400)
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,

@@ -74,6 +74,10 @@ def test_logit_bias_min_tokens_and_stop_token_ids(shared_server: LiveServer, tin
     held = completion(shared_server, **body, min_tokens=6, logprobs=0)["choices"][0]
     pieces = held["logprobs"]["tokens"]
     assert len(pieces) >= 6 and tokenizer.decode([stop_id]) not in pieces[:6]
+    # more min_tokens than max_tokens is refused, as vLLM refuses it, not quietly lowered
+    payload = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "min_tokens": 5}
+    resp = httpx.post(f"{shared_server.url}/v1/completions", json=payload, timeout=60)
+    assert resp.status_code == 400 and "min_tokens" in resp.text
 
 
 def test_stop_strings_after_min_tokens_and_include_stop_str(shared_server: LiveServer, tiny_llama):

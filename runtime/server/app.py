@@ -166,7 +166,7 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(KilnError)
     async def kiln_error(request: Request, exc: KilnError) -> JSONResponse:
         if isinstance(exc, UsageError):
-            return _error(400, exc.message, "invalid_request_error")
+            return _error(400, exc.message, "invalid_request_error", getattr(exc, "param", None))
         return _error(500, exc.message, "server_error")
 
     @app.exception_handler(RequestValidationError)

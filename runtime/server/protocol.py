@@ -47,6 +47,15 @@ def lone_surrogate(body: Any) -> tuple[str, int, str] | None:
     return None
 
 
+class FieldError(UsageError):
+    """A request field the server cannot honour as sent: a 400 whose `param` names it (as
+    OpenAI's and vLLM's errors do)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 # OpenAI and vLLM request fields kiln does not implement: (the values that mean "off", why).
 # A request that sends one with another value is refused naming it; vLLM's field names.
 _NO_DECODING = "constrained decoding, which this server does not do"
@@ -162,11 +171,11 @@ class _Sampling(BaseModel):
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             if not key.lstrip("-").isdigit():
-                raise UsageError(f"logit_bias: key {key!r} is not a token id")
+                raise FieldError("logit_bias", f"logit_bias: key {key!r} is not a token id")
             bias[int(key)] = value
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
-            raise UsageError("`stop` strings must be non-empty")
+            raise FieldError("stop", "`stop` strings must be non-empty")
         top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
         return SamplingParams(
             max_tokens=max_tokens,
@@ -217,23 +226,27 @@ class CompletionRequest(_Sampling):
         if isinstance(p, str):
             return [p]
         if not p:
-            raise UsageError("`prompt` is empty; send a string, strings, or token ids")
+            raise FieldError("prompt", "`prompt` is empty; send a string, strings, or token ids")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
             return list(p)  # type: ignore[arg-type]
-        raise UsageError("`prompt` mixes strings and token ids; send one kind")
+        raise FieldError("prompt", "`prompt` mixes strings and token ids; send one kind")
 
     def sampling_params(self) -> tuple[SamplingParams, bool]:
         """The engine's params, and whether the single generated token is to be dropped
         (echo with max_tokens 0: the caller wants the prompt's log-probabilities only)."""
         if self.suffix:
-            raise UsageError("`suffix` is not supported by this server")
+            raise FieldError("suffix", "`suffix` is not supported by this server")
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if max_tokens == 0 and not self.echo:
-            raise UsageError("max_tokens=0 is allowed only with echo=true (prompt scoring)")
+            raise FieldError(
+                "max_tokens", "max_tokens=0 is allowed only with echo=true (prompt scoring)"
+            )
         if self.prompt_logprobs is not None and self.stream:
-            raise UsageError("`prompt_logprobs` are not available when `stream` is true")
+            raise FieldError(
+                "prompt_logprobs", "`prompt_logprobs` are not available when `stream` is true"
+            )
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
@@ -287,24 +300,26 @@ class ChatCompletionRequest(_Sampling):
         """The engine's params; `room` is the context left after the prompt (the default
         max_tokens, as OpenAI's is "up to the context")."""
         if self.tools:
-            raise UsageError("`tools` (function calling) is not supported by this server")
+            raise FieldError("tools", "`tools` (function calling) is not supported by this server")
         if self.echo:
-            raise UsageError("chat `echo` is not supported by this server; leave it false")
+            raise FieldError("echo", "chat `echo` is not supported by this server; leave it false")
         if self.prompt_logprobs is not None:
-            raise UsageError(
+            raise FieldError(
+                "prompt_logprobs",
                 "chat `prompt_logprobs` are not supported; use /v1/completions with the "
-                "rendered prompt"
+                "rendered prompt",
             )
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
-            raise UsageError(
+            raise FieldError(
+                "response_format",
                 f"response_format {kind!r} needs constrained decoding, which this server does "
-                "not do; ask for JSON in the prompt or leave response_format out"
+                "not do; ask for JSON in the prompt or leave response_format out",
             )
         limit = self.max_completion_tokens or self.max_tokens or max(room, 1)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs and not self.logprobs:
-            raise UsageError("`top_logprobs` needs `logprobs: true`")
+            raise FieldError("top_logprobs", "`top_logprobs` needs `logprobs: true`")
         return self._params(limit, logprobs, None)
 
 

@@ -132,11 +132,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         stop_reason = result.stop_reason if finish else None
         out = {"index": result.index, "text": text, "logprobs": logprobs,
                "finish_reason": finish, "stop_reason": stop_reason}  # fmt: skip
-        if body.prompt_logprobs is not None:
+        # vLLM scores the prompt for echo with logprobs and returns that as prompt_logprobs too.
+        prompt_top = body.prompt_logprobs
+        if prompt_top is None and body.echo and body.logprobs is not None:
+            prompt_top = body.logprobs
+        if prompt_top is not None:
             entries = result.prompt_logprobs or [None] * len(result.prompt_ids)
-            out["prompt_logprobs"] = fmt.prompt_logprobs(
-                result.prompt_ids, entries, body.prompt_logprobs
-            )
+            out["prompt_logprobs"] = fmt.prompt_logprobs(result.prompt_ids, entries, prompt_top)
         return out
 
     def chunk(result: ChoiceResult, delta: bool) -> dict[str, Any] | None:
@@ -178,8 +180,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         if not result.delta and finish is None:
             return None
         choice = {"index": result.index, "delta": content, "finish_reason": finish,
-                  "stop_reason": result.stop_reason if finish else None,
                   "logprobs": logprobs(result.delta_tokens, result.delta_logprobs)}  # fmt: skip
+        if finish is not None:  # vLLM sends stop_reason on a choice's last chunk only
+            choice["stop_reason"] = result.stop_reason
         return {"object": "chat.completion.chunk", "choices": [choice]}
 
     def opening(index: int) -> dict[str, Any]:
@@ -233,6 +236,7 @@ async def _respond(
         completion = 0 if drop else sum(len(r.token_ids) for r in results)
         kind = "chat.completion" if endpoint == CHAT_COMPLETIONS else "text_completion"
         return {**head, "object": kind, "choices": choices(results),
+                "system_fingerprint": state.fingerprint,
                 "usage": fmt.usage(prompt_tokens, completion)}  # fmt: skip
 
     def after(results: list[ChoiceResult]) -> None:
@@ -257,7 +261,7 @@ async def _respond(
     release = _Once(lambda: state.release(len(specs)))
     stream_kind = "chat.completion.chunk" if endpoint == CHAT_COMPLETIONS else "text_completion"
     frames = _sse(state, specs, sent, head, chunk, body.include_usage, final, after, release,
-                  stream_kind, opening)  # fmt: skip
+                  stream_kind, opening, state.fingerprint)  # fmt: skip
     return _ReleasingStream(
         frames,
         release,
@@ -305,10 +309,12 @@ async def _sse(
     release: Callable[[], None],
     kind: str,
     opening: Callable[[int], dict[str, Any]] | None,
+    fingerprint: str,
 ) -> AsyncIterator[str]:
     """Interleave every choice's deltas as SSE frames (after each choice's `opening` frame,
     where the endpoint has one); the usage-only chunk, where asked, is of the stream's
-    object `kind`; `data: [DONE]` last."""
+    object `kind`; `data: [DONE]` last. As vLLM's, the stream's last frames carry the
+    `system_fingerprint`: the usage chunk where there is one, else each choice's last."""
     results = [ChoiceResult(s.index, s.prompt_ids, sent=sent) for s in specs]
     frames: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
 
@@ -339,10 +345,13 @@ async def _sse(
                                          "param": None, "code": 500}})  # fmt: skip
                 return
             else:
+                if not include_usage and any(c.get("finish_reason") for c in item["choices"]):
+                    item["system_fingerprint"] = fingerprint
                 yield fmt.sse(item)
         if include_usage:
             usage = final(results)["usage"]
-            yield fmt.sse({**head, "object": kind, "choices": [], "usage": usage})
+            yield fmt.sse({**head, "object": kind, "choices": [], "usage": usage,
+                           "system_fingerprint": fingerprint})  # fmt: skip
         yield fmt.sse("[DONE]")
         after(results)
     finally:

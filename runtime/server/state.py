@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +100,10 @@ class ServerState:
     in_flight: int = 0
     warmup_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        self.fingerprint = system_fingerprint(self.config, self.backend)
 
     @property
     def capacity(self) -> int:
@@ -127,3 +134,17 @@ class ServerState:
 
     def release(self, choices: int) -> None:
         self.in_flight -= choices
+
+
+def system_fingerprint(config: ServerConfig, backend: Backend) -> str:
+    """OpenAI's `system_fingerprint`, shaped as vLLM's (`vllm-<version>-<hash8>`):
+    `kiln-<version>-<hash8>`, the hash over what decides the answers a client gets (the
+    served model and its artifact path, the backend, the context length), so a client sees
+    when the deployment behind a name changed."""
+    try:
+        version = importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    identity = [config.model_name, config.model_root, backend.name, backend.max_model_len]
+    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:8]
+    return f"kiln-{version}-{digest}"

@@ -28,6 +28,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Seconds from arrival to its first schedule (vLLM's queue time); None until scheduled.
     queue_time: float | None = None
+    num_preemptions: int = 0  # how often the scheduler has preempted it so far
 
 
 def queue_time(request: Request) -> float | None:
@@ -106,6 +107,7 @@ def delta_output(request: Request) -> RequestOutput:
         ),
         num_cached_tokens=request.num_cached_tokens,
         queue_time=queue_time(request),
+        num_preemptions=request.num_preemptions,
     )
     request.sent_text_len = visible
     request.sent_tokens = request.num_output_tokens
@@ -127,4 +129,5 @@ def final_output(request: Request) -> RequestOutput:
         prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
         num_cached_tokens=request.num_cached_tokens,
         queue_time=queue_time(request),
+        num_preemptions=request.num_preemptions,
     )

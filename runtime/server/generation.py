@@ -90,6 +90,7 @@ async def stream_choice(
                     spec.params.max_tokens, now - result.sent, queue,
                     None if first is None else first - result.sent,
                     None if first is None else now - first,
+                    out.num_cached_tokens, out.num_preemptions,
                 )  # fmt: skip
             yield result
     finally:

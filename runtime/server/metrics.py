@@ -46,6 +46,11 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# vLLM's reasons a request waits ("deferred": LoRA budget, KV transfer; kiln has neither) and
+# an admission is refused (kiln's --max-waiting is a queued-requests limit).
+WAITING_REASONS = ("capacity", "deferred")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 # vLLM's FinishReason strings, each counter created at zero.
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # Read from EngineStats on each scrape: (type, vLLM's name, its documentation, the field).
@@ -65,6 +70,8 @@ ENGINE_METRICS = (
      "generation_tokens_total"),
     ("counter", "num_preemptions", "Cumulative number of preemption from the engine.",
      "num_preemptions"),
+    ("counter", "prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+     "prefix_cache_hits"),
 )  # fmt: skip
 # The server-observed histograms: attribute → (vLLM's name, its documentation).
 HISTOGRAMS = {
@@ -95,6 +102,18 @@ HISTOGRAMS = {
     "generation_tokens": ("request_generation_tokens", "Number of generation tokens processed."),
     "max_tokens": ("request_params_max_tokens", "Histogram of the max_tokens request parameter."),
     "n": ("request_params_n", "Histogram of the n request parameter."),
+    "max_generation_tokens": (
+        "request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+    ),
+    "preemptions": (
+        "request_num_preemptions",
+        "Histogram of the number of times a request was preempted.",
+    ),
+    "prefill_kv_computed": (
+        "request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+    ),
 }
 SPEC_COUNTERS = (
     "spec_decode_num_drafts",
@@ -137,6 +156,16 @@ class _EngineCollector(Collector):
         for kind, name, doc, field in ENGINE_METRICS:
             make = self._gauge if kind == "gauge" else self._counter
             yield make(name, doc, getattr(s, field))
+        waiting = GaugeMetricFamily(
+            PREFIX + "num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+            "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            labels=[*LABELS, "reason"],
+        )
+        waiting.add_metric([*self._values, "capacity"], s.num_requests_waiting)
+        waiting.add_metric([*self._values, "deferred"], 0)
+        yield waiting
         if s.iteration_tokens_buckets:
             iteration = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
                                               "Histogram of number of tokens per engine_step.",
@@ -200,6 +229,16 @@ class ServerMetrics:
         self.generation_tokens = histogram(*HISTOGRAMS["generation_tokens"], tokens)
         self.max_tokens = histogram(*HISTOGRAMS["max_tokens"], tokens)
         self.n = histogram(*HISTOGRAMS["n"], N_BUCKETS)
+        self.max_generation_tokens = histogram(*HISTOGRAMS["max_generation_tokens"], tokens)
+        self.preemptions = histogram(*HISTOGRAMS["preemptions"], PREEMPTION_BUCKETS)
+        self.prefill_kv_computed = histogram(*HISTOGRAMS["prefill_kv_computed"], tokens)
+        rejections = Counter(
+            PREFIX + "admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self.admission_rejections = {r: rejections.labels(model_name, r) for r in ADMISSION_REASONS}
         success = Counter(
             PREFIX + "request_success",
             "Count of successfully processed requests.",
@@ -221,6 +260,8 @@ class ServerMetrics:
         queue: float | None,
         ttft: float | None,
         decode: float | None,
+        cached_tokens: int = 0,
+        preemptions: int = 0,
     ) -> None:
         """Observe one finished request (one choice), as vLLM observes a finished request."""
         self.success.get(reason or "abort", self.success["abort"]).inc()
@@ -228,6 +269,9 @@ class ServerMetrics:
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generation_tokens)
         self.max_tokens.observe(max_tokens)
+        self.max_generation_tokens.observe(max_tokens)
+        self.preemptions.observe(preemptions)
+        self.prefill_kv_computed.observe(prompt_tokens - max(cached_tokens, 0))
         queued = queue or 0.0
         if queue is not None:
             self.queue_time.observe(queue)

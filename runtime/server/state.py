@@ -122,6 +122,7 @@ class ServerState:
                            f"at most {self.capacity} at once (lower n or send fewer prompts)",
                            param="n")  # fmt: skip
         if self.in_flight + choices > self.capacity:
+            self.metrics.admission_rejections["max_num_queued_reqs"].inc()
             raise APIError(
                 429,
                 f"server overloaded: {self.in_flight} sequences in flight, the limit is "

@@ -83,6 +83,9 @@ def test_preempted_greedy_output_equals_unpreempted(tiny_llama: Path) -> None:
     expected = roomy.generate(prompts, GREEDY)
     got = tight.generate(prompts, GREEDY)
     assert tight.stats().num_preemptions > 0
+    # each output says how often its request was preempted (vLLM's request_num_preemptions)
+    assert sum(o.num_preemptions for o in got) == tight.stats().num_preemptions
+    assert [o.num_preemptions for o in expected] == [0] * len(prompts)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert [o.text for o in got] == [o.text for o in expected]
 

@@ -211,6 +211,9 @@ VLLM_METRICS = {
     "request_inference_time_seconds": "histogram", "request_prefill_time_seconds": "histogram",
     "request_decode_time_seconds": "histogram", "cache_config_info": "gauge",
     "spec_decode_num_drafts": "counter", "spec_decode_num_accepted_tokens": "counter",
+    "num_requests_waiting_by_reason": "gauge", "prompt_tokens_cached": "counter",
+    "request_max_num_generation_tokens": "histogram", "request_num_preemptions": "histogram",
+    "request_prefill_kv_computed_tokens": "histogram", "admission_rejections": "counter",
 }  # fmt: skip
 
 
@@ -224,8 +227,11 @@ def test_metrics_use_vllm_names(shared_server: LiveServer, client: openai.OpenAI
     for name, kind in VLLM_METRICS.items():
         family = families[f"vllm:{name}"]
         assert family.type == kind, name
-        # cache_config_info's labels are the cache settings and engine, as vLLM's
+        # cache_config_info's labels are the cache settings and engine, admission_rejections'
+        # the model and reason, as vLLM's
         labels = {"engine": "0"} if name == "cache_config_info" else ours
+        if name == "admission_rejections":
+            labels = {"model_name": MODEL}
         assert all(labels.items() <= sample.labels.items() for sample in family.samples), name
 
     def value(family: str, sample: str, **labels: str) -> float:
@@ -242,6 +248,14 @@ def test_metrics_use_vllm_names(shared_server: LiveServer, client: openai.OpenAI
     assert value(ttft, ttft + "_bucket", le="0.001") >= 0
     steps = "vllm:iteration_tokens_total"
     assert value(steps, steps + "_bucket", le="16384.0") >= 2  # a prefill and decodes
+    waiting = "vllm:num_requests_waiting_by_reason"
+    assert value(waiting, waiting, reason="deferred") == 0.0
+    preempted = "vllm:request_num_preemptions"
+    assert value(preempted, preempted + "_bucket", le="1.0") == value(
+        preempted, preempted + "_count"
+    )  # none of these requests was preempted
+    computed = "vllm:request_prefill_kv_computed_tokens"
+    assert value(computed, computed + "_sum") > 0
     info = families["vllm:cache_config_info"].samples[0].labels
     assert {"block_size", "num_gpu_blocks", "cache_dtype", "engine"} <= set(info)
     # the process and HTTP metrics a vLLM server exposes beside its own

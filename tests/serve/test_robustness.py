@@ -149,6 +149,8 @@ def test_overload_answers_429_with_retry_after(
         assert resp.headers["Retry-After"] == "1"
         assert "max_num_seqs 1 + max_waiting 1" in error["message"]
         assert error["type"] == "rate_limit_exceeded"
+    rejected = server.state.metrics.admission_rejections["max_num_queued_reqs"]
+    assert rejected._value.get() == 1  # vLLM's vllm:admission_rejections{reason=...}
     _wait_idle(server)
     assert httpx.post(url, json={"prompt": "x", "max_tokens": 2}).status_code == 200
 

@@ -64,7 +64,7 @@ def quantise(source: Path, mode: str, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     extra: dict[str, Any] = {}
     if mode in CALIBRATED:
-        samples = token_windows(source, count=8, length=64)[::-1]  # not the scored windows
+        samples = token_windows(source, count=16, length=64)[8:]  # after the scored 512 tokens
         data = {"input_ids": samples, "attention_mask": [[1] * 64] * len(samples)}
         extra = {
             "dataset": Dataset.from_dict(data),

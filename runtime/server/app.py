@@ -93,7 +93,7 @@ def create_app(
 ) -> FastAPI:
     """An OpenAI-compatible app serving `backend`."""
     metrics = ServerMetrics(backend.stats, config.model_name, backend.max_model_len)
-    state = ServerState(backend, config, metrics, recorder, mirror)
+    state = ServerState(backend, config, metrics, recorder, mirror, digest=digest)
     state.extra["digest"] = digest
     # With API keys the schema needs a key too, and the browser pages (which fetch the
     # schema without one) are not served.

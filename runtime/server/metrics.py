@@ -70,8 +70,6 @@ ENGINE_METRICS = (
      "generation_tokens_total"),
     ("counter", "num_preemptions", "Cumulative number of preemption from the engine.",
      "num_preemptions"),
-    ("counter", "prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
-     "prefix_cache_hits"),
 )  # fmt: skip
 # The server-observed histograms: attribute → (vLLM's name, its documentation).
 HISTOGRAMS = {
@@ -232,6 +230,12 @@ class ServerMetrics:
         self.max_generation_tokens = histogram(*HISTOGRAMS["max_generation_tokens"], tokens)
         self.preemptions = histogram(*HISTOGRAMS["preemptions"], PREEMPTION_BUCKETS)
         self.prefill_kv_computed = histogram(*HISTOGRAMS["prefill_kv_computed"], tokens)
+        self.prompt_tokens_cached = Counter(
+            PREFIX + "prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            LABELS,
+            registry=self.registry,
+        ).labels(*values)
         rejections = Counter(
             PREFIX + "admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
@@ -269,8 +273,8 @@ class ServerMetrics:
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generation_tokens)
         self.max_tokens.observe(max_tokens)
-        self.max_generation_tokens.observe(max_tokens)
         self.preemptions.observe(preemptions)
+        self.prompt_tokens_cached.inc(max(cached_tokens, 0))
         self.prefill_kv_computed.observe(prompt_tokens - max(cached_tokens, 0))
         queued = queue or 0.0
         if queue is not None:

@@ -136,7 +136,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt_top = body.prompt_logprobs
         if prompt_top is None and body.echo and body.logprobs is not None:
             prompt_top = body.logprobs
-        if prompt_top is not None:
+        if delta and body.echo and first:  # vLLM's first echoed chunk names the prompt's ids
+            out["prompt_token_ids"] = list(result.prompt_ids)
+        if prompt_top is not None and not delta:  # vLLM's stream chunks carry none
             entries = result.prompt_logprobs or [None] * len(result.prompt_ids)
             out["prompt_logprobs"] = fmt.prompt_logprobs(result.prompt_ids, entries, prompt_top)
         return out
@@ -240,6 +242,10 @@ async def _respond(
                 "usage": fmt.usage(prompt_tokens, completion)}  # fmt: skip
 
     def after(results: list[ChoiceResult]) -> None:
+        # vLLM's request_max_num_generation_tokens: per prompt, the most any of its n made
+        for start in range(0, len(results), body.n):
+            group = results[start : start + body.n]
+            state.metrics.max_generation_tokens.observe(max(len(r.token_ids) for r in group))
         response = final(results)
         _record(state, rid, endpoint, body, prompt_tokens, response, results, prompts)
         if not drop:

@@ -101,9 +101,10 @@ class ServerState:
     warmup_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
+    digest: str = ""  # the artifact's content digest, where it is one
 
     def __post_init__(self) -> None:
-        self.fingerprint = system_fingerprint(self.config, self.backend)
+        self.fingerprint = system_fingerprint(self.config, self.backend, self.digest)
 
     @property
     def capacity(self) -> int:
@@ -137,15 +138,15 @@ class ServerState:
         self.in_flight -= choices
 
 
-def system_fingerprint(config: ServerConfig, backend: Backend) -> str:
+def system_fingerprint(config: ServerConfig, backend: Backend, digest: str = "") -> str:
     """OpenAI's `system_fingerprint`, shaped as vLLM's (`vllm-<version>-<hash8>`):
     `kiln-<version>-<hash8>`, the hash over what decides the answers a client gets (the
-    served model and its artifact path, the backend, the context length), so a client sees
-    when the deployment behind a name changed."""
+    served model, its artifact's content digest and path, the backend, the context length),
+    so a client sees when the deployment behind a name changed."""
     try:
         version = importlib.metadata.version("kiln")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    identity = [config.model_name, config.model_root, backend.name, backend.max_model_len]
+    identity = [config.model_name, digest, config.model_root, backend.name, backend.max_model_len]
     digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:8]
     return f"kiln-{version}-{digest}"

@@ -251,9 +251,8 @@ def test_metrics_use_vllm_names(shared_server: LiveServer, client: openai.OpenAI
     waiting = "vllm:num_requests_waiting_by_reason"
     assert value(waiting, waiting, reason="deferred") == 0.0
     preempted = "vllm:request_num_preemptions"
-    assert value(preempted, preempted + "_bucket", le="1.0") == value(
-        preempted, preempted + "_count"
-    )  # none of these requests was preempted
+    assert value(preempted, preempted + "_sum") == 0  # none of these requests was preempted
+    assert value(preempted, preempted + "_count") >= 1
     computed = "vllm:request_prefill_kv_computed_tokens"
     assert value(computed, computed + "_sum") > 0
     info = families["vllm:cache_config_info"].samples[0].labels

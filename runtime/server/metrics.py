@@ -161,8 +161,9 @@ class _EngineCollector(Collector):
             "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
             labels=[*LABELS, "reason"],
         )
-        waiting.add_metric([*self._values, "capacity"], s.num_requests_waiting)
-        waiting.add_metric([*self._values, "deferred"], 0)
+        capacity, deferred = WAITING_REASONS
+        waiting.add_metric([*self._values, capacity], s.num_requests_waiting)
+        waiting.add_metric([*self._values, deferred], 0)  # kiln defers nothing
         yield waiting
         if s.iteration_tokens_buckets:
             iteration = HistogramMetricFamily(PREFIX + "iteration_tokens_total",

@@ -148,5 +148,5 @@ def system_fingerprint(config: ServerConfig, backend: Backend, digest: str = "")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     identity = [config.model_name, digest, config.model_root, backend.name, backend.max_model_len]
-    digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:8]
-    return f"kiln-{version}-{digest}"
+    hash8 = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:8]
+    return f"kiln-{version}-{hash8}"

@@ -98,7 +98,8 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random MixtralForCausalLM: 4 experts of width 128, 2 per token."""
+    """A 2-layer random MixtralForCausalLM: 4 experts as wide as intermediate_size (256), 2 a
+    token."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), arch="mixtral")
 
 

@@ -101,7 +101,9 @@ def make_tiny_model(
     """Write a random `arch` checkpoint (float32) and its tokenizer to `path`; `extra`: more
     config fields (a MoE model's experts)."""
     tokenizer = train_tokenizer(vocab_size)
-    if arch in ("mixtral", "qwen3_moe"):
+    if arch == "mixtral":  # each expert as wide as intermediate_size
+        extra = {**MOE, **extra}
+    if arch == "qwen3_moe":
         extra = {**MOE, "moe_intermediate_size": intermediate_size // 2, **extra}
     config = CONFIGS[arch](
         vocab_size=len(tokenizer),

@@ -117,6 +117,48 @@ def run(job: QuantJob) -> None:
         )
     job.progress(f"saving compressed-tensors checkpoint to {job.out_dir}")
     job.model.save_pretrained(job.out_dir, save_compressed=True)
+    restore_expert_names(Path(job.out_dir))
+
+
+# The names llm-compressor gives each expert's projections when it splits transformers 5's
+# fused expert tensors into linears to quantise them (modeling/moe/linear_experts.py).
+LINEARISED = ("gate_proj", "up_proj", "down_proj")
+
+
+def restore_expert_names(out_dir: Path) -> None:
+    """Rename a saved MoE checkpoint's experts back to the family's own names.
+
+    llm-compressor 0.14 saves the experts of a family it has no save mapping for under its
+    linearised names (Mixtral's `experts.N.w1` as `experts.N.gate_proj`, w3 as up_proj, w2 as
+    down_proj); kiln's runtime, vLLM and TensorRT-LLM read the family's names. Hand-written:
+    no library renames them back. A family whose names are the linearised ones (Qwen3-MoE)
+    is left as saved."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from kiln.runtime.formats.model_info import ModelInfo
+
+    info = ModelInfo.from_hf_config(json.loads((out_dir / "config.json").read_text()))
+    moe = info.moe
+    if moe is None or (moe.gate, moe.up, moe.down) == LINEARISED:
+        return
+    names = dict(zip(LINEARISED, (moe.gate, moe.up, moe.down), strict=True))
+    pattern = re.compile(r"(\.experts\.\d+\.)(gate_proj|up_proj|down_proj)\.")
+
+    def rename(key: str) -> str:
+        return pattern.sub(lambda m: f"{m.group(1)}{names[m.group(2)]}.", key)
+
+    for path in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(path)
+        if any(pattern.search(k) for k in tensors):
+            save_file({rename(k): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    index = out_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:

@@ -56,16 +56,22 @@ class MoELayout:
     # Whether the top-k routing weights are renormalised to sum to one: always (Mixtral), or
     # as config.json's norm_topk_prob says (None: Qwen3-MoE).
     normalize: bool | None
+    # The config.json key of each expert's MLP width, as transformers reads it.
+    width_key: str
 
 
 MOE_LAYOUTS = {
-    "MixtralForCausalLM": MoELayout("block_sparse_moe", "gate", "w1", "w3", "w2", True),
-    "Qwen3MoeForCausalLM": MoELayout("mlp", "gate", "gate_proj", "up_proj", "down_proj", None),
+    "MixtralForCausalLM": MoELayout(
+        "block_sparse_moe", "gate", "w1", "w3", "w2", True, "intermediate_size"
+    ),
+    "Qwen3MoeForCausalLM": MoELayout(
+        "mlp", "gate", "gate_proj", "up_proj", "down_proj", None, "moe_intermediate_size"
+    ),
 }
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
 SUPPORTED = f"kiln compiles and serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # transformers' own default where a config.json names no max_position_embeddings.
 DEFAULT_MAX_POSITIONS = 2048
 
@@ -295,11 +301,7 @@ class ModelInfo:
             partial_rotary_factor=partial,
             num_experts=experts if layout else 0,
             num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if layout else 0,
-            moe_intermediate_size=int(
-                config.get("moe_intermediate_size") or config["intermediate_size"]
-            )
-            if layout
-            else 0,
+            moe_intermediate_size=int(config[layout.width_key]) if layout else 0,
             norm_topk_prob=bool(
                 config.get("norm_topk_prob", False) if normalize is None else normalize
             ),
@@ -340,3 +342,38 @@ def _architecture(config: dict[str, Any]) -> str:
         model_type = str(config["model_type"])
         return ARCHITECTURES.get(model_type, f"{model_type} (model_type)")
     return "<missing>"
+
+
+def with_legacy_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with its RoPE also spelled as transformers 4 reads it.
+
+    transformers 5 writes `rope_parameters` (one set per layer type for Gemma 3) and drops
+    `rope_theta`, `rope_scaling` and `rope_local_base_freq`; transformers 4.57 (TensorRT-LLM
+    1.2's, and any older consumer) ignores `rope_parameters` and takes its defaults, so a
+    checkpoint saved by transformers 5 would load there with RoPE base 10000 and no scaling,
+    silently. The legacy keys are added, never changed where present; transformers 5 reads
+    `rope_parameters` first, so both read the same RoPE."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict):
+        return dict(config)
+    local = params.get("sliding_attention") or {}
+    full = params.get("full_attention", params)
+    legacy: dict[str, Any] = {}
+    if "rope_theta" in full:
+        legacy["rope_theta"] = full["rope_theta"]
+    scaling = {k: v for k, v in full.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "longrope":  # transformers 4's Phi3Config takes exactly these three fields
+        legacy["rope_scaling"] = {
+            "type": "longrope", "short_factor": scaling.get("short_factor"),
+            "long_factor": scaling.get("long_factor"),
+        }  # fmt: skip
+        if "original_max_position_embeddings" in scaling:
+            legacy["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    elif kind != "default":
+        legacy["rope_scaling"] = scaling
+    if full.get("partial_rotary_factor", 1.0) != 1.0:
+        legacy["partial_rotary_factor"] = full["partial_rotary_factor"]
+    if "rope_theta" in local:
+        legacy["rope_local_base_freq"] = local["rope_theta"]
+    return {**legacy, **config}

@@ -46,15 +46,20 @@ from kiln.runtime.engine.sampling import greedy_tokens
 from kiln.runtime.formats.model_info import ModelInfo
 
 
-def rope_inv_freq(config: ModelInfo, local: bool = False) -> torch.Tensor:
-    """Rotary inverse frequencies, with linear or Llama-3 scaling applied; with `local`, those
-    of the sliding-window layers of a family that rotates them with their own base, unscaled."""
+def rope_inv_freq(config: ModelInfo, local: bool = False, long: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear, Llama-3 or LongRoPE scaling applied (`long`:
+    LongRoPE's long factors, else its short ones); with `local`, those of the sliding-window
+    layers of a family that rotates them with their own base, unscaled."""
     dim = config.head_dim
     theta = config.local_rope_theta if local and config.local_rope_theta else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta**exponents)
     scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
+    if config.rope_type == "longrope":  # Phi-3 128k, Phi-3.5, Phi-4-mini
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
     factor = float(scaling["factor"])
     if scaling.get("rope_type", scaling.get("type")) == "linear":
         return inv_freq / factor
@@ -67,6 +72,39 @@ def rope_inv_freq(config: ModelInfo, local: bool = False) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)
     return torch.where(medium, blended, scaled)
+
+
+def longrope_limits(config: ModelInfo) -> tuple[int, float] | None:
+    """(original_max_position_embeddings, attention factor) of a LongRoPE model, else None:
+    the factor as given, else sqrt(1 + ln(factor) / ln(original)) with factor the ratio of
+    max_position_embeddings to it (transformers' _compute_longrope_parameters)."""
+    scaling = config.rope_scaling
+    if config.rope_type != "longrope" or scaling is None:
+        return None
+    original = int(
+        scaling.get("original_max_position_embeddings")
+        or config.config.get("original_max_position_embeddings")
+        or config.max_position_embeddings
+    )
+    factor = float(scaling.get("factor") or config.max_position_embeddings / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return original, float(attention)
+
+
+def long_rope_rows(
+    positions: torch.Tensor, meta: AttentionMetadata, original: int, offset: int
+) -> torch.Tensor:
+    """Each token's row in the stacked LongRoPE table: its position, plus `offset` (the long
+    half) where its sequence's context in this step exceeds `original` tokens."""
+    long = torch.zeros_like(positions, dtype=torch.bool)
+    if meta.num_decodes and meta.decode_lens is not None:
+        long[: meta.num_decodes] = meta.decode_lens.to(positions.device) > original
+    for chunk in meta.prefills:
+        if chunk.context_len > original:
+            long[chunk.start : chunk.start + chunk.length] = True
+    return positions + long.to(positions.dtype) * offset
 
 
 @dataclass(slots=True)
@@ -148,6 +186,18 @@ class CausalLM:
         self.dtype_reason = "the weights' dtype"  # the loader says why it chose this dtype
         self.device = embed.device
         self.cos, self.sin = self._rope_tables(rope_inv_freq(config), max_model_len)
+        # LongRoPE: a second table with the long factors after the short one; a sequence
+        # whose context passes original_max_position_embeddings rotates this step's tokens
+        # with it (transformers' rule for one sequence), both scaled by its attention factor.
+        # (original_max_position_embeddings, the long table's first row), or None.
+        self.long_rope: tuple[int, int] | None = None
+        limits = longrope_limits(config)
+        if limits is not None:
+            original, attention = limits
+            long_cos, long_sin = self._rope_tables(rope_inv_freq(config, long=True), max_model_len)
+            self.cos = torch.cat((self.cos, long_cos)).mul_(attention)
+            self.sin = torch.cat((self.sin, long_sin)).mul_(attention)
+            self.long_rope = (original, max_model_len)
         # The sliding layers' own tables (Gemma 3); the global ones where they share them.
         self.local_cos, self.local_sin = (
             self._rope_tables(rope_inv_freq(config, local=True), max_model_len)
@@ -239,6 +289,8 @@ class CausalLM:
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         qk_size = (heads + kv_heads) * dim
         rows = token_ids.shape[0]
+        if self.long_rope is not None:
+            positions = long_rope_rows(positions, meta, *self.long_rope)
         tables = {False: (self.cos, self.sin), True: (self.local_cos, self.local_sin)}
         if not self.fused:  # each distinct table indexed once (the local one is often global)
             picked = {False: (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))}

@@ -184,3 +184,49 @@ def test_a_gemma3_chat_renders_its_template_and_stops_at_its_generation_eos(
     )[0]
     assert out.token_ids == free[0].token_ids[: free[0].token_ids.index(stop) + 1]
     assert out.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_longrope(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Phi-3 with LongRoPE (as Phi-3-128k, Phi-3.5 and Phi-4-mini): short and long
+    factors of their own per frequency, pretrained on 16 positions, extended to 512."""
+    from tests.tiny_models import make_tiny_model
+
+    half = 32 // 2  # head_dim 32
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [1.5 + 0.5 * i for i in range(half)],
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+    }
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-phi3-longrope"), arch="phi3", rope_parameters=rope,
+        original_max_position_embeddings=16,
+    )  # fmt: skip
+
+
+def test_longrope_matches_transformers_on_both_sides_of_the_original_context(
+    tiny_phi3_longrope: Path,
+) -> None:
+    """Within the pretrained 16 positions the short factors rotate, for a context past them
+    the long ones, both scaled by the attention factor: a continuation that stays within 16
+    positions and the prompt log-probabilities of a prompt past them are transformers' own.
+    A sequence that grows past 16 rotates its later tokens with the long factors and keeps
+    its cached keys (vLLM's rule, per sequence here, so batching changes nothing; transformers'
+    generate instead drops its cache at the crossing and feeds the new token alone)."""
+    engine = Engine.from_pretrained(tiny_phi3_longrope, block_size=4, dtype="float32")
+    hf = hf_model(tiny_phi3_longrope)
+    prompt = prompt_ids(tiny_phi3_longrope, 1)[0]
+    short = prompt[:6]
+    within = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # 16 positions
+    assert engine.generate([short], within)[0].token_ids == hf_greedy(hf, short, 10)
+    assert len(prompt) > 16
+    reference = hf_logprobs(hf, prompt)
+    expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(prompt_logprob_matrix(engine, prompt), expected, atol=1e-4, rtol=0)
+    alone = [engine.generate([p], GREEDY)[0].token_ids for p in (short, prompt)]
+    assert [o.token_ids for o in engine.generate([short, prompt], GREEDY)] == alone
+    # The long table is in use past the crossing: without it the continuation differs.
+    engine.model.long_rope = (10**9, engine.model.long_rope[1])
+    assert engine.generate([prompt], GREEDY)[0].token_ids != alone[1]

@@ -27,7 +27,6 @@ from kiln.compiler.recipe.recipe import Recipe, load_recipe
 from kiln.compiler.resolve import ResolvedScheme, resolve_scheme
 from kiln.compiler.stages import output_problem
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan
-from kiln.compiler.trtllm.rules.support import architecture_problem
 from kiln.compiler.trtllm.target_plan import TargetPlan, plan_target, target_support
 from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant import calibration
@@ -105,10 +104,8 @@ def _targets(
                                            "section does not resolve to a TensorRT-LLM scheme",
                                            "fix the quantization problems first"))  # fmt: skip
             continue
-        support = target_support(quant.scheme, name)
+        support = target_support(quant.scheme, name, info)
         found = support[path]
-        if info is not None and (why := architecture_problem(info.architecture)) is not None:
-            found = (why,)
         problems.extend(recipe.problem(key, p.problem, p.allowed) for p in found)
         if info is None or found or not quant.usable:
             continue

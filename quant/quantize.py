@@ -61,6 +61,7 @@ def quantize(
     if scheme.name == "NO_QUANT":
         say("method none: copying the float checkpoint")
         shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+        _spell_legacy_rope(out_dir / "config.json")
         record.seconds = round(time.perf_counter() - start, 3)
         return record
 
@@ -103,11 +104,23 @@ def quantize(
             f"{type(exc).__name__}: {exc}"
         ) from exc
     tokenizer.save_pretrained(out_dir)
+    _spell_legacy_rope(out_dir / "config.json")
     source_generation = model_dir / "generation_config.json"
     if source_generation.is_file() and not (out_dir / "generation_config.json").exists():
         shutil.copy2(source_generation, out_dir / "generation_config.json")
     record.seconds = round(time.perf_counter() - start, 3)
     return record
+
+
+def _spell_legacy_rope(path: Path) -> None:
+    """config.json as written, plus its RoPE as transformers 4 reads it (TensorRT-LLM 1.2's
+    loader runs transformers 4.57: model_info.with_legacy_rope)."""
+    from kiln.runtime.formats.model_info import with_legacy_rope
+
+    config = json.loads(path.read_text())
+    spelled = with_legacy_rope(config)
+    if spelled != config:
+        path.write_text(json.dumps(spelled, indent=2, sort_keys=True) + "\n")
 
 
 def _count_routing(

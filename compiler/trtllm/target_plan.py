@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan, plan
-from kiln.compiler.trtllm.rules.support import check_target
+from kiln.compiler.trtllm.rules.support import check_target, path_problems
 from kiln.compiler.trtllm.targets import PATHS, PROFILES, TargetProfile
 from kiln.quant.registry import Problem
 from kiln.quant.spec import Scheme
@@ -38,10 +38,23 @@ class TargetPlan:
 Support = dict[str, tuple[Problem, ...]]
 
 
-def target_support(scheme: Scheme, name: str) -> Support:
+def target_support(scheme: Scheme, name: str, info: ModelInfo | None = None) -> Support:
     """What stops `scheme` on the known GPU target `name`, per `deploy.trtllm_path` value:
-    the one support check of a recipe's targets, made in preflight."""
-    return {path: tuple(check_target(scheme, name, path=path)) for path in ("both", *PATHS)}
+    the one support check of a recipe's targets, made in preflight. With the model's `info`,
+    a path that cannot deploy its family is stopped too; `both` then needs the other path."""
+    support = {path: tuple(check_target(scheme, name, path=path)) for path in ("both", *PATHS)}
+    if info is None or name not in PROFILES:
+        return support
+    blocked = {p: why for p, why in path_problems(info, scheme).items() if why is not None}
+    for p, why in blocked.items():
+        support[p] = (why, *support[p])
+    if len(blocked) == len(PATHS):
+        support["both"] = tuple(dict.fromkeys((*support["engine"], *support["pytorch"])))
+    elif blocked:  # the other path must run it; if it cannot either, say why for both
+        (other,) = (p for p in PATHS if p not in blocked)
+        found = tuple(dict.fromkeys((*support["both"], *support[other])))
+        support["both"] = (*blocked.values(), *found) if found else ()
+    return support
 
 
 def plan_target(

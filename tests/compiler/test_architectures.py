@@ -168,6 +168,26 @@ def test_a_moe_model_compiles_with_every_expert_quantised_and_a_float_router(
     assert report["coverage"]["unexpected_float"] == []
 
 
+def test_mixtral_quantises_every_expert_under_its_own_names_and_serves_them(
+    tiny_mixtral: Path, tmp_path: Path
+) -> None:
+    """llm-compressor saves Mixtral's experts as gate_proj/up_proj/down_proj (its linearised
+    names); kiln writes them back as experts.N.w1/w3/w2, so the coverage check finds every
+    expert quantised and kiln's runtime serves within W4A16's tolerance of transformers
+    reading the same files."""
+    from kiln.runtime.engine.layers.int4 import Int4Linear
+    from tests.runtime.conftest import assert_close_to_reference
+
+    artifact = Path(compile_json(moe_recipe(tmp_path, tiny_mixtral))["artifact"])
+    report = json.loads((artifact / "reports" / "quantization.json").read_text())
+    assert report["coverage"]["counts"]["expert"] == {"quantised": 2 * 4 * 3}
+    assert report["coverage"]["unexpected_float"] == []
+    engine = Engine.from_pretrained(artifact / "model")
+    sparse = engine.model.layers[1].experts
+    assert sparse is not None and all(isinstance(e, Int4Linear) for e in sparse.down)
+    assert_close_to_reference(engine, hf_model(artifact / "model"), 0.05, 0.02)
+
+
 def test_a_linear_the_quantiser_left_float_unasked_is_named(tiny_llama: Path, tmp_path: Path):
     """What a compile refuses (exit 2): a checkpoint whose quantiser skipped a linear the
     recipe did not ignore, and one where it quantised nothing."""
@@ -209,16 +229,20 @@ def test_tensorrt_llm_targets_of_a_moe_model_are_refused_before_calibration(
     path = moe_recipe(tmp_path, tiny_mixtral, targets="[h100-sxm]")
     result = CliRunner().invoke(main, ["compile", str(path)])
     assert result.exit_code == 2
-    assert "MixtralForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (
-        result.stderr
-    )
+    # Neither path: kiln writes no 1.2 engine checkpoint of Mixtral, and the PyTorch
+    # backend's fused MoE has no int4 weight-only experts.
+    stderr = result.stderr.replace("\n", " ")
+    assert "MixtralForCausalLM: kiln's TensorRT-LLM 1.2 checkpoint export writes" in stderr
+    assert "W4A16_AWQ on MixtralForCausalLM's experts" in stderr
     assert not (tmp_path / "out" / ".kiln-cache" / "quantize").exists()  # nothing calibrated
 
 
-def test_phi3s_fused_projections_compile_quantised_and_tensorrt_llm_is_refused(
+def test_phi3s_fused_projections_compile_quantised_for_the_pytorch_path_only(
     tiny_phi3: Path, tmp_path: Path
 ) -> None:
-    """Phi-3 stores q/k/v and gate/up fused: each is one quantised linear, served as stored."""
+    """Phi-3 stores q/k/v and gate/up fused: each is one quantised linear, served as stored;
+    TensorRT-LLM's PyTorch backend loads its FP8 rowwise checkpoint as it is, and the engine
+    path is refused by name (kiln writes no 1.2 Phi-3 checkpoint)."""
     from kiln.runtime.engine.layers.fp8 import Fp8Linear
 
     path = tmp_path / "phi3.yaml"
@@ -234,9 +258,12 @@ def test_phi3s_fused_projections_compile_quantised_and_tensorrt_llm_is_refused(
     layer = Engine.from_pretrained(artifact / "model").model.layers[0]
     assert isinstance(layer.qkv, Fp8Linear) and layer.qkv.out_features == 128 + 2 * 64
     path.write_text(path.read_text().replace("targets: []", "targets: [h100-sxm]"))
+    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+    engine = path.read_text().replace("output: out", "deploy: {trtllm_path: engine}\noutput: out")
+    path.write_text(engine)
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2
-    assert "Phi3ForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (result.stderr)
+    assert "Phi3ForCausalLM: kiln's TensorRT-LLM 1.2 checkpoint export writes" in result.stderr
 
 
 # google/gemma-3-4b-it's text config, as its config.json gives it (old field names).
@@ -277,7 +304,9 @@ def test_plan_holds_only_the_window_on_gemma3s_sliding_layers() -> None:
     assert any("29 of 34 layers attend within a sliding window of 1024" in n for n in p.notes)
 
 
-def test_gemma3_compiles_with_awq_and_tensorrt_llm_is_refused(tiny_gemma3: Path, tmp_path: Path):
+def test_gemma3_compiles_with_awq_and_its_zero_points_keep_it_off_tensorrt_llm(
+    tiny_gemma3: Path, tmp_path: Path
+) -> None:
     """Gemma 3 through llm-compressor's AWQ (its Gemma 3 mappings smooth into the offset
     norms): every decoder linear quantised, and the artifact serves within
     W4A16's tolerance of transformers on the same files."""
@@ -300,9 +329,11 @@ def test_gemma3_compiles_with_awq_and_tensorrt_llm_is_refused(tiny_gemma3: Path,
     path.write_text(path.read_text().replace("targets: []", "targets: [h100-sxm]"))
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2
-    assert "Gemma3ForCausalLM: kiln's TensorRT-LLM export writes LlamaForCausalLM" in (
-        result.stderr
-    )
+    # AWQ's asymmetric groups: TensorRT-LLM's W4A16 AWQ layer reads no zero points, and kiln
+    # writes no 1.2 engine checkpoint of Gemma 3: both paths named.
+    stderr = result.stderr.replace("\n", " ")
+    assert "Gemma3ForCausalLM: kiln's TensorRT-LLM 1.2 checkpoint export writes" in stderr
+    assert "asymmetric int4 groups" in stderr
 
 
 def starved_moe(source: Path, target: Path) -> Path:

@@ -18,6 +18,7 @@ from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.base.errors import PreflightError
+from kiln.runtime.formats.model_info import with_legacy_rope
 from tests.quant.conftest import CALIBRATION, SPECS, Quantised, export_modelopt_awq
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"
@@ -129,7 +130,12 @@ def test_method_none_copies_the_float_checkpoint(tiny_llama: Path, tmp_path: Pat
     record = quantize(tiny_llama, resolve(QuantSpec()), CALIBRATION, tmp_path)
     assert record.scheme == "NO_QUANT" and record.format == "float"
     for src in tiny_llama.iterdir():
-        assert (tmp_path / src.name).read_bytes() == src.read_bytes()
+        if src.name != "config.json":
+            assert (tmp_path / src.name).read_bytes() == src.read_bytes()
+    # config.json as the source's, its RoPE also spelled as transformers 4 reads it.
+    config = json.loads((tiny_llama / "config.json").read_text())
+    assert json.loads((tmp_path / "config.json").read_text()) == with_legacy_rope(config)
+    assert "rope_theta" not in config and "rope_theta" in with_legacy_rope(config)
 
 
 def test_quantize_refuses_before_loading(tiny_llama: Path, tmp_path: Path) -> None:

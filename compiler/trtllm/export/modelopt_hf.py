@@ -39,12 +39,14 @@ from kiln.compiler.trtllm.rules.pytorch import (
     CONVERTS,
     QUANT_CONFIG_FILE,
     conversion_problem,
+    float_expert_blocks,
     hf_linears,
 )
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.versions import kiln_version
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
+from kiln.runtime.formats.model_info import with_legacy_rope
 from kiln.runtime.formats.weights import LinearWeights
 
 NOT_COPIED = ("config.json", "recipe.yaml", QUANT_CONFIG_FILE)
@@ -147,6 +149,7 @@ def convert_to_modelopt_hf(model_dir: Path, out_dir: Path) -> dict[str, Any]:
     excluded = ["lm_head", "model.embed_tokens"] + [
         lin.name for lin in hf_linears(config) if lin.name not in quantised
     ]
+    excluded += float_expert_blocks(config, set(excluded))
     section: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": kv_algo}
     if algo == "W4A16_AWQ":
         pre_quant_dtype = ckpt.tensor("model.norm.weight").dtype
@@ -187,8 +190,8 @@ def _write(
     }
     if "group_size" in section:
         inline["group_size"] = section["group_size"]
-    (out / "config.json").write_text(
-        json.dumps({**config, "quantization_config": inline}, indent=2) + "\n"
-    )
+    # RoPE spelled for transformers 4.57 too, which TensorRT-LLM 1.2 reads config.json with.
+    spelled = with_legacy_rope({**config, "quantization_config": inline})
+    (out / "config.json").write_text(json.dumps(spelled, indent=2) + "\n")
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
     save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -6,7 +6,7 @@ itself at load time, so one directory serves every tensor-parallel size, but not
 loads. Each rule cites the TensorRT-LLM file and function it was read from (NVIDIA/
 TensorRT-LLM; ModelOpt's modelopt/torch/export/ for what its own writer emits); none of their
 code is used or copied. `check_hf_checkpoint(dir, tp)` lists every rule a directory breaks
-for Llama-family decoders (Llama, Mistral, Qwen2); the engine path's rules are in
+for every family kiln writes (PYTORCH_ARCHITECTURES); the engine path's rules are in
 checkpoint.py.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 from safetensors import safe_open
 
 from kiln.compiler.trtllm.rules.checkpoint import FLOATS, Param
+from kiln.runtime.formats.model_info import ModelInfo
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 # _torch/model_config.py `ModelConfig.load_modelopt_quant_config` /
@@ -41,18 +42,23 @@ HF_KV_ALGOS = frozenset({"FP8"})
 # _torch/models/checkpoints/hf/weight_mapper.py `HfWeightMapper.map_weights`: q/k/v load
 # into one fused qkv_proj and gate/up into gate_up_proj; o_proj and down_proj load alone
 # ("vanilla"). Column-parallel linears split output rows, row-parallel ones input columns
-# (_torch/modules/linear.py `TensorParallelMode.split_dim`).
+# (_torch/modules/linear.py `TensorParallelMode.split_dim`). Phi-3 stores qkv_proj and
+# gate_up_proj fused already (modeling_phi3.py `load_weights` splits them by rows); a MoE
+# expert's down projection (Mixtral's w2, Qwen3-MoE's down_proj) is row-parallel too.
 FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 
 
 @dataclass(frozen=True, slots=True)
 class HfLinear:
-    """One projection: full HF module name, whole (out, in) features and its tp role."""
+    """One projection: full HF module name, whole (out, in) features and its tp role; a
+    MoE router (kept float: the PyTorch backend builds it unquantised) or one expert's."""
 
     name: str
     out_features: int
     in_features: int
+    router: bool = False
+    expert: bool = False
 
     @property
     def short(self) -> str:
@@ -64,25 +70,16 @@ class HfLinear:
 
 
 def hf_linears(config: dict[str, Any]) -> list[HfLinear]:
-    """Every decoder projection of a Llama-family config.json, by HF module name."""
-    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    head = int(config.get("head_dim") or hidden // heads)
-    shapes = {
-        "q_proj": (heads * head, hidden),
-        "k_proj": (kv_heads * head, hidden),
-        "v_proj": (kv_heads * head, hidden),
-        "o_proj": (hidden, heads * head),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-    }
-    out = []
-    for i in range(int(config["num_hidden_layers"])):
-        for short, (n, k) in shapes.items():
-            block = "mlp" if short in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            out.append(HfLinear(f"model.layers.{i}.{block}.{short}", n, k))
-    return out
+    """Every decoder projection of a config.json kiln exports, by HF module name (a MoE
+    layer's router and each expert's projections included)."""
+    info = ModelInfo.from_hf_config(config)
+    moe = info.moe
+    router = f"{moe.block}.{moe.router}" if moe else None
+    return [
+        HfLinear(f"model.layers.{i}.{name}", n, k, name == router, ".experts." in name)
+        for i in range(info.num_layers)
+        for name, (n, k) in info.layer_linears(i).items()
+    ]
 
 
 def linear_params(lin: HfLinear, algo: str | None, quant: dict[str, Any]) -> dict[str, Param]:
@@ -129,6 +126,14 @@ def tp_problems(
     # repeated when tp is a multiple of them.
     if kv_heads % tp and tp % kv_heads:
         problems.append(f"tp={tp}: {kv_heads} KV heads neither split nor repeat evenly")
+    info = ModelInfo.from_hf_config(config)
+    if info.moe is not None and info.moe_intermediate_size % tp:
+        # fused_moe/interface.py `MoE.__init__`: intermediate_size // tp per rank, while
+        # load_weight_shard cuts ceil(width / tp) rows: they agree only when tp divides it.
+        problems.append(
+            f"tp={tp}: each expert's {info.moe_intermediate_size} intermediate rows do not "
+            "split evenly"
+        )
     if algo != "W4A16_AWQ":
         return problems
     group = int(quant["group_size"])
@@ -140,7 +145,7 @@ def tp_problems(
             "AWQ k/v weight but not its weight_scale"
         )
     excluded = set(quant.get("exclude_modules") or [])
-    for lin in (x for x in hf_linears(config) if x.name not in excluded):
+    for lin in (x for x in hf_linears(config) if x.name not in excluded and not x.router):
         if lin.row_parallel and (lin.in_features % tp or (lin.in_features // tp) % group):
             # linear.py W4A16_AWQ_LinearMethod.create_weights: "in_features must be
             # divisible by group_size" on each rank's slice.
@@ -160,29 +165,34 @@ def tp_problems(
 
 def expected_hf_tensors(config: dict[str, Any], quant: dict[str, Any]) -> dict[str, Param]:
     """Every tensor a ModelOpt HF checkpoint of this config must hold for the PyTorch backend."""
+    info = ModelInfo.from_hf_config(config)
     algo = quant.get("quant_algo")
     excluded = set(quant.get("exclude_modules") or [])
-    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    hidden, vocab = info.hidden_size, info.vocab_size
     params = {
         "model.embed_tokens.weight": Param((vocab, hidden), FLOATS),
         "model.norm.weight": Param((hidden,), FLOATS),
     }
     # weight_mapper.py `should_skip_module`: a tied lm_head is not loaded.
-    if not config.get("tie_word_embeddings"):
+    if not info.tie_word_embeddings:
         params["lm_head.weight"] = Param((vocab, hidden), FLOATS)
     for lin in hf_linears(config):
-        params.update(linear_params(lin, None if lin.name in excluded else algo, quant))
-        if config.get("model_type") == "qwen2" and lin.short in ("q_proj", "k_proj", "v_proj"):
+        float_ = lin.name in excluded or lin.router
+        params.update(linear_params(lin, None if float_ else algo, quant))
+        if info.qkv_bias and lin.short in ("q_proj", "k_proj", "v_proj"):
             params[f"{lin.name}.bias"] = Param((lin.out_features,), FLOATS)
-    for i in range(int(config["num_hidden_layers"])):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+    # Norms load under their HF names: Gemma 3's four per layer (gemma3_weight_mapper.py adds
+    # the 1 of its (1 + weight) convention to every norm on load, so they are stored as HF
+    # stores them); q_norm/k_norm over head_dim (_torch/modules/qk_norm_attention.py
+    # QKNormRoPEAttention) for Qwen3, Qwen3-MoE and Gemma 3.
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if info.gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for i in range(info.num_layers):
+        for norm in norms:
             params[f"model.layers.{i}.{norm}.weight"] = Param((hidden,), FLOATS)
-        if config.get("model_type") == "qwen3":
-            # _torch/modules/qk_norm_attention.py QKNormRoPEAttention: q_norm/k_norm RMSNorm
-            # over head_dim, loaded under their HF names.
-            head = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
-            for norm in ("q_norm", "k_norm"):
-                params[f"model.layers.{i}.self_attn.{norm}.weight"] = Param((head,), FLOATS)
+        for norm in ("q_norm", "k_norm") if info.qk_norm else ():
+            params[f"model.layers.{i}.self_attn.{norm}.weight"] = Param((info.head_dim,), FLOATS)
         if quant.get("kv_cache_quant_algo"):
             # ModelOpt quant_utils.py `_KV_CACHE_REPLACEMENTS`: k_bmm/v_bmm amax / maxbound
             # become `k_proj.k_scale` and `v_proj.v_scale`; linear.py
@@ -193,21 +203,51 @@ def expected_hf_tensors(config: dict[str, Any], quant: dict[str, Any]) -> dict[s
     return params
 
 
+def fused_groups(config: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The linears that load as one module with one quant method, (what, HF names): q/k/v
+    and gate/up where stored apart (weight_mapper.py `map_weights`), and all experts of a MoE
+    layer (one fused MoE module per layer, _torch/modules/fused_moe)."""
+    groups: dict[tuple[int, str], list[str]] = {}
+    for lin in hf_linears(config):
+        layer = int(lin.name.split(".")[2])
+        if lin.expert:
+            groups.setdefault((layer, "the layer's experts"), []).append(lin.name)
+        elif lin.short in FUSED[:3]:
+            groups.setdefault((layer, ", ".join(FUSED[:3])), []).append(lin.name)
+        elif lin.short in FUSED[3:]:
+            groups.setdefault((layer, ", ".join(FUSED[3:])), []).append(lin.name)
+    return [(what, names) for (_, what), names in groups.items()]
+
+
+def float_expert_blocks(config: dict[str, Any], excluded: set[str]) -> list[str]:
+    """The `...experts` module of each MoE layer whose experts are all in `excluded`: the
+    PyTorch backend matches exclude_modules against its module names (fnmatch,
+    QuantConfig.is_module_excluded_from_quantization), and a layer's experts are one fused
+    module there, so per-expert names match nothing."""
+    return [
+        names[0].split(".experts.")[0] + ".experts"
+        for what, names in fused_groups(config)
+        if what == "the layer's experts" and all(n in excluded for n in names)
+    ]
+
+
 def fused_problems(config: dict[str, Any], quant: dict[str, Any]) -> list[str]:
-    """q/k/v and gate/up load into one fused linear with one quant method (weight_mapper.py
-    `map_weights`): kiln refuses a group that is part float, part quantised, rather than
-    rely on how exclude_modules names would be matched against the fused module."""
+    """A fused group part float, part quantised: kiln refuses it rather than rely on how
+    exclude_modules names would be matched against the fused module."""
     excluded = set(quant.get("exclude_modules") or [])
     problems = []
-    for i in range(int(config["num_hidden_layers"])):
-        for block, members in (("self_attn", FUSED[:3]), ("mlp", FUSED[3:])):
-            names = [f"model.layers.{i}.{block}.{m}" for m in members]
-            floats = [n for n in names if n in excluded]
-            if floats and len(floats) != len(names):
-                problems.append(
-                    f"{', '.join(floats)} excluded but not the rest of its fused group "
-                    f"({', '.join(members)})"
-                )
+    for what, names in fused_groups(config):
+        floats = [n for n in names if n in excluded]
+        if floats and len(floats) != len(names):
+            more = f" and {len(floats) - 3} more" if len(floats) > 3 else ""
+            shown = ", ".join(floats[:3]) + more
+            problems.append(f"{shown} excluded but not the rest of its fused group ({what})")
+    problems += [
+        f"every expert of {block.removesuffix('.experts')} is float but exclude_modules does "
+        f"not name {block}, the module the PyTorch backend matches"
+        for block in float_expert_blocks(config, excluded)
+        if block not in excluded
+    ]
     return problems
 
 
@@ -322,3 +362,66 @@ def pytorch_problem(fmt: str, algo: str) -> str | None:
         f"TensorRT-LLM's PyTorch backend does not load {algo} from a {fmt} checkpoint "
         f"(_torch/model_config.py reads {loads} from it); {fix}"
     )
+
+
+# The families kiln writes for the PyTorch backend, each with the _torch/models/ class that
+# loads it (registered under its HF architecture name).
+PYTORCH_ARCHITECTURES = {
+    "LlamaForCausalLM": "modeling_llama.py LlamaForCausalLM",
+    "MistralForCausalLM": "modeling_mistral.py MistralForCausalLM",
+    "Qwen2ForCausalLM": "modeling_qwen.py Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "modeling_qwen3.py Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "modeling_phi3.py Phi3ForCausalLM",
+    "Gemma3ForCausalLM": "modeling_gemma3.py Gemma3ForCausalLM",
+    "MixtralForCausalLM": "modeling_mixtral.py MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "modeling_qwen3_moe.py Qwen3MoeForCausalLM",
+}
+
+
+# What the fused MoE loads from the checkpoints kiln writes (the CUTLASS backend's methods in
+# _torch/modules/fused_moe/quantization.py): bf16, FP8 per tensor, ModelOpt's NVFP4 and
+# W4A8 AWQ; no W4A16 AWQ (int4 weight-only) experts.
+MOE_ALGOS = frozenset({"NO_QUANT", "FP8", "NVFP4", "W4A8_AWQ"})
+
+
+def family_problem(info: ModelInfo, algo: str, kv_algo: str | None) -> str | None:
+    """Why the PyTorch backend cannot serve this model, as kiln writes it, with TensorRT-LLM
+    quant algo `algo` (the one it loads: after kiln's ModelOpt HF conversion) and KV cache
+    `kv_algo`; None where it can. Judged from config.json and the recipe, before calibration."""
+    arch = info.architecture
+    if arch not in PYTORCH_ARCHITECTURES:
+        return f"{arch}: kiln writes {', '.join(PYTORCH_ARCHITECTURES)} for the PyTorch backend"
+    where = PYTORCH_ARCHITECTURES[arch]
+    if arch == "Qwen3MoeForCausalLM":
+        # modeling_qwen3_moe.py builds every decoder layer sparse and renormalises the top-k
+        # routing weights: it reads neither norm_topk_prob nor mlp_only_layers /
+        # decoder_sparse_step, so such a checkpoint would load and route differently.
+        if not info.norm_topk_prob:
+            return (f"{arch} with norm_topk_prob false: {where} always renormalises the top-k "
+                    "routing weights, so it would route this model differently")  # fmt: skip
+        if info.dense_layers:
+            dense = ", ".join(map(str, info.dense_layers))
+            return (f"{arch} with dense layers ({dense}, from mlp_only_layers / decoder_"
+                    f"sparse_step): {where} builds every layer as mixture of experts")  # fmt: skip
+    if arch == "Phi3ForCausalLM":
+        # modeling_phi3.py `Phi3ForCausalLM.load_weights` (@bd6f83f8) splits the stored
+        # qkv_proj / gate_up_proj by row counts of the float weight (q: hidden_size rows,
+        # head_dim = hidden_size // heads), hands each part the whole weight_scale unless its
+        # rows equal the weight's, and passes only weight, weight_scale, input_scale and
+        # weight_scale_2 on: packed int4 rows (out/2) and their (out, in/group) scales would be
+        # cut wrong, and k_scale / v_scale never reach the attention.
+        if algo in ("W4A16_AWQ", "W4A8_AWQ"):
+            return (f"{algo} on {arch}: {where} splits the fused qkv_proj and gate_up_proj "
+                    "by float rows, cutting packed int4 rows and group scales wrong")  # fmt: skip
+        if kv_algo is not None:
+            return (f"a {kv_algo} KV cache on {arch}: {where} passes the fused qkv_proj no "
+                    "k_scale / v_scale")  # fmt: skip
+        if info.head_dim * info.num_heads != info.hidden_size:
+            return (f"{arch} with head_dim {info.head_dim} x {info.num_heads} heads != "
+                    f"hidden size {info.hidden_size}: {where} splits qkv_proj at hidden_size "
+                    "rows")  # fmt: skip
+    if info.moe is not None and algo not in MOE_ALGOS:
+        return (f"{algo} on {arch}'s experts: the PyTorch backend's fused MoE "
+                f"(_torch/modules/fused_moe) loads {', '.join(sorted(MOE_ALGOS))} from kiln's "
+                "checkpoints")  # fmt: skip
+    return None

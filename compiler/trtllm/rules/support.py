@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
 from kiln.compiler.trtllm.rules.exclusions import group_problem, group_sizes
-from kiln.compiler.trtllm.rules.pytorch import conversion_problem, pytorch_problem
+from kiln.compiler.trtllm.rules.pytorch import (
+    CONVERTS,
+    PYTORCH_ARCHITECTURES,
+    conversion_problem,
+    family_problem,
+    pytorch_problem,
+)
 from kiln.compiler.trtllm.targets import (
     PATH_LABELS,
     PATHS,
@@ -21,26 +27,53 @@ from kiln.compiler.trtllm.targets import (
 from kiln.quant.backends import BACKENDS
 from kiln.quant.registry import Problem
 from kiln.quant.spec import Scheme
+from kiln.runtime.formats.model_info import ModelInfo
 
-# The families kiln's TensorRT-LLM export writes, for both paths (export/source.py reads these).
-EXPORTED_ARCHITECTURES = (
+# The families kiln's TensorRT-LLM 1.2 checkpoint export writes (export/source.py reads
+# these) → its model class in 1.2's tensorrt_llm/models MODEL_MAP.
+ENGINE_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )  # fmt: skip
+# Families TensorRT-LLM 1.2 builds engines for whose checkpoint layout kiln does not write
+# (1.2's MODEL_MAP): the engine path refuses them by name, the PyTorch path serves them.
+ENGINE_NOT_WRITTEN = {
+    "Phi3ForCausalLM": "tensorrt_llm/models/phi3 (fused qkv and gate_up, LongRoPE)",
+    "Gemma3ForCausalLM": "tensorrt_llm/models/gemma (four norms a layer, local RoPE base)",
+    "MixtralForCausalLM": "LLaMAForCausalLM with MoE (per-expert fc/proj, router)",
+    "Qwen3MoeForCausalLM": "tensorrt_llm/models/qwen (MoE experts, shared router)",
+}
 
 
 def architecture_problem(architecture: str) -> Problem | None:
-    """Why kiln cannot export `architecture` for TensorRT-LLM (None where it can): Phi-3,
-    Gemma 3 and the mixture-of-experts families run on kiln's runtime and vLLM, but kiln has no
-    TensorRT-LLM export for them yet (their weight layouts and load rules are not written)."""
-    if architecture in EXPORTED_ARCHITECTURES:
+    """Why kiln cannot export `architecture` for TensorRT-LLM 1.2 engines (None where it can)."""
+    if architecture in ENGINE_ARCHITECTURES:
         return None
+    known = ", ".join(ENGINE_ARCHITECTURES)
+    layout = ENGINE_NOT_WRITTEN.get(architecture)
+    built = f"; TensorRT-LLM 1.2 builds it as {layout}, a layout kiln does not write"
     return Problem(
-        "targets",
-        f"{architecture}: kiln's TensorRT-LLM export writes "
-        f"{', '.join(EXPORTED_ARCHITECTURES)} only; this family's export is not written yet",
-        "targets: [] (the artifact serves on kiln serve and vLLM, and `kiln gate --engine "
-        "vllm` gates it there)",
+        "deploy.trtllm_path",
+        f"{architecture}: kiln's TensorRT-LLM 1.2 checkpoint export writes {known}"
+        f"{built if layout else ''}",
+        "deploy.trtllm_path: pytorch (trtllm-serve loads the Hugging Face checkpoint)"
+        if architecture in PYTORCH_ARCHITECTURES
+        else "targets: [] (the artifact serves on kiln serve and vLLM)",
     )
+
+
+def path_problems(info: ModelInfo, scheme: Scheme) -> dict[str, Problem | None]:
+    """Per TensorRT-LLM path, why kiln cannot deploy this model family there with `scheme`
+    (None where it can): the engine path's checkpoint export, the PyTorch backend's model
+    classes and what their loaders read (pytorch.family_problem)."""
+    algo, kv_algo = scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
+    engine = architecture_problem(info.architecture)
+    why = family_problem(info, CONVERTS.get(algo, algo), kv_algo)
+    elsewhere = "targets: [] (the artifact serves on kiln serve and vLLM)"
+    pytorch = None if why is None else Problem(
+        "targets", f"TensorRT-LLM's PyTorch backend: {why}",
+        elsewhere if engine is not None else f"deploy.trtllm_path: engine, or {elsewhere}",
+    )  # fmt: skip
+    return {"engine": engine, "pytorch": pytorch}
 
 
 FP8_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A8_AWQ"})

@@ -24,8 +24,10 @@ from tests.runtime.conftest import hf_greedy, hf_model, prompt_ids
 
 QUANTISATION = {
     "fp8": "quantization: {method: fp8}\n",
+    # Static activations: TensorRT-LLM's "ootb" SmoothQuant linears (the plugin layers drop
+    # Qwen3's q/k norms: compiler/trtllm/rules/engine.py).
     "smoothquant": (
-        "quantization: {method: smoothquant, weight_bits: 8, activations: int8_dynamic}\n"
+        "quantization: {method: smoothquant, weight_bits: 8, activations: int8_static}\n"
         "deploy: {trtllm_path: engine}\n"
     ),
 }
@@ -229,10 +231,10 @@ def test_tensorrt_llm_targets_of_a_moe_model_are_refused_before_calibration(
     path = moe_recipe(tmp_path, tiny_mixtral, targets="[h100-sxm]")
     result = CliRunner().invoke(main, ["compile", str(path)])
     assert result.exit_code == 2
-    # Neither path: kiln writes no 1.2 engine checkpoint of Mixtral, and the PyTorch
-    # backend's fused MoE has no int4 weight-only experts.
+    # Neither path: kiln writes no group-wise int4 experts for the 1.2 engine, and the
+    # PyTorch backend's fused MoE has no int4 weight-only experts.
     stderr = result.stderr.replace("\n", " ")
-    assert "MixtralForCausalLM: kiln's TensorRT-LLM 1.2 checkpoint export writes" in stderr
+    assert "MixtralForCausalLM: W4A16_AWQ on the experts" in stderr
     assert "W4A16_AWQ on MixtralForCausalLM's experts" in stderr
     assert not (tmp_path / "out" / ".kiln-cache" / "quantize").exists()  # nothing calibrated
 
@@ -242,7 +244,7 @@ def test_phi3s_fused_projections_compile_quantised_for_the_pytorch_path_only(
 ) -> None:
     """Phi-3 stores q/k/v and gate/up fused: each is one quantised linear, served as stored;
     TensorRT-LLM's PyTorch backend loads its FP8 rowwise checkpoint as it is, and the engine
-    path is refused by name (kiln writes no 1.2 Phi-3 checkpoint)."""
+    path is refused by name (kiln writes no FP8 rowwise layout of Phi-3's fused MLP)."""
     from kiln.runtime.engine.layers.fp8 import Fp8Linear
 
     path = tmp_path / "phi3.yaml"
@@ -263,7 +265,7 @@ def test_phi3s_fused_projections_compile_quantised_for_the_pytorch_path_only(
     path.write_text(engine)
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2
-    assert "Phi3ForCausalLM: kiln's TensorRT-LLM 1.2 checkpoint export writes" in result.stderr
+    assert "Phi3ForCausalLM: FP8_PER_CHANNEL_PER_TOKEN: kiln does not write" in result.stderr
 
 
 # google/gemma-3-4b-it's text config, as its config.json gives it (old field names).
@@ -329,10 +331,10 @@ def test_gemma3_compiles_with_awq_and_its_zero_points_keep_it_off_tensorrt_llm(
     path.write_text(path.read_text().replace("targets: []", "targets: [h100-sxm]"))
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2
-    # AWQ's asymmetric groups: TensorRT-LLM's W4A16 AWQ layer reads no zero points, and kiln
-    # writes no 1.2 engine checkpoint of Gemma 3: both paths named.
+    # AWQ's asymmetric groups: TensorRT-LLM's W4A16 AWQ layer reads no zero points, and the
+    # 1.2 gemma model would scale the local RoPE like the global: both paths named.
     stderr = result.stderr.replace("\n", " ")
-    assert "Gemma3ForCausalLM: kiln's TensorRT-LLM 1.2 checkpoint export writes" in stderr
+    assert "Gemma3ForCausalLM: rope scaling linear on the global layers" in stderr
     assert "asymmetric int4 groups" in stderr
 
 

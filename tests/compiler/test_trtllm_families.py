@@ -1,8 +1,8 @@
 """Phi-3, Gemma 3, Mixtral and Qwen3-MoE on TensorRT-LLM: the PyTorch path serves a ModelOpt
 HF checkpoint each family's loader reads (compiler/trtllm/rules/pytorch.py, rules cited from
-TensorRT-LLM's _torch/models), the engine path is refused by name before any calibration
-(kiln's 1.2 checkpoint export writes the Llama family and Qwen3 only), and what a family's
-loader would read differently (Qwen3-MoE's routing options, W4A16 experts) is refused.
+TensorRT-LLM's _torch/models), and what a family's loader would read differently (Qwen3-MoE's
+routing options, W4A16 experts) is refused. Their 1.2 engine checkpoints are
+test_trtllm_engine_families.py's.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def family_recipe(tmp_path: Path, model: Path, quant: str, deploy: str = "") -> 
     return path
 
 
-def test_mixtral_compiles_for_the_pytorch_path_and_names_why_not_the_engine(
+def test_mixtral_compiles_for_the_pytorch_path_and_plans_its_engine(
     tiny_mixtral: Path, tmp_path: Path
 ) -> None:
     result = CliRunner().invoke(
@@ -191,25 +191,11 @@ def test_mixtral_compiles_for_the_pytorch_path_and_names_why_not_the_engine(
     assert result.exit_code == 0, result.stderr
     target = json.loads(result.stdout)["targets"]["h100-sxm"]
     assert target["pytorch"] == "ready"
-    assert target["engine"].startswith("unsupported: MixtralForCausalLM: kiln's TensorRT-LLM 1.2")
+    assert target["engine"] == "planned"  # no TensorRT-LLM 1.2 and GPU here to build it
     artifact = Path(json.loads(result.stdout)["artifact"])
     assert check_hf_checkpoint(artifact / "trtllm" / "hf", 1) == []
     serve = (artifact / "engines" / "h100-sxm" / "trtllm-serve.yaml").read_text()
     assert "trtllm-serve trtllm/hf --backend pytorch" in serve
-
-
-@pytest.mark.parametrize("family", ["tiny_phi3", "tiny_gemma3", "tiny_mixtral"])
-def test_the_engine_path_of_a_family_kiln_does_not_export_is_refused_before_calibration(
-    family: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    model = request.getfixturevalue(family)
-    path = family_recipe(tmp_path, model, "{method: fp8}", "deploy: {trtllm_path: engine}\n")
-    result = CliRunner().invoke(main, ["compile", str(path)])
-    assert result.exit_code == 2
-    assert "kiln's TensorRT-LLM 1.2 checkpoint export writes LlamaForCausalLM" in result.stderr
-    assert "TensorRT-LLM 1.2 builds it as" in result.stderr
-    assert "deploy.trtllm_path: pytorch" in result.stderr
-    assert not (tmp_path / "out" / ".kiln-cache" / "quantize").exists()
 
 
 @pytest.mark.parametrize(
@@ -226,7 +212,9 @@ def test_the_engine_path_of_a_family_kiln_does_not_export_is_refused_before_cali
 def test_what_the_pytorch_backend_would_run_differently_is_refused(
     fixture: str, quant: str, why: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    path = family_recipe(tmp_path, request.getfixturevalue(fixture), quant)
+    # The PyTorch path alone: the engine path takes Phi-3 with these (test_trtllm_engine_families).
+    deploy = "deploy: {trtllm_path: pytorch}\n"
+    path = family_recipe(tmp_path, request.getfixturevalue(fixture), quant, deploy)
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 2
     assert f"TensorRT-LLM's PyTorch backend: {why}" in result.stderr.replace("\n", " ")

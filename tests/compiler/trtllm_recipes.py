@@ -40,6 +40,25 @@ def quantised_per_arch(
     return get
 
 
+def quantised_per_mode(
+    tmp_path_factory: pytest.TempPathFactory,
+    models: dict[str, Path],
+    specs: dict[str, QuantSpec],
+    calibration: CalibrationSpec,
+) -> Callable[[str, str], Path]:
+    """(arch, mode) -> `models[arch]` quantised as `specs[mode]`, made once, on demand."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, mode: str) -> Path:
+        if (arch, mode) not in made:
+            out = tmp_path_factory.mktemp(f"{arch}-{mode}")
+            quantize(models[arch], resolve(specs[mode]), calibration, out)
+            made[arch, mode] = out
+        return made[arch, mode]
+
+    return get
+
+
 def scheme_recipe(
     tmp_path: Path, model: Path, quantization: dict[str, Any], target: str, path: str = "both"
 ) -> Path:

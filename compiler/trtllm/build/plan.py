@@ -354,6 +354,17 @@ def _checkpoint_problems(
     return problems
 
 
+def attention_windows(info: ModelInfo, max_seq_len: int) -> list[int] | None:
+    """The per-layer `max_attention_window` a sliding-window model's engine must be served
+    with (None when no layer slides). In TensorRT-LLM 1.2 engines the window is a runtime
+    setting (KvCacheConfig.max_attention_window; examples/models/core/gemma/README.md:
+    `--max_attention_window_size 512 512 512 512 512 3100`), not read from the checkpoint."""
+    windows = [info.layer_window(i) for i in range(info.num_layers)]
+    if all(w is None for w in windows):
+        return None
+    return [max_seq_len if w is None else min(w, max_seq_len) for w in windows]
+
+
 def build_plan(
     info: ModelInfo,
     scheme: Scheme,
@@ -389,6 +400,10 @@ def build_plan(
                                plan, world, max(k, 0))  # fmt: skip
     args.update({f"--{k.removeprefix('--')}": v for k, v in (extra_args or {}).items()})
     problems += check_build_args(args, target)
+    if (windows := attention_windows(info, deploy.max_seq_len)) is not None:
+        notes.append(f"serve with kv_cache_config.max_attention_window {windows} (one entry a "
+                     "layer): the engine attends the whole context on every layer otherwise, "
+                     "and the sliding layers would see past their window")  # fmt: skip
     draft_plan = None
     if draft:
         d_algo, d_kv = draft.scheme.trtllm_quant_algo, draft.scheme.trtllm_kv_cache_quant_algo

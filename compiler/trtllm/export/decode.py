@@ -103,10 +103,14 @@ def decode_checkpoint(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         # Group-wise layers are stored padded (each rank's slice, zeros after): trim them.
         return dequantize_linear(t, prefix, quant, dtype)[:rows, :cols]
 
+    def norm(weight: torch.Tensor) -> torch.Tensor:  # back to Gemma's x·(1 + w) convention
+        return weight.float() - 1 if gemma else weight.float()
+
+    gemma = config.get("architecture") == "Gemma3ForCausalLM"
     first = ranks[0]
     out = {
         "model.embed_tokens.weight": first["transformer.vocab_embedding.weight"].float(),
-        "model.norm.weight": first["transformer.ln_f.weight"].float(),
+        "model.norm.weight": norm(first["transformer.ln_f.weight"]),
     }
     vocab = int(config["vocab_size"])
     lm_head = torch.cat([deq(r, "lm_head", -(-vocab // tp), hidden) for r in ranks])
@@ -129,20 +133,69 @@ def decode_checkpoint(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         out[f"{hf}.self_attn.o_proj.weight"] = torch.cat(
             [deq(r, f"{layer}.attention.dense", hidden, q_rows) for r in ranks], dim=1
         )
-        for trt, name in HF_MLP.items():
+        mlp = HF_MLP
+        if f"{layer}.mlp.router.weight" in first:
+            out.update(_experts(config, ranks, layer, hf))
+            mlp = {}
+        elif f"{layer}.mlp.gate.weight" not in first:  # Phi-3: fc holds [up; gate] per rank
+            width = inter // tp
+            fc = [deq(r, f"{layer}.mlp.fc", 2 * width, hidden) for r in ranks]
+            out[f"{hf}.mlp.up_proj.weight"] = torch.cat([part[:width] for part in fc])
+            out[f"{hf}.mlp.gate_proj.weight"] = torch.cat([part[width:] for part in fc])
+            mlp = {"mlp.proj": HF_MLP["mlp.proj"]}
+        for trt, name in mlp.items():
             row = trt == "mlp.proj"
             rows, cols = (hidden, inter // tp) if row else (inter // tp, hidden)
             parts = [deq(r, f"{layer}.{trt}", rows, cols) for r in ranks]
             out[f"{hf}.{name}.weight"] = torch.cat(parts, dim=1 if row else 0)
-        out[f"{hf}.input_layernorm.weight"] = first[f"{layer}.input_layernorm.weight"].float()
-        for norm in ("q", "k"):  # Qwen3
-            found = first.get(f"{layer}.attention.{norm}_layernorm.weight")
+        out[f"{hf}.input_layernorm.weight"] = norm(first[f"{layer}.input_layernorm.weight"])
+        for qk in ("q", "k"):  # Qwen3, Gemma 3
+            found = first.get(f"{layer}.attention.{qk}_layernorm.weight")
             if found is not None:
-                out[f"{hf}.self_attn.{norm}_norm.weight"] = found.float()
-        out[f"{hf}.post_attention_layernorm.weight"] = first[
-            f"{layer}.post_layernorm.weight"
-        ].float()
+                out[f"{hf}.self_attn.{qk}_norm.weight"] = norm(found)
+        out[f"{hf}.post_attention_layernorm.weight"] = norm(first[f"{layer}.post_layernorm.weight"])
+        for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma 3
+            if f"{layer}.{name}.weight" in first:
+                out[f"{hf}.{name}.weight"] = norm(first[f"{layer}.{name}.weight"])
         kv = first.get(f"{layer}.attention.kv_cache_scaling_factor")
         if kv is not None:
             out[f"{hf}.self_attn.kv_scale"] = kv.float().reshape(())
+    return out
+
+
+# HF names of an expert's projections and of the router, per family (runtime model_info's
+# MoE layouts).
+EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _experts(
+    config: dict[str, Any],
+    ranks: list[dict[str, torch.Tensor]],
+    layer: str,
+    hf: str,
+) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and each expert's gate, up and down under HF names: fc rows
+    [up; gate] of each rank, proj columns of each rank, FP8 codes × their expert's scale."""
+    block, router, gate, up, down = EXPERT_NAMES[config["architecture"]]
+    first = ranks[0]
+    out = {f"{hf}.{block}.{router}.weight": first[f"{layer}.mlp.router.weight"].float()}
+
+    def stacked(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        w = t[f"{layer}.mlp.{name}.weight"]
+        scale = t.get(f"{layer}.mlp.{name}.weights_scaling_factor")
+        if scale is None:
+            return w.to(torch.float32)
+        return w.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1, 1)
+
+    fcs = [stacked(r, "fc") for r in ranks]
+    projs = [stacked(r, "proj") for r in ranks]
+    width = fcs[0].shape[1] // 2
+    for e in range(fcs[0].shape[0]):
+        base = f"{hf}.{block}.experts.{e}"
+        out[f"{base}.{up}.weight"] = torch.cat([fc[e, :width] for fc in fcs])
+        out[f"{base}.{gate}.weight"] = torch.cat([fc[e, width:] for fc in fcs])
+        out[f"{base}.{down}.weight"] = torch.cat([proj[e] for proj in projs], dim=1)
     return out

@@ -15,15 +15,17 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.trtllm.rules.support import architecture_problem
+from kiln.compiler.trtllm.rules.engine import engine_problem
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
 from kiln.runtime.formats.model_info import ModelInfo
-from kiln.runtime.formats.weights import LinearWeights, WeightScheme
+from kiln.runtime.formats.weights import LinearWeights, WeightScheme, effective_weight
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms, float in every export
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's and Gemma 3's per-head norms, float in every export
+# Gemma 3's norms before and after the MLP (its sandwich norms), besides Llama's two.
+GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 KV_CACHE_ALGO = {"fp8": "FP8", "int8": "INT8"}
 
 
@@ -43,6 +45,25 @@ class Source:
     # NVFP4: HF module name → its per-tensor weight scale (`weight_scale_2`), which the
     # reader folds into the block scales and the TensorRT-LLM layout keeps apart.
     weight_globals: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Mixture of experts: sparse layer → its router's float32 weight (num_experts, hidden).
+    routers: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Phi-3: each split-off projection → the fused HF module it was stored in.
+    fused_in: dict[str, str] = field(default_factory=dict)
+
+    def experts(self, layer: int) -> list[tuple[LinearWeights, LinearWeights, LinearWeights]]:
+        """(gate, up, down) of each expert of sparse layer `layer`, in expert order."""
+        moe = self.info.moe
+        assert moe is not None
+        base = f"model.layers.{layer}.{moe.block}.experts"
+        get = self.linears.__getitem__
+        return [
+            (
+                get(f"{base}.{e}.{moe.gate}"),
+                get(f"{base}.{e}.{moe.up}"),
+                get(f"{base}.{e}.{moe.down}"),
+            )
+            for e in range(self.info.num_experts)
+        ]
 
 
 def trtllm_algo(scheme: WeightScheme, actorder: bool) -> str:
@@ -85,9 +106,9 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
     """
     ckpt = open_checkpoint(Path(model_dir))
     info = ModelInfo.from_hf_config(ckpt.config)
-    if (why := architecture_problem(info.architecture)) is not None:
-        raise UsageError(f"{model_dir}: {why.problem}")
     recorded = _recorded_algo(ckpt)
+    if (why := engine_problem(info, quant_algo or recorded)) is not None:
+        raise UsageError(f"{model_dir}: {why.problem}")
     src = Source(
         ckpt.config,
         info,
@@ -96,13 +117,9 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
         symmetric=True,
         fmt=ckpt.format,
     )
-    names = [
-        f"model.layers.{i}.{'self_attn' if p in LINEARS[:4] else 'mlp'}.{p}"
-        for i in range(info.num_layers)
-        for p in LINEARS
-    ]
-    for name in names:
-        lin = src.linears[name] = ckpt.linear(name)
+    for i in range(info.num_layers):
+        _read_layer(ckpt, src, i)
+    for name, lin in src.linears.items():
         if lin.g_idx is not None:
             raise UsageError(
                 f"{name}: GPTQ activation reordering (g_idx) has no TensorRT-LLM layout"
@@ -115,7 +132,8 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
     if recorded == "NVFP4":
         for name, lin in src.linears.items():
             if lin.scale is not None:
-                scale_2 = ckpt.tensor(f"{name}.weight_scale_2").to(torch.float32).reshape(())
+                stored = src.fused_in.get(name, name)
+                scale_2 = ckpt.tensor(f"{stored}.weight_scale_2").to(torch.float32).reshape(())
                 src.weight_globals[name] = scale_2
     src.tensors["model.embed_tokens.weight"] = embed
     src.tensors["model.norm.weight"] = ckpt.tensor("model.norm.weight")
@@ -126,7 +144,40 @@ def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:
         for norm in QK_NORMS if info.qk_norm else ():
             key = f"model.layers.{i}.self_attn.{norm}.weight"
             src.tensors[key] = ckpt.tensor(key)
+        for norm in GEMMA_NORMS if info.gemma else ():
+            key = f"model.layers.{i}.{norm}.weight"
+            src.tensors[key] = ckpt.tensor(key)
         if ckpt.kv_cache is not None:
             k, v = (s.to(torch.float32).reshape(()) for s in ckpt.kv_scales(i))
             src.kv_scales[i] = torch.maximum(k, v)
     return src
+
+
+def _read_layer(ckpt: Checkpoint, src: Source, layer: int) -> None:
+    """Decoder layer `layer`'s linears into `src.linears` under Llama's HF names (Phi-3's
+    fused qkv_proj and gate_up_proj split by rows: the export fuses per rank again), a sparse
+    layer's experts under their own names and its router as a float32 tensor."""
+    info, prefix = src.info, f"model.layers.{layer}"
+    moe = info.moe
+    for name, (rows, _) in info.layer_linears(layer).items():
+        full = f"{prefix}.{name}"
+        lin = ckpt.linear(full)
+        if moe is not None and name == f"{moe.block}.{moe.router}":
+            src.routers[layer] = effective_weight(lin, torch.float32)
+        elif name == "self_attn.qkv_proj":
+            q, kv = info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim
+            parts = {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}
+            _split(src, full, lin, {f"{prefix}.self_attn.{p}": at for p, at in parts.items()})
+        elif name == "mlp.gate_up_proj":
+            half = rows // 2
+            parts = {"gate_proj": (0, half), "up_proj": (half, half)}
+            _split(src, full, lin, {f"{prefix}.mlp.{p}": at for p, at in parts.items()})
+        else:
+            src.linears[full] = lin
+
+
+def _split(src: Source, fused: str, lin: LinearWeights, parts: dict[str, tuple[int, int]]) -> None:
+    """The rows (start, count) of fused linear `fused` as linears of their own."""
+    for name, (start, count) in parts.items():
+        src.linears[name] = lin.rows(torch.arange(start, start + count))
+        src.fused_in[name] = fused

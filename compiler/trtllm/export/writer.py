@@ -69,7 +69,7 @@ from kiln.compiler.trtllm.export.linears import (
     pad_linear,
     shard,
 )
-from kiln.compiler.trtllm.export.source import QK_NORMS, Source, read_source
+from kiln.compiler.trtllm.export.source import GEMMA_NORMS, QK_NORMS, Source, read_source
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
 from kiln.compiler.trtllm.rules.exclusions import (
     NO_EXCLUSIONS,
@@ -201,19 +201,23 @@ def export_checkpoint(
         raise UsageError(f"{src.quant_algo} has no TensorRT-LLM checkpoint export")
     info, algo, torch_dtype = src.info, CHECKPOINT_ALGO[src.quant_algo], DTYPES[dtype]
     tp = tp_size
+    width = info.moe_intermediate_size if info.moe is not None else info.intermediate_size
     if tp < 1 or (
-        info.num_heads % tp
-        or (info.num_kv_heads % tp and tp % info.num_kv_heads)
-        or info.intermediate_size % tp
+        info.num_heads % tp or (info.num_kv_heads % tp and tp % info.num_kv_heads) or width % tp
     ):
         raise UsageError(
             f"tp_size {tp} does not split {info.num_heads} heads, {info.num_kv_heads} KV heads "
-            f"and {info.intermediate_size} MLP columns"
+            f"and {width} MLP columns"
         )
     pre_quant = algo == "W4A8_AWQ" or (
         algo == "W4A16_AWQ" and any(lin.pre_quant_scale is not None for lin in src.linears.values())
     )
     notes: list[str] = []
+    if info.gemma and info.qk_norm:
+        notes.append(
+            f"Gemma 3 q/k norms: TensorRT-LLM's gemma model builds them with its default "
+            f"epsilon 1e-5, not rms_norm_eps {src.config.get('rms_norm_eps', 1e-6)}"
+        )
     if algo in ("W8A16", "W4A16"):
         notes.append(
             f"{algo}: weights stored dequantised in {dtype}; trtllm-build re-quantises "
@@ -275,11 +279,43 @@ def _excluded(src: Source) -> list[str]:
             )
         if qkv[0].scale is None:
             names.append(f"transformer.layers.{i}.attention.qkv")
-        for hf, (trt, _) in MODULES.items():
-            block = "self_attn" if hf == "o_proj" else "mlp"
-            if src.linears[f"model.layers.{i}.{block}.{hf}"].scale is None:
-                names.append(f"transformer.layers.{i}.{trt}")
+        for hf, trt in _layer_modules(src, i).items():
+            if src.linears[hf].scale is None:
+                names.append(trt)
+        if i in src.routers:  # layers/moe.py: the router is never quantised
+            names.append(f"transformer.layers.{i}.mlp.router")
+            _check_experts(src, i)
     return names
+
+
+def _check_experts(src: Source, layer: int) -> None:
+    """UsageError where some experts of a quantised checkpoint are float: TensorRT-LLM's MoE
+    layer runs all experts of a layer in one format."""
+    if src.quant_algo == "NO_QUANT":
+        return
+    float_experts = [
+        e for e, linears in enumerate(src.experts(layer)) if any(w.scale is None for w in linears)
+    ]
+    if float_experts:
+        raise UsageError(
+            f"layer {layer}: experts {float_experts} are float while the checkpoint is "
+            f"{src.quant_algo}: TensorRT-LLM's MoE layer runs every expert of a layer in one "
+            "format — quantise every expert (drop them from quantization.ignore)"
+        )
+
+
+def _layer_modules(src: Source, layer: int) -> dict[str, str]:
+    """HF linear → TensorRT-LLM module of decoder layer `layer`'s linears that export one to
+    one (not q/k/v, Phi-3's gate and up, nor experts: those are fused or stacked per rank)."""
+    hf, trt = f"model.layers.{layer}", f"transformer.layers.{layer}"
+    out = {f"{hf}.self_attn.o_proj": f"{trt}.attention.dense"}
+    if layer in src.routers:
+        return out
+    if not src.info.fused_projections:
+        out[f"{hf}.mlp.gate_proj"] = f"{trt}.mlp.fc"
+        out[f"{hf}.mlp.up_proj"] = f"{trt}.mlp.gate"
+    out[f"{hf}.mlp.down_proj"] = f"{trt}.mlp.proj"
+    return out
 
 
 def _float_blocks(excluded: list[str]) -> list[str]:
@@ -307,10 +343,12 @@ def _weight_globals(src: Source) -> dict[str, torch.Tensor]:
         names = [f"{hf}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
         if all(n in found for n in names):
             out[f"{trt}.attention.qkv"] = torch.stack([found[n] for n in names]).max()
-        for name, (module, _) in MODULES.items():
-            block = "self_attn" if name == "o_proj" else "mlp"
-            if f"{hf}.{block}.{name}" in found:
-                out[f"{trt}.{module}"] = found[f"{hf}.{block}.{name}"]
+        gate_up = [f"{hf}.mlp.{p}" for p in ("gate_proj", "up_proj")]
+        if src.info.fused_projections and all(n in found for n in gate_up):
+            out[f"{trt}.mlp.fc"] = torch.stack([found[n] for n in gate_up]).max()
+        for name, module in _layer_modules(src, i).items():
+            if name in found:
+                out[module] = found[name]
     if "lm_head" in found:
         out["lm_head"] = found["lm_head"]
     return out
@@ -320,12 +358,8 @@ def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:
     """TensorRT-LLM module name → (whole linear, tp role); q/k/v are fused per rank later."""
     out: dict[str, tuple[LinearWeights, str]] = {"lm_head": (src.linears["lm_head"], "column")}
     for i in range(src.info.num_layers):
-        for hf, (trt, role) in MODULES.items():
-            block = "self_attn" if hf == "o_proj" else "mlp"
-            out[f"transformer.layers.{i}.{trt}"] = (
-                src.linears[f"model.layers.{i}.{block}.{hf}"],
-                role,
-            )
+        for hf, trt in _layer_modules(src, i).items():
+            out[trt] = (src.linears[hf], MODULES[hf.rpartition(".")[2]][1])
     return out
 
 
@@ -341,50 +375,95 @@ def _rank_tensors(
 ) -> dict[str, torch.Tensor]:
     info, zero_point = src.info, not src.symmetric
     globals_ = _weight_globals(src)
+
+    def norm(key: str) -> torch.Tensor:
+        # Gemma 3 computes x·(1 + w); TensorRT-LLM's RmsNorm x·w (models/gemma/convert.py
+        # adds the one, in float32).
+        weight = src.tensors[key]
+        return (weight.float() + 1 if info.gemma else weight).to(dtype)
+
+    def linear(prefix: str, lin: LinearWeights, role: str) -> None:
+        out.update(_tensors(prefix, lin, algo, role, dtype, pre_quant, zero_point,
+                            globals_.get(prefix)))  # fmt: skip
+        out.update(_bias(prefix, lin, dtype))
+
     out: dict[str, torch.Tensor] = {
         "transformer.vocab_embedding.weight": src.tensors["model.embed_tokens.weight"].to(dtype),
-        "transformer.ln_f.weight": src.tensors["model.norm.weight"].to(dtype),
+        "transformer.ln_f.weight": norm("model.norm.weight"),
     }
     for name, (lin, role) in modules.items():
         if name == "lm_head" and lin.out_features % tp:
             lin = pad_linear(lin, -(-lin.out_features // tp) * tp, lin.in_features)
-        sharded = pad_groupwise(shard(lin, role, tp, rank), algo, role, tp)
-        out.update(
-            _tensors(name, sharded, algo, role, dtype, pre_quant, zero_point, globals_.get(name))
-        )
-        out.update(_bias(name, sharded, dtype))
+        linear(name, pad_groupwise(shard(lin, role, tp, rank), algo, role, tp), role)
     for i in range(info.num_layers):
-        prefix = f"model.layers.{i}.self_attn"
+        prefix, layer = f"model.layers.{i}", f"transformer.layers.{i}"
         parts = [
-            src.linears[f"{prefix}.{proj}"].rows(head_rows(heads, info.head_dim, tp, rank))
-            for proj, heads in (
+            src.linears[f"{prefix}.self_attn.{p}"].rows(head_rows(heads, info.head_dim, tp, rank))
+            for p, heads in (
                 ("q_proj", info.num_heads),
                 ("k_proj", info.num_kv_heads),
                 ("v_proj", info.num_kv_heads),
             )
         ]
         qkv = pad_groupwise(fuse_linears(parts, algo, notes, f"layer {i} qkv"), algo, "column", tp)
-        layer = f"transformer.layers.{i}"
-        qkv_prefix = f"{layer}.attention.qkv"
-        out.update(
-            _tensors(qkv_prefix, qkv, algo, "column", dtype, pre_quant, zero_point,
-                     globals_.get(qkv_prefix))
-        )  # fmt: skip
-        out.update(_bias(qkv_prefix, qkv, dtype))
-        out[f"{layer}.input_layernorm.weight"] = src.tensors[
-            f"model.layers.{i}.input_layernorm.weight"
-        ].to(dtype)
-        out[f"{layer}.post_layernorm.weight"] = src.tensors[
-            f"model.layers.{i}.post_attention_layernorm.weight"
-        ].to(dtype)
-        for norm in QK_NORMS if info.qk_norm else ():
-            # models/qwen/convert.py: q_norm/k_norm load as attention.{q,k}_layernorm, float.
-            out[f"{layer}.attention.{norm[0]}_layernorm.weight"] = src.tensors[
-                f"model.layers.{i}.self_attn.{norm}.weight"
-            ].to(dtype)
+        linear(f"{layer}.attention.qkv", qkv, "column")
+        if info.fused_projections:
+            # models/phi3: one fc of [up; gate] rows (swiglu gates with the second half), each
+            # rank holding its own rows of both halves.
+            halves = [shard(src.linears[f"{prefix}.mlp.{p}"], "column", tp, rank)
+                      for p in ("up_proj", "gate_proj")]  # fmt: skip
+            fc = fuse_linears(halves, algo, notes, f"layer {i} gate_up")
+            linear(f"{layer}.mlp.fc", pad_groupwise(fc, algo, "column", tp), "column")
+        if i in src.routers:
+            out.update(_expert_tensors(src, i, algo, tp, rank, dtype, notes))
+        out[f"{layer}.input_layernorm.weight"] = norm(f"{prefix}.input_layernorm.weight")
+        out[f"{layer}.post_layernorm.weight"] = norm(f"{prefix}.post_attention_layernorm.weight")
+        for gemma_norm in GEMMA_NORMS if info.gemma else ():
+            out[f"{layer}.{gemma_norm}.weight"] = norm(f"{prefix}.{gemma_norm}.weight")
+        for qk in QK_NORMS if info.qk_norm else ():
+            # models/qwen/convert.py, models/gemma/convert.py: q_norm / k_norm load as
+            # attention.{q,k}_layernorm, float.
+            out[f"{layer}.attention.{qk[0]}_layernorm.weight"] = norm(
+                f"{prefix}.self_attn.{qk}.weight"
+            )
         if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
-            for norm in ("input_layernorm", "post_layernorm"):
-                out[f"{layer}.{norm}.scale_to_int"] = torch.ones(1, dtype=dtype)
+            for plugin_norm in ("input_layernorm", "post_layernorm"):
+                out[f"{layer}.{plugin_norm}.scale_to_int"] = torch.ones(1, dtype=dtype)
         if i in src.kv_scales:
             out[f"{layer}.attention.kv_cache_scaling_factor"] = src.kv_scales[i].reshape(1)
+    return out
+
+
+def _expert_tensors(
+    src: Source, layer: int, algo: str, tp: int, rank: int, dtype: torch.dtype, notes: list[str]
+) -> dict[str, torch.Tensor]:
+    """Sparse layer `layer`'s MoE tensors on one rank (layers/moe.py MixtureOfExperts): the
+    float32 router (num_experts, hidden), whole on every rank; `mlp.fc` stacking each
+    expert's [up; gate] rows of this rank (experts, 2 × width / tp, hidden) and `mlp.proj`
+    each expert's down columns (experts, hidden, width / tp). FP8: one weight scale per
+    expert and GEMM (up and gate re-quantised to the larger of theirs) and one activation
+    scale per GEMM, the largest of the experts'."""
+    prefix = f"transformer.layers.{layer}.mlp"
+    out = {f"{prefix}.router.weight": src.routers[layer].to(torch.float32).contiguous()}
+    fcs, projs = [], []
+    for e, (gate, up, down) in enumerate(src.experts(layer)):
+        halves = [shard(w, "column", tp, rank) for w in (up, gate)]
+        fcs.append(fuse_linears(halves, algo, notes, f"layer {layer} expert {e} gate_up"))
+        projs.append(shard(down, "row", tp, rank))
+    for name, linears in (("fc", fcs), ("proj", projs)):
+        if algo != "FP8":  # float, or float weights trtllm-build quantises per channel
+            out[f"{prefix}.{name}.weight"] = torch.stack(
+                [effective_weight(w, dtype) for w in linears]
+            ).contiguous()
+            continue
+        scales = [w.input_scale for w in linears if w.input_scale is not None]
+        act = torch.stack(scales).max() if scales else torch.ones(())
+        if scales and not all(torch.equal(s, scales[0]) for s in scales):
+            notes.append(f"layer {layer} experts' {name}: one FP8 activation scale for all "
+                         "experts, the largest of theirs")  # fmt: skip
+        out[f"{prefix}.{name}.weight"] = torch.stack([w.weight for w in linears]).contiguous()
+        out[f"{prefix}.{name}.weights_scaling_factor"] = torch.stack(
+            [w.scale.reshape(-1)[:1] for w in linears if w.scale is not None]
+        ).to(torch.float32)
+        out[f"{prefix}.{name}.activation_scaling_factor"] = act.to(torch.float32).reshape(1)
     return out

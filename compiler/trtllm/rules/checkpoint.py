@@ -129,7 +129,9 @@ def _linears(config: dict[str, Any]) -> list[tuple[str, int, int, str]]:
 
     models/llama/model.py (LLaMAModel / LLaMADecoderLayer): attention.qkv and dense, mlp.fc,
     gate and proj, lm_head padded to a multiple of tp; layers/attention.py `Attention`
-    replicates KV heads when tp exceeds them.
+    replicates KV heads when tp exceeds them. models/phi3/model.py: one fc of 2 × width rows
+    (up and gate) and no mlp.gate. A mixture-of-experts layer's GEMMs are the MoE module's
+    own (`_expert_params`), not linears.
     """
     tp = int(config["mapping"]["tp_size"])
     hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
@@ -142,11 +144,45 @@ def _linears(config: dict[str, Any]) -> list[tuple[str, int, int, str]]:
         out += [
             (f"{layer}.attention.qkv", qkv_out, hidden, "column"),
             (f"{layer}.attention.dense", hidden, heads * head, "row"),
-            (f"{layer}.mlp.fc", inter, hidden, "column"),
-            (f"{layer}.mlp.gate", inter, hidden, "column"),
-            (f"{layer}.mlp.proj", hidden, inter, "row"),
         ]
+        if _moe(config):
+            continue
+        if config.get("architecture") == "Phi3ForCausalLM":
+            out.append((f"{layer}.mlp.fc", 2 * inter, hidden, "column"))
+        else:
+            out += [
+                (f"{layer}.mlp.fc", inter, hidden, "column"),
+                (f"{layer}.mlp.gate", inter, hidden, "column"),
+            ]
+        out.append((f"{layer}.mlp.proj", hidden, inter, "row"))
     return out
+
+
+def _moe(config: dict[str, Any]) -> int:
+    """Experts a layer of this checkpoint has (0: dense)."""
+    return int((config.get("moe") or {}).get("num_experts") or 0)
+
+
+def _expert_params(
+    config: dict[str, Any], layer: str, algo: str | None, dtype: str
+) -> dict[str, Param]:
+    """One rank's MoE tensors of a sparse layer (layers/moe.py MixtureOfExperts, MOEWeightWrapper
+    and quantization/layers.py's FP8 MoE scales): the float32 router (`RowLinear(...,
+    dtype="float32", tp_size=1, strict_dtype=True)`), fc (experts, 2 × width / moe_tp, hidden)
+    and proj (experts, hidden, width / moe_tp); FP8: one weight scale per expert, one
+    activation scale. The experts are split by moe_tp_size = tp (kiln writes moe_ep_size 1)."""
+    experts, hidden = _moe(config), int(config["hidden_size"])
+    width = int(config["intermediate_size"]) // int(config["mapping"]["tp_size"])
+    prefix = f"{layer}.mlp"
+    params = {f"{prefix}.router.weight": Param((experts, hidden), ("F32",))}
+    for name, shape in (("fc", (experts, 2 * width, hidden)), ("proj", (experts, hidden, width))):
+        if algo == "FP8":
+            params[f"{prefix}.{name}.weight"] = Param(shape, ("F8_E4M3",))
+            params[f"{prefix}.{name}.weights_scaling_factor"] = Param((experts, 1), ("F32",))
+            params[f"{prefix}.{name}.activation_scaling_factor"] = Param((1,), ("F32",))
+        else:  # float, or float weights trtllm-build quantises (weight_only_quantize_dict)
+            params[f"{prefix}.{name}.weight"] = Param(shape, (dtype,))
+    return params
 
 
 def layer_algo(module: str, algo: str | None, patterns: list[str] | None) -> str | None:
@@ -180,11 +216,19 @@ def expected_parameters(config: dict[str, Any]) -> dict[str, Param]:
             # (padded, for group-wise layers) output features.
             rows = linear[f"{module}.weight"].shape[0] * (2 if which in GROUPWISE else 1)
             params[f"{module}.bias"] = Param((rows,), (dtype,))
+    gemma = config.get("architecture") == "Gemma3ForCausalLM"
     for i in range(int(config["num_hidden_layers"])):
         layer = f"transformer.layers.{i}"
         params[f"{layer}.input_layernorm.weight"] = Param((hidden,), (dtype,))
         params[f"{layer}.post_layernorm.weight"] = Param((hidden,), (dtype,))
-        if config.get("qwen_type") == "qwen3":  # models/qwen/model.py: qk_layernorm, RmsNorm
+        if _moe(config):
+            moe_algo = None if module_excluded(f"{layer}.mlp", patterns) else algo
+            params.update(_expert_params(config, layer, moe_algo, dtype))
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ():
+            # models/gemma/model.py GemmaDecoderLayer: inter_layernorms (Gemma 2 and 3)
+            params[f"{layer}.{norm}.weight"] = Param((hidden,), (dtype,))
+        if config.get("qwen_type") in ("qwen3", "qwen3_moe") or gemma:
+            # models/qwen/model.py and models/gemma/model.py: qk_layernorm, RmsNorm per head
             head = int(config["head_size"])
             for norm in ("q_layernorm", "k_layernorm"):
                 params[f"{layer}.attention.{norm}.weight"] = Param((head,), (dtype,))

@@ -7,10 +7,10 @@ checkpoint export, the PyTorch backend's checkpoint formats, or kiln's exact con
 from __future__ import annotations
 
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
+from kiln.compiler.trtllm.rules.engine import engine_problem
 from kiln.compiler.trtllm.rules.exclusions import group_problem, group_sizes
 from kiln.compiler.trtllm.rules.pytorch import (
     CONVERTS,
-    PYTORCH_ARCHITECTURES,
     conversion_problem,
     family_problem,
     pytorch_problem,
@@ -29,50 +29,21 @@ from kiln.quant.registry import Problem
 from kiln.quant.spec import Scheme
 from kiln.runtime.formats.model_info import ModelInfo
 
-# The families kiln's TensorRT-LLM 1.2 checkpoint export writes (export/source.py reads
-# these) → its model class in 1.2's tensorrt_llm/models MODEL_MAP.
-ENGINE_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-)  # fmt: skip
-# Families TensorRT-LLM 1.2 builds engines for whose checkpoint layout kiln does not write
-# (1.2's MODEL_MAP): the engine path refuses them by name, the PyTorch path serves them.
-ENGINE_NOT_WRITTEN = {
-    "Phi3ForCausalLM": "tensorrt_llm/models/phi3 (fused qkv and gate_up, LongRoPE)",
-    "Gemma3ForCausalLM": "tensorrt_llm/models/gemma (four norms a layer, local RoPE base)",
-    "MixtralForCausalLM": "LLaMAForCausalLM with MoE (per-expert fc/proj, router)",
-    "Qwen3MoeForCausalLM": "tensorrt_llm/models/qwen (MoE experts, shared router)",
-}
-
-
-def architecture_problem(architecture: str) -> Problem | None:
-    """Why kiln cannot export `architecture` for TensorRT-LLM 1.2 engines (None where it can)."""
-    if architecture in ENGINE_ARCHITECTURES:
-        return None
-    known = ", ".join(ENGINE_ARCHITECTURES)
-    layout = ENGINE_NOT_WRITTEN.get(architecture)
-    built = f"; TensorRT-LLM 1.2 builds it as {layout}, a layout kiln does not write"
-    return Problem(
-        "deploy.trtllm_path",
-        f"{architecture}: kiln's TensorRT-LLM 1.2 checkpoint export writes {known}"
-        f"{built if layout else ''}",
-        "deploy.trtllm_path: pytorch (trtllm-serve loads the Hugging Face checkpoint)"
-        if architecture in PYTORCH_ARCHITECTURES
-        else "targets: [] (the artifact serves on kiln serve and vLLM)",
-    )
-
 
 def path_problems(info: ModelInfo, scheme: Scheme) -> dict[str, Problem | None]:
     """Per TensorRT-LLM path, why kiln cannot deploy this model family there with `scheme`
     (None where it can): the engine path's checkpoint export, the PyTorch backend's model
     classes and what their loaders read (pytorch.family_problem)."""
     algo, kv_algo = scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
-    engine = architecture_problem(info.architecture)
+    engine = engine_problem(info, CHECKPOINT_ALGO.get(algo, algo), kv_algo)
     why = family_problem(info, CONVERTS.get(algo, algo), kv_algo)
     elsewhere = "targets: [] (the artifact serves on kiln serve and vLLM)"
     pytorch = None if why is None else Problem(
         "targets", f"TensorRT-LLM's PyTorch backend: {why}",
         elsewhere if engine is not None else f"deploy.trtllm_path: engine, or {elsewhere}",
     )  # fmt: skip
+    if engine is not None and pytorch is not None:  # neither path: say so, not "pytorch"
+        engine = Problem(engine.key, engine.problem, elsewhere)
     return {"engine": engine, "pytorch": pytorch}
 
 

@@ -32,6 +32,7 @@ from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant import calibration
 from kiln.quant.memory import estimate_calibration_bytes
 from kiln.quant.prequantized.detect import PreQuantized
+from kiln.quant.quantize import moe_calibration_problem
 from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.base.errors import SourceError, UsageError
 from kiln.runtime.formats.model_info import ModelInfo
@@ -151,6 +152,10 @@ def run_preflight(
     problems += quant.problems
     if info is not None and quant.imported is None and quant.usable:
         problems += ignore_problems(recipe, info, recipe.quant_spec(), "quantization")
+    if info is not None and quant.imported is None and quant.scheme is not None:
+        why = moe_calibration_problem(info, quant.scheme, calib)
+        if why is not None:
+            problems.append(recipe.problem("calibration.moe_experts", why))
     problems += gate_problems(recipe)
     for p in calibration.check(recipe.report_spec()):
         key = p.key.replace("calibration.", "report.", 1)

@@ -26,6 +26,19 @@ if TYPE_CHECKING:
     from kiln.runtime.formats.model_info import ModelInfo
 
 
+def moe_calibration_problem(
+    info: ModelInfo, scheme: Scheme, calibration: CalibrationSpec
+) -> str | None:
+    """Why `calibration.moe_experts: all` cannot be honoured (None where it can, or is not
+    asked): only llm-compressor runs every expert on every calibration token."""
+    backend = scheme.spec.backend
+    if (info.moe is None or not scheme.needs_calibration or calibration.moe_experts != "all"
+            or backend == "llmcompressor"):  # fmt: skip
+        return None
+    return (f"all: backend {backend} calibrates each expert on the tokens routed to it only; "
+            "set calibration.moe_experts: warn or fail, or use backend: llmcompressor")  # fmt: skip
+
+
 def quantize(
     model_dir: Path,
     scheme: Scheme,
@@ -65,14 +78,8 @@ def quantize(
         record.seconds = round(time.perf_counter() - start, 3)
         return record
 
-    if (info.moe is not None and scheme.needs_calibration and calibration.moe_experts == "all"
-            and spec.backend != "llmcompressor"):  # fmt: skip
-        # Only llm-compressor can run every expert on every calibration token.
-        raise PreflightError(
-            f"calibration.moe_experts: all: backend {spec.backend} calibrates each expert on "
-            "the tokens routed to it only; set calibration.moe_experts: warn or fail, or use "
-            "backend: llmcompressor"
-        )
+    if (why := moe_calibration_problem(info, scheme, calibration)) is not None:
+        raise PreflightError(f"calibration.moe_experts: {why}")
     if scheme.needs_calibration:
         problems = calib_data.check(calibration)
         if problems:

@@ -127,6 +127,7 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
 
     from kiln.runtime.formats import nvfp4
     from kiln.runtime.formats.checkpoint import open_checkpoint
+    from kiln.runtime.formats.model_info import ModelInfo
     from kiln.runtime.formats.weights import LinearWeights, dequantize, effective_weight
 
     ckpt = open_checkpoint(Path(path))
@@ -148,7 +149,16 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
             continue
         value = ckpt.tensor(key)
         state[key] = value.float() if value.is_floating_point() else value
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if ModelInfo.from_hf_config(ckpt.config).moe is not None:
+        model = _load_experts(config, state)
+        # transformers fuses each layer's experts into one module of 3-D tensors: the report
+        # compares and fake-quantises the linears that stay linears (as for llm-compressor's
+        # checkpoints, which transformers loads the same way).
+        quantised = {p: w for p, w in quantised.items() if ".experts." not in p}
+        effective = {p: w for p, w in effective.items() if ".experts." not in p}
+        state = model.state_dict()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if config.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
@@ -181,6 +191,24 @@ def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
         _quantised_kv_attention(model, kv_scales, kv_fq)
     model.eval()
     return model, effective
+
+
+def _load_experts(config: Any, state: dict[str, Any]) -> Any:
+    """A mixture-of-experts model from `state` under its checkpoint names (each expert's
+    linears apart, as ModelOpt exports them): written out and read back by transformers,
+    whose checkpoint conversion fuses the experts as its model holds them."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="kiln-moe-") as tmp:
+        config.save_pretrained(tmp)
+        tensors = {k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"
+                   or not config.tie_word_embeddings}  # fmt: skip
+        save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
 
 
 def _input_hook(pqs: Any, scale: Any, fake_quant: Callable[[Any, Any], Any]) -> Any:

@@ -170,6 +170,42 @@ def test_a_moe_model_compiles_with_every_expert_quantised_and_a_float_router(
     assert report["coverage"]["unexpected_float"] == []
 
 
+@pytest.mark.parametrize("fixture", ["tiny_mixtral", "tiny_qwen3_moe"])
+def test_modelopt_quantises_every_expert_and_its_report_reads_the_experts_back(
+    fixture: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """ModelOpt exports each expert's linears apart (Mixtral's w1/w3/w2): the report reads
+    them back through transformers' own checkpoint conversion, every expert is quantised,
+    the routers stay float, and kiln's runtime serves the export within FP8's tolerance of
+    that model. ModelOpt calibrates each expert on its routed tokens only: the recipe says
+    `moe_experts: warn` (the default `all` is refused for it by name)."""
+    from kiln.quant.backends.modelopt import load_checkpoint
+    from tests.runtime.conftest import assert_close_to_reference
+
+    model = request.getfixturevalue(fixture)
+    quant = "  backend: modelopt\n"
+    path = (
+        moe_recipe(tmp_path, model, quant)
+        .read_text()
+        .replace("method: gptq\n  group_size: 64", "method: fp8")
+    )
+    recipe_path = tmp_path / "modelopt.yaml"
+    recipe_path.write_text(path)
+    result = CliRunner().invoke(main, ["validate", str(recipe_path)])
+    assert result.exit_code == 2 and "backend modelopt calibrates each expert" in result.stderr
+    recipe_path.write_text(
+        path.replace("max_seq_len: 64}", "max_seq_len: 64, moe_experts: warn}", 1)
+    )
+    artifact = Path(compile_json(recipe_path)["artifact"])
+    report = json.loads((artifact / "reports" / "quantization.json").read_text())
+    counts = report["coverage"]["counts"]
+    assert counts["expert"] == {"quantised": 24} and counts["router"] == {"float": 2}
+    assert report["coverage"]["unexpected_float"] == [] and report["format"] == "modelopt"
+    reference, _ = load_checkpoint(artifact / "model")
+    engine = Engine.from_pretrained(artifact / "model")
+    assert_close_to_reference(engine, reference, 0.25, 0.05)
+
+
 def test_mixtral_quantises_every_expert_under_its_own_names_and_serves_them(
     tiny_mixtral: Path, tmp_path: Path
 ) -> None:

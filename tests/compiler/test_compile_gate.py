@@ -321,3 +321,20 @@ def test_the_channel_baseline_is_identified_by_its_digest_not_its_path(
     assert "--promote prod" in message and x_digest[:12] in message and str(x) in message
     with Registry(db) as registry:
         assert registry.gate_runs(artifact.load_manifest(candidate.result.artifact).digest) == []
+
+
+@pytest.mark.parametrize("fixture", ["tiny_phi3", "tiny_gemma3", "tiny_mixtral", "tiny_qwen3_moe"])
+def test_the_gate_runs_on_each_architecture_kiln_compiles(
+    fixture: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Phi-3 (fused projections), Gemma 3 (sliding windows) and the two MoE families are
+    gated like Llama: the candidate and its float source both served by kiln's runtime on the
+    task, the divergence measured, a verdict written."""
+    recipe = gated_recipe(tmp_path, request.getfixturevalue(fixture), "fp8")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    gate = json.loads(stdout)["gate"]
+    assert gate["passed"] and gate["baseline"]["kind"] == "source"
+    verdict = json.loads((Path(gate["reports"]) / "gate.json").read_text())
+    assert verdict["tasks"] and verdict["divergence"]
+    assert any(c["name"].startswith("kiln_mc: acc") for c in verdict["checks"])

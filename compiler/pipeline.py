@@ -247,7 +247,7 @@ def _report(
     def run_report(out: Path) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
-        from kiln.quant.layer_report import quantization_report
+        from kiln.quant.layer_report import SMOOTHING_METHODS, quantization_report
 
         if job.imported is not None:
             reason = "imported pre-quantised checkpoint: there is no float model to compare with"
@@ -257,8 +257,9 @@ def _report(
         # Held-out means held out: never report on a text the model was calibrated on.
         seen = calibration.load_texts(job.calibration, tokenizer) if needs_data else []
         texts = calibration.load_texts(spec, tokenizer, exclude=seen)
+        smoothing = job.scheme.spec.method in SMOOTHING_METHODS
         report = quantization_report(build.source_model, build.model, texts,
-                                     max_seq_len=spec.max_seq_len)  # fmt: skip
+                                     max_seq_len=spec.max_seq_len, smoothing=smoothing)  # fmt: skip
         for key, name in (("coverage", COVERAGE_FILE), ("moe_routing", ROUTING_FILE)):
             if (build.quantized.path / name).is_file():
                 report[key] = json.loads((build.quantized.path / name).read_text())

@@ -32,6 +32,8 @@ SMOOTHED_BY_NORM = {
 }
 SMOOTHED_BY_LINEAR = {"self_attn.o_proj": "self_attn.v_proj", "mlp.down_proj": "mlp.up_proj"}
 FIT_THRESHOLD = 0.05
+# Methods that move scales between layers (into norms and the preceding linear).
+SMOOTHING_METHODS = frozenset({"awq", "smoothquant"})
 
 
 def checkpoint_format(path: Path) -> str:
@@ -68,14 +70,20 @@ def _load_float(path: Path) -> Any:
 
 
 def weight_errors(
-    float_state: dict[str, Any], quant_state: dict[str, Any], weights: dict[str, Any]
+    float_state: dict[str, Any],
+    quant_state: dict[str, Any],
+    weights: dict[str, Any],
+    smoothing: bool = True,
 ) -> list[dict[str, Any]]:
-    """Relative MSE of each dequantised weight against its (smoothing-aware) float reference."""
+    """Relative MSE of each dequantised weight against its float reference, corrected for the
+    scales a smoothing method (AWQ, SmoothQuant) moved between layers; `smoothing=False` for
+    a method that moves none (GPTQ, FP8), where a layer's own large error would otherwise be
+    read as smoothing and charged to its neighbour."""
     import torch
 
     col: dict[str, Any] = {}  # linear name -> per-input-column scale of the reference
     row: dict[str, Any] = {}  # linear name -> per-output-row scale of the reference
-    for name, weight in weights.items():
+    for name, weight in weights.items() if smoothing else ():
         local = name.rpartition(".layers.")[2].partition(".")[2]  # e.g. self_attn.q_proj
         prefix = name[: len(name) - len(local)]  # e.g. model.layers.0.
         for norm, users in SMOOTHED_BY_NORM.items():
@@ -140,9 +148,14 @@ def next_token_agreement(
 
 
 def quantization_report(
-    float_dir: Path, quant_dir: Path, texts: list[str], max_seq_len: int = 256
+    float_dir: Path,
+    quant_dir: Path,
+    texts: list[str],
+    max_seq_len: int = 256,
+    smoothing: bool = True,
 ) -> dict[str, Any]:
-    """Per-layer weight error and next-token KL, top-1 agreement and perplexity on `texts`."""
+    """Per-layer weight error and next-token KL, top-1 agreement and perplexity on `texts`
+    (`smoothing`: whether the method moved scales between layers, see weight_errors)."""
     from transformers import AutoTokenizer
 
     from kiln.quant.calibration import tokenize
@@ -150,7 +163,7 @@ def quantization_report(
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
     float_model = _load_float(float_dir)
     quant_model, weights = load_quantised(quant_dir)
-    layers = weight_errors(float_model.state_dict(), quant_model.state_dict(), weights)
+    layers = weight_errors(float_model.state_dict(), quant_model.state_dict(), weights, smoothing)
     tokenizer = AutoTokenizer.from_pretrained(float_dir)
     samples = [s for s in tokenize(texts, tokenizer, max_seq_len) if len(s) >= 2]
     worst = max(layers, key=lambda layer: layer["rel_mse"], default=None)

@@ -331,7 +331,8 @@ def test_the_gate_runs_on_each_architecture_kiln_compiles(
     gated like Llama: the candidate and its float source both served by kiln's runtime on the
     task, the divergence measured, a verdict written."""
     recipe = gated_recipe(tmp_path, request.getfixturevalue(fixture), "fp8")
-    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    db = str(tmp_path / "registry.db")
+    code, stdout, stderr = kiln("compile", str(recipe), "--json", "--registry", db)
     assert code == 0, stderr
     gate = json.loads(stdout)["gate"]
     assert gate["passed"] and gate["baseline"]["kind"] == "source"

@@ -13,6 +13,7 @@ from kiln.compiler.cli import bench as bench_command
 from kiln.compiler.cli import compile as compile_commands
 from kiln.compiler.cli import draft as draft_command
 from kiln.compiler.cli import gate as gate_commands
+from kiln.compiler.cli import search as search_command
 from kiln.compiler.cli import serve as serve_command
 from kiln.compiler.cli.exits import debug_option
 
@@ -48,7 +49,7 @@ def main() -> None:
 
 
 # Every command, imported statically: `kiln validate|plan|compile|inspect` (cli/compile.py),
-# `gate|promote|rollback|registry` (cli/gate.py), `serve`, `bench` and `draft`.
+# `gate|promote|rollback|registry` (cli/gate.py), `search`, `serve`, `bench` and `draft`.
 for _command in (
     compile_commands.validate,
     compile_commands.plan,
@@ -58,6 +59,7 @@ for _command in (
     gate_commands.promote,
     gate_commands.rollback,
     gate_commands.registry,
+    search_command.search,
     serve_command.serve,
     bench_command.bench,
     draft_command.draft_command,

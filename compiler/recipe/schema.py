@@ -182,6 +182,19 @@ class SpeculativeSection(StrictModel):
         return value
 
 
+class SearchSection(StrictModel):
+    """What `kiln search` tries (its command-line options override these)."""
+
+    targets: list[str] = Field(default_factory=list)  # empty: the recipe's targets
+    schemes: list[str] | None = None  # None: every scheme the targets run
+    kv_cache: list[str] = Field(default_factory=lambda: ["none", "fp8"])  # none | fp8
+    mixed: bool = True  # mixed precision from the measured per-layer sensitivity
+    early_stop: bool = True  # gate a quarter of the task items first
+    measure: bool = True  # kiln's runtime decode speed on the searching machine
+    budget_hours: float | None = Field(None, gt=0)
+    max_candidates: int | None = Field(None, ge=1)
+
+
 class RecipeModel(StrictModel):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
     model: ModelSection
@@ -193,6 +206,7 @@ class RecipeModel(StrictModel):
     output: str = Field("artifacts", min_length=1)
     gates: GatesSection | None = None  # what `kiln gate` measures and its thresholds
     speculative: SpeculativeSection | None = None  # a draft compiled beside the model
+    search: SearchSection | None = None  # what `kiln search` tries
 
     @field_validator("output")
     @classmethod

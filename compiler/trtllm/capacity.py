@@ -106,6 +106,10 @@ class Plan:
     deploy: DeploySpec
     notes: tuple[str, ...] = ()
     suggestions: tuple[str, ...] = field(default_factory=tuple)
+    # One decode step per GPU: the weight bytes it reads (idle experts and the embedding
+    # table not), and the KV bytes each sequence adds at the mean context (max_seq_len / 2).
+    decode_weight_read_bytes_per_gpu: int = 0
+    decode_kv_read_bytes_per_sequence_per_gpu: int = 0
 
     @property
     def num_gpus(self) -> int:
@@ -117,6 +121,11 @@ class Plan:
         data["num_gpus"] = self.num_gpus
         data["notes"], data["suggestions"] = list(self.notes), list(self.suggestions)
         return data
+
+
+def cost_per_million(price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:
+    """The price of a million output tokens from `gpus` GPUs producing `tokens_per_s`."""
+    return price_per_gpu_hour * gpus / (tokens_per_s * 3600) * 1e6
 
 
 def _weight_bits(algo: str) -> int:
@@ -384,11 +393,14 @@ def plan(info: ModelInfo, scheme: Scheme, target: TargetProfile, deploy: DeployS
                      f"window of {info.sliding_window} tokens and hold only it in the KV "
                      "cache")  # fmt: skip
     read = chosen.weights_gpu - chosen.embedding - case.idle_expert_bytes(chosen.tp)
-    step = read + chosen.kv_token_gpu * _mean_read_tokens(info, deploy.max_seq_len // 2)
+    kv_read = chosen.kv_token_gpu * _mean_read_tokens(info, deploy.max_seq_len // 2)
+    step = read + kv_read
     cost = None
     if deploy.gpu_price_per_hour and deploy.expected_output_tokens_per_s:
-        per_hour = deploy.gpu_price_per_hour * chosen.tp * deploy.pp_size
-        cost = per_hour / (deploy.expected_output_tokens_per_s * 3600) * 1e6
+        gpus = chosen.tp * deploy.pp_size
+        cost = cost_per_million(
+            deploy.gpu_price_per_hour, gpus, deploy.expected_output_tokens_per_s
+        )
     return Plan(
         model=info.architecture,
         target=target.name,
@@ -413,4 +425,6 @@ def plan(info: ModelInfo, scheme: Scheme, target: TargetProfile, deploy: DeployS
         deploy=deploy,
         notes=tuple(notes),
         suggestions=tuple(suggestions),
+        decode_weight_read_bytes_per_gpu=math.ceil(read),
+        decode_kv_read_bytes_per_sequence_per_gpu=math.ceil(kv_read),
     )

@@ -1,0 +1,104 @@
+"""`kiln search RECIPE`: the cheapest deployment of the recipe that passes its gate, per GPU
+target. Exit 0 when some candidate passed on every target, 1 when a target has none (the
+closest candidate and the check it missed named), 2 for a usage or recipe error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from kiln.compiler.cli.exits import handle_errors
+from kiln.compiler.cli.options import JSON_OPTION, REGISTRY_OPTION
+
+err = Console(stderr=True, highlight=False)
+
+
+def _names(text: str | None) -> list[str] | None:
+    return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+
+
+@click.command("search")
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--target", "targets", multiple=True, help="Price on this GPU (repeatable).")
+@click.option("--schemes", help="Comma-separated: fp8,fp8_dynamic,w8a8,w8a16,w4a16,w4a16_awq,...")
+@click.option("--kv-cache", help="Comma-separated KV cache variants: none,fp8.")
+@click.option("--no-mixed", is_flag=True, help="Skip the mixed-precision candidates.")
+@click.option("--no-early-stop", is_flag=True, help="Gate every candidate in full.")
+@click.option("--no-measure", is_flag=True, help="Do not time kiln's runtime on this machine.")
+@click.option("--budget-hours", type=float, help="Stop before a candidate would pass this.")
+@click.option("--max-candidates", type=int, help="Judge at most this many candidates.")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    help="Search directory (default: <recipe output>/search-<name>); rerun to resume.",
+)
+@REGISTRY_OPTION
+@JSON_OPTION
+@handle_errors
+def search(
+    recipe: Path,
+    targets: tuple[str, ...],
+    schemes: str | None,
+    kv_cache: str | None,
+    no_mixed: bool,
+    no_early_stop: bool,
+    no_measure: bool,
+    budget_hours: float | None,
+    max_candidates: int | None,
+    output: Path | None,
+    registry_spec: str | None,
+    as_json: bool,
+) -> None:
+    """Compile and gate each candidate deployment of RECIPE; print the Pareto table."""
+    from kiln.compiler.cli.stdout_guard import stdout_to_stderr
+    from kiln.compiler.recipe.recipe import load_recipe
+    from kiln.compiler.search.report import MARKDOWN
+    from kiln.compiler.search.run import SearchSettings, run_search
+    from kiln.compiler.search.space import KV_VARIANTS, SCHEMES
+    from kiln.runtime.base.errors import VerdictFailure
+
+    parsed = load_recipe(recipe)
+    section = parsed.config.search
+    base = SearchSettings() if section is None else SearchSettings(
+        targets=list(section.targets), schemes=list(section.schemes or SCHEMES),
+        kv_cache=list(section.kv_cache), mixed=section.mixed, early_stop=section.early_stop,
+        measure=section.measure, budget_hours=section.budget_hours,
+        max_candidates=section.max_candidates,
+    )  # fmt: skip
+    settings = SearchSettings(
+        targets=list(targets) or base.targets,
+        schemes=_names(schemes) or base.schemes,
+        kv_cache=_names(kv_cache) or base.kv_cache or list(KV_VARIANTS),
+        mixed=base.mixed and not no_mixed,
+        early_stop=base.early_stop and not no_early_stop,
+        measure=base.measure and not no_measure,
+        budget_hours=budget_hours if budget_hours is not None else base.budget_hours,
+        max_candidates=max_candidates if max_candidates is not None else base.max_candidates,
+    )
+    out_dir = output or parsed.output_dir() / f"search-{parsed.name}"
+    began = time.monotonic()
+
+    def progress(text: str) -> None:
+        err.print(f"[{time.monotonic() - began:6.0f}s] {text}")
+
+    with stdout_to_stderr(as_json):
+        answer = run_search(recipe, settings, out_dir.resolve(), registry_spec, progress)
+    if as_json:
+        click.echo(json.dumps(answer))
+    else:
+        click.echo((out_dir / MARKDOWN).read_text(), err=True)
+        err.print(f"search reports: {out_dir}")
+    lost = {t: d for t, d in answer["targets"].items() if d["winner"] is None}
+    if lost:
+        lines = []
+        for target, data in lost.items():
+            near = data["closest"]
+            why = (f"closest {near['id']} missed {', '.join(near['failed_checks']) or 'the gate'}"
+                   if near else "no candidate was judged")  # fmt: skip
+            lines.append(f"{target}: no candidate passed the gate ({why})")
+        raise VerdictFailure("; ".join(lines) + f"; see {out_dir}")

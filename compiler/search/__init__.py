@@ -1,0 +1,1 @@
+"""`kiln search`: the cheapest deployment of a recipe that passes its gate, per GPU."""

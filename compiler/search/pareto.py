@@ -56,9 +56,10 @@ def quality_of(verdict: dict[str, Any], screened_out: bool = False) -> Quality:
 
 
 def frontier(rows: list[dict[str, Any]]) -> list[str]:
-    """Ids of the rows no other row beats on both price and quality loss (rows: `id`,
-    `price` (None: does not fit), `score`)."""
-    priced = [r for r in rows if r["price"] is not None]
+    """Ids of the passing rows no other passing row beats on both price and quality (rows:
+    `id`, `passed`, `price` (None: does not fit), `score`): the deployments worth choosing
+    between, each one the gate accepted."""
+    priced = [r for r in rows if r["price"] is not None and r["passed"]]
     out = []
     for r in priced:
         dominated = any(

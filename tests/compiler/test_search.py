@@ -204,7 +204,8 @@ def test_the_frontier_and_winner() -> None:
         {"id": "c", "price": 3.0, "score": 0.2, "passed": True, "failed_checks": []},
         {"id": "d", "price": None, "score": 0.0, "passed": True, "failed_checks": []},
     ]
-    assert frontier(rows) == ["a", "b"]
+    assert frontier(rows) == ["b"]  # a failed; c costs more and diverges more than b
+    assert frontier([*rows, {**rows[2], "id": "e", "score": 0.05}]) == ["b", "e"]
     assert winner(rows) == "b"
 
 

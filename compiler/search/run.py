@@ -6,10 +6,11 @@ would (one stage cache under the search's directory, so the source stage is made
 gate's baseline cache shared). Candidates go cheapest first (search/price.py, modelled);
 each result is saved as soon as it is known, so a killed search resumes from the candidates
 it finished. The early look gates a candidate on a quarter of the task items first, at a
-stricter confidence (0.99): a task whose loss bound already fails there, or a divergence
-check that fails (the same texts as the full gate), fails the candidate without the full
-run; the early look fails a good candidate at most 1% of the time per task, so the search's
-false rejections stay within the gate's own 5% plus 1%. Mixed precision (after the uniform
+stricter confidence (0.99), with the same divergence texts and no traffic replay: a task
+whose loss bound already fails there, or a divergence check that fails (the same texts as
+the full gate), fails the candidate without the full run; the early look fails a good
+candidate at most 1% of the time per task, so the search's false rejections stay within the
+gate's own 5% plus 1%. Mixed precision (after the uniform
 schemes): the cheapest failing uniform candidate's linear groups ranked by the weight error
 its quantisation report measured, the k most sensitive kept float, k grown 1, 2, 4, … until
 the gate passes, then bisected. No library runs such a search over TensorRT-LLM targets, so
@@ -46,6 +47,7 @@ from kiln.compiler.search.space import (
 )
 from kiln.compiler.trtllm.targets import PROFILES, get_profile
 from kiln.gates.releases import Registry
+from kiln.gates.settings import ShadowSection
 from kiln.runtime.base.errors import KilnError, UsageError
 from kiln.runtime.base.machine import describe_machine, machine_facts
 
@@ -241,8 +243,9 @@ class Search:
         return judged
 
     def _screen_recipe(self, recipe: Recipe) -> Recipe | None:
-        """The recipe whose gate looks at a quarter of the items at confidence 0.99 (None when
-        the gate has too few items, or no tasks, for an early look to save anything)."""
+        """The recipe whose gate looks at a quarter of the task items at confidence 0.99 and
+        the same divergence texts, replaying no traffic and measuring no noise floor (None
+        when the gate has too few items, or no tasks, for an early look to save anything)."""
         gates = recipe.config.gates
         assert gates is not None
         items = gates.limit or DEFAULT_ITEMS
@@ -250,7 +253,12 @@ class Search:
             return None
         thresholds = gates.thresholds.model_copy(update={"confidence": SCREEN_CONFIDENCE})
         screened = gates.model_copy(
-            update={"limit": max(1, math.ceil(items * SCREEN_FRACTION)), "thresholds": thresholds}
+            update={
+                "limit": max(1, math.ceil(items * SCREEN_FRACTION)),
+                "thresholds": thresholds,
+                "shadow": ShadowSection(),
+                "noise_floor": "off",
+            }
         )
         return replace(recipe, config=recipe.config.model_copy(update={"gates": screened}))
 

@@ -46,6 +46,7 @@ from kiln.compiler.search.space import (
     unknown_schemes,
 )
 from kiln.compiler.trtllm.targets import PROFILES, get_profile
+from kiln.gates.decide.checks import DIVERGENCE_CHECKS
 from kiln.gates.releases import Registry
 from kiln.gates.settings import ShadowSection
 from kiln.runtime.base.errors import KilnError, UsageError
@@ -441,15 +442,13 @@ class Search:
 
 def _decided_fail(verdict: dict[str, Any]) -> bool:
     """The early look's verdict settles a fail: a task's loss bound beyond its margin, or a
-    failed check other than a task's (those are measured on the same texts as the full gate)."""
+    failed divergence check (measured on the same texts as the full gate). A perplexity ratio
+    or accuracy on a quarter of the items settles nothing."""
     tasks = [t.get("decision") or {} for t in verdict.get("tasks", [])]
     if any(d.get("outcome") == "fail" for d in tasks):
         return True
-    task_names = {t.get("task") for t in verdict.get("tasks", [])}
-    return any(
-        not c.get("passed") and c["name"].split(":")[0] not in task_names
-        for c in verdict.get("checks", [])
-    )
+    return any(not c.get("passed") and c["name"] in DIVERGENCE_CHECKS
+               for c in verdict.get("checks", []))  # fmt: skip
 
 
 def _measure_decode(model_dir: Path, tokens: int = 32) -> float:

@@ -14,6 +14,9 @@ from kiln.gates.measure.shadow import ShadowReport
 
 NO_THRESHOLD = "reported only (no threshold set)"  # the detail of a check that is not gated
 NOT_MEASURED = "not measured"  # the outcome of a check its engine could not answer
+# The checks of the next-token divergence on the held-out texts (their names in gate.json).
+KL_MEAN, KL_P99, TOP1_AGREEMENT = "KL divergence mean", "KL divergence p99", "top-1 agreement"
+DIVERGENCE_CHECKS = (KL_MEAN, KL_P99, TOP1_AGREEMENT)
 
 
 @dataclass(slots=True)
@@ -164,16 +167,16 @@ def verdict_checks(comparisons: Comparisons, policy: GatePolicy) -> list[Check]:
         base = floor.divergence if floor else None
         checks += [
             _note(
-                threshold_check("KL divergence mean", divergence.kl_mean, "<=", policy.kl_mean_max),
+                threshold_check(KL_MEAN, divergence.kl_mean, "<=", policy.kl_mean_max),
                 times_floor(divergence.kl_mean, base.kl_mean if base else None),
             ),
             _note(
-                threshold_check("KL divergence p99", divergence.kl_p99, "<=", policy.kl_p99_max),
+                threshold_check(KL_P99, divergence.kl_p99, "<=", policy.kl_p99_max),
                 times_floor(divergence.kl_p99, base.kl_p99 if base else None),
             ),
             _note(
                 threshold_check(
-                    "top-1 agreement", divergence.top1_agreement, ">=", policy.top1_agreement_min
+                    TOP1_AGREEMENT, divergence.top1_agreement, ">=", policy.top1_agreement_min
                 ),
                 f"control {base.top1_agreement:.1%}" if base else "",
             ),

@@ -145,6 +145,9 @@ def test_an_early_look_settles_only_a_fail() -> None:
     assert _decided_fail({"tasks": [task], "checks": kl})
     task_check = [{"name": "kiln_mc: acc (mcnemar)", "passed": False}]
     assert not _decided_fail({"tasks": [task], "checks": task_check})  # inconclusive fails
+    # a perplexity ratio on a quarter of the documents is not the full gate's
+    ppl = [{"name": "kiln_ppl: word_perplexity ratio", "passed": False}]
+    assert not _decided_fail({"tasks": [], "perplexity": [{"task": "kiln_ppl"}], "checks": ppl})
 
 
 @pytest.mark.parametrize(

@@ -283,6 +283,13 @@ class Search:
                 )
         return None
 
+    def eta(self, remaining: int) -> str:
+        """`, ETA ~N min` for `remaining` candidates at the mean so far (empty before one)."""
+        fresh = [j.seconds for j in self.judged.values()][self.resumed :]
+        if not fresh:
+            return ""
+        return f", ETA ~{remaining * sum(fresh) / len(fresh) / 60:.0f} min before mixed precision"
+
     def expected_price(self, cand: Candidate) -> float:
         known = [
             p.per_million_tokens
@@ -309,7 +316,7 @@ class Search:
             if (why := self.over_budget()) is not None:
                 self.notes.append(f"stopped before {cand.id}: {why}")
                 return
-            self.say(f"candidate {n} of {total} (+ mixed): {cand.id}")
+            self.say(f"candidate {n} of {total} (+ mixed): {cand.id}{self.eta(total - n + 1)}")
             self.judge(cand)
         if s.mixed:
             self.run_mixed()

@@ -3,8 +3,9 @@
     PYTHONPATH=. python tests/benchmarks/search_early_stop.py RECIPE [-- kiln search options]
 
 e.g. `... recipes/demo-gated.yaml -- --target h100-sxm --schemes fp8,w8a16,w4a16 --kv-cache
-none`. Runs `kiln search` twice in fresh directories of its own (one registry each, so no gate
-verdict is reused between the two): with the early look, then with `--no-early-stop`. Prints
+none`. Runs `kiln search` twice in fresh directories of its own (one registry, gate cache
+and per-user cache each, so nothing measured in one run is reused by the other): with the
+early look, then with `--no-early-stop`. Prints
 the machine, each run's wall time, the candidates the early look failed without a full gate,
 whether both runs chose the same winner, and the ratio of the two wall times measured here.
 """
@@ -12,6 +13,7 @@ whether both runs chose the same winner, and the ratio of the two wall times mea
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,8 +40,13 @@ def run(recipe: str, options: list[str], root: Path, early: bool) -> tuple[float
     ]
     if not early:
         argv.append("--no-early-stop")
+    env = {
+        **os.environ,
+        "KILN_GATE_CACHE": str(out / "gate-cache"),
+        "XDG_CACHE_HOME": str(out / "xdg-cache"),
+    }
     began = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - began
     if done.returncode not in (0, 1):
         sys.exit(f"kiln search failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -290,14 +290,6 @@ class Search:
             return ""
         return f", ETA ~{remaining * sum(fresh) / len(fresh) / 60:.0f} min before mixed precision"
 
-    def expected_price(self, cand: Candidate) -> float:
-        known = [
-            p.per_million_tokens
-            for p in self.prices(cand).values()
-            if p.per_million_tokens is not None
-        ]
-        return min(known) if known else math.inf
-
     def run(self) -> None:
         s = self.settings
         candidates, skipped = uniform_candidates(
@@ -310,7 +302,7 @@ class Search:
         )
         for cid, problems in skipped.items():
             self.notes.append(f"{cid}: runs on none of the targets ({problems[0].problem})")
-        candidates.sort(key=self.expected_price)
+        candidates.sort(key=lambda c: _cheapest(self.prices(c)))
         total = len(candidates)
         for n, cand in enumerate(candidates, 1):
             if (why := self.over_budget()) is not None:
@@ -324,17 +316,17 @@ class Search:
     def run_mixed(self) -> None:
         uniform = [j for j in self.judged.values() if j.candidate.kind == "uniform"]
         passing = [j for j in uniform if j.passed]
-        cheapest_pass = min((self.expected_price(j.candidate) for j in passing), default=math.inf)
+        cheapest_pass = min((_cheapest(j.prices) for j in passing), default=math.inf)
         parents = sorted(
             (
                 j
                 for j in uniform
                 if j.quality is not None
                 and not j.passed
-                and self.expected_price(j.candidate) < cheapest_pass
+                and _cheapest(j.prices) < cheapest_pass
                 and j.artifact is not None
             ),
-            key=lambda j: self.expected_price(j.candidate),
+            key=lambda j: _cheapest(j.prices),
         )
         if not parents:
             self.notes.append(
@@ -356,16 +348,13 @@ class Search:
         if top < 1:
             self.notes.append(f"no mixed-precision candidate: {parent.candidate.id} has one group")
             return
-        passes: dict[int, bool] = {}
 
         def probe(k: int) -> bool | None:
             if (why := self.over_budget()) is not None:
                 self.notes.append(f"mixed search stopped at k={k}: {why}")
                 return None
             self.say(f"mixed: {parent.candidate.id} keeping the {k} most sensitive groups float")
-            judged = self.judge(mixed_candidate(parent.candidate, ranked, k))
-            passes[k] = judged.passed
-            return judged.passed
+            return self.judge(mixed_candidate(parent.candidate, ranked, k)).passed
 
         k, low = 1, 0
         while True:  # grow k 1, 2, 4, ... until a pass
@@ -445,6 +434,12 @@ class Search:
             "notes": self.notes,
             "price_source": "modelled (compiler/search/price.py)",
         }
+
+
+def _cheapest(prices: dict[str, Price]) -> float:
+    """A candidate's expected price: its lowest across the targets (inf where none fits)."""
+    known = [p.per_million_tokens for p in prices.values() if p.per_million_tokens is not None]
+    return min(known) if known else math.inf
 
 
 def _decided_fail(verdict: dict[str, Any]) -> bool:

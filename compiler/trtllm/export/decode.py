@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.formats.checkpoint.modelopt import unpack_int4_rows
+from kiln.runtime.formats.model_info import MOE_LAYOUTS
 from kiln.runtime.formats.nvfp4 import unpack_e2m1
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -163,14 +164,6 @@ def decode_checkpoint(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-# HF names of an expert's projections and of the router, per family (runtime model_info's
-# MoE layouts).
-EXPERT_NAMES = {
-    "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
-    "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-}
-
-
 def _experts(
     config: dict[str, Any],
     ranks: list[dict[str, torch.Tensor]],
@@ -179,7 +172,8 @@ def _experts(
 ) -> dict[str, torch.Tensor]:
     """A sparse layer's router and each expert's gate, up and down under HF names: fc rows
     [up; gate] of each rank, proj columns of each rank, FP8 codes × their expert's scale."""
-    block, router, gate, up, down = EXPERT_NAMES[config["architecture"]]
+    moe = MOE_LAYOUTS[config["architecture"]]  # the family's HF names
+    block, router, gate, up, down = moe.block, moe.router, moe.gate, moe.up, moe.down
     first = ranks[0]
     out = {f"{hf}.{block}.{router}.weight": first[f"{layer}.mlp.router.weight"].float()}
 

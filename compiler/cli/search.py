@@ -18,10 +18,6 @@ from kiln.compiler.cli.options import JSON_OPTION, REGISTRY_OPTION
 err = Console(stderr=True, highlight=False)
 
 
-def _names(text: str | None) -> list[str] | None:
-    return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
-
-
 @click.command("search")
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--target", "targets", multiple=True, help="Price on this GPU (repeatable).")
@@ -58,28 +54,16 @@ def search(
     from kiln.compiler.cli.stdout_guard import stdout_to_stderr
     from kiln.compiler.recipe.recipe import load_recipe
     from kiln.compiler.search.report import MARKDOWN
-    from kiln.compiler.search.run import SearchSettings, run_search
-    from kiln.compiler.search.space import KV_VARIANTS, SCHEMES
+    from kiln.compiler.search.run import run_search
+    from kiln.compiler.search.settings import command_line_settings
     from kiln.runtime.base.errors import VerdictFailure
 
     parsed = load_recipe(recipe)
-    section = parsed.config.search
-    base = SearchSettings() if section is None else SearchSettings(
-        targets=list(section.targets), schemes=list(section.schemes or SCHEMES),
-        kv_cache=list(section.kv_cache), mixed=section.mixed, early_stop=section.early_stop,
-        measure=section.measure, budget_hours=section.budget_hours,
-        max_candidates=section.max_candidates,
+    settings = command_line_settings(
+        parsed.config.search, targets=targets, schemes=schemes, kv_cache=kv_cache,
+        no_mixed=no_mixed, no_early_stop=no_early_stop, no_measure=no_measure,
+        budget_hours=budget_hours, max_candidates=max_candidates,
     )  # fmt: skip
-    settings = SearchSettings(
-        targets=list(targets) or base.targets,
-        schemes=_names(schemes) or base.schemes,
-        kv_cache=_names(kv_cache) or base.kv_cache or list(KV_VARIANTS),
-        mixed=base.mixed and not no_mixed,
-        early_stop=base.early_stop and not no_early_stop,
-        measure=base.measure and not no_measure,
-        budget_hours=budget_hours if budget_hours is not None else base.budget_hours,
-        max_candidates=max_candidates if max_candidates is not None else base.max_candidates,
-    )
     out_dir = output or parsed.output_dir() / f"search-{parsed.name}"
     began = time.monotonic()
 

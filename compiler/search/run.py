@@ -4,17 +4,15 @@ Each candidate (search/space.py) is written out as a recipe that `extends:` the 
 and replaces its quantization section, then compiled and gated exactly as `kiln compile`
 would (one stage cache under the search's directory, so the source stage is made once; the
 gate's baseline cache shared). Candidates go cheapest first (search/price.py, modelled);
-each result is saved as soon as it is known, so a killed search resumes from the candidates
-it finished. The early look gates a candidate on a quarter of the task items first, at a
-stricter confidence (0.99), with the same divergence texts and no traffic replay: a task
-whose loss bound already fails there, or a divergence check that fails (the same texts as
-the full gate), fails the candidate without the full run; the early look fails a good
-candidate at most 1% of the time per task, so the search's false rejections stay within the
-gate's own 5% plus 1%. Mixed precision (after the uniform
-schemes): the cheapest failing uniform candidate's linear groups ranked by the weight error
-its quantisation report measured, the k most sensitive kept float, k grown 1, 2, 4, … until
-the gate passes, then bisected. No library runs such a search over TensorRT-LLM targets, so
-this is ours.
+each result is saved as soon as it is known (search/state.py), so a killed search resumes
+from the candidates it finished; an early look (search/early.py) fails a bad candidate on a
+quarter of the task items. Mixed precision (after the uniform schemes): the cheapest failing
+uniform candidate's linear groups ranked by the weight error its quantisation report
+measured, the k most sensitive kept float, k grown 1, 2, 4, … until the gate passes, then
+bisected. Everything the search cannot run — no candidate kiln accepts, calibration data
+they need, a search directory that is a file — is refused before anything is written; a
+search that judged nothing removes what it wrote. No library runs such a search over
+TensorRT-LLM targets, so this is ours.
 """
 
 from __future__ import annotations
@@ -22,9 +20,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,108 +33,34 @@ import yaml
 from kiln.compiler.compile import compile_recipe
 from kiln.compiler.gating import gate_compiled
 from kiln.compiler.preflight import run_preflight
+from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.recipe import Recipe, load_recipe
-from kiln.compiler.search.pareto import Quality, closest, frontier, quality_of, winner
+from kiln.compiler.recipe.schema import QuantizationSection
+from kiln.compiler.search.early import decided_fail, screen_recipe
+from kiln.compiler.search.pareto import closest, frontier, quality_of, winner
 from kiln.compiler.search.price import Price, price
+from kiln.compiler.search.settings import SearchSettings, check_settings, directory_problems
 from kiln.compiler.search.space import (
-    KV_VARIANTS,
-    SCHEMES,
     Candidate,
     mixed_candidate,
     sensitivities,
     uniform_candidates,
-    unknown_schemes,
+)
+from kiln.compiler.search.state import (
+    STATE,
+    Judged,
+    read_state,
+    set_aside,
+    state_key,
+    write_state,
 )
 from kiln.compiler.trtllm.targets import PROFILES, get_profile
-from kiln.gates.decide.checks import DIVERGENCE_CHECKS
 from kiln.gates.releases import Registry
-from kiln.gates.settings import ShadowSection
+from kiln.quant import calibration
 from kiln.runtime.base.errors import KilnError, UsageError
 from kiln.runtime.base.machine import describe_machine, machine_facts
 
-STATE = "state.json"
-SCREEN_FRACTION, SCREEN_CONFIDENCE, SCREEN_MIN_ITEMS = 0.25, 0.99, 32
-DEFAULT_ITEMS = 400  # what the early look assumes a task holds when gates.limit is unset
 Progress = Callable[[str], None]
-
-
-@dataclass
-class SearchSettings:
-    """What to search: the `search:` section of the recipe, overridden by the command line."""
-
-    targets: list[str] = field(default_factory=list)  # empty: the recipe's targets
-    schemes: list[str] = field(default_factory=lambda: list(SCHEMES))
-    kv_cache: list[str] = field(default_factory=lambda: list(KV_VARIANTS))
-    mixed: bool = True
-    early_stop: bool = True
-    measure: bool = True  # decode speed of each candidate on this machine (kiln's runtime)
-    budget_hours: float | None = None
-    max_candidates: int | None = None
-
-
-@dataclass
-class Judged:
-    """One candidate's outcome: its recipe, artifact, gate quality and prices."""
-
-    candidate: Candidate
-    recipe: str
-    artifact: str | None = None
-    quality: Quality | None = None
-    prices: dict[str, Price] = field(default_factory=dict)
-    refused: str | None = None  # compile refused it: the message
-    seconds: float = 0.0
-    measured_tokens_per_s: float | None = None
-    screen: dict[str, Any] | None = None  # the early look's verdict summary
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.candidate
-        return {
-            "id": c.id,
-            "kind": c.kind,
-            "scheme": c.scheme_name,
-            "parent": c.parent,
-            "kept_float": c.kept_float,
-            "quantization": c.quantization,
-            "recipe": self.recipe,
-            "artifact": self.artifact,
-            "refused": self.refused,
-            "seconds": round(self.seconds, 1),
-            "quality": self.quality.to_dict() if self.quality else None,
-            "prices": {t: p.to_dict() for t, p in self.prices.items()},
-            "measured_tokens_per_s": self.measured_tokens_per_s,
-            "screen": self.screen,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Judged:
-        cand = Candidate(
-            data["id"],
-            data["scheme"],
-            data["quantization"],
-            data["kind"],
-            data.get("kept_float") or [],
-            data.get("parent"),
-        )
-        q = data.get("quality")
-        prices = {
-            t: Price(**{k: v for k, v in p.items() if k != "source"})
-            for t, p in data.get("prices", {}).items()
-        }
-        return cls(
-            cand,
-            data["recipe"],
-            data.get("artifact"),
-            Quality(**q) if q else None,
-            prices,
-            data.get("refused"),
-            data.get("seconds", 0.0),
-            data.get("measured_tokens_per_s"),
-            data.get("screen"),
-        )
-
-    @property
-    def passed(self) -> bool:
-        return self.quality is not None and self.quality.passed
 
 
 class Search:
@@ -157,31 +83,57 @@ class Search:
         pre = run_preflight(recipe, check_memory=False)
         self.info, self.deploy, self.path = pre.info, pre.deploy, pre.trtllm_path
         self.targets = settings.targets or list(recipe.config.targets)
+        # What decides a verdict besides the recipe and the tools; the budget does not.
+        self.key = state_key(recipe, {
+            "targets": sorted(set(self.targets)), "schemes": sorted(set(settings.schemes)),
+            "kv_cache": sorted(set(settings.kv_cache)), "mixed": settings.mixed,
+            "early_stop": settings.early_stop,
+        })  # fmt: skip
+        self.stale: str | None = None  # why the state on disk is not resumed
+        self.aside: Path | None = None  # where that state was moved
+        self.before: set[Path] = set()  # what the search directory held (start())
+        self.made: Path | None = None  # the directory start() created, if any
 
     # ---- state ---------------------------------------------------------------------------
 
     def load_state(self) -> None:
-        path = self.dir / STATE
-        if not path.is_file():
-            return
-        data = json.loads(path.read_text())
-        if data.get("recipe") != str(self.recipe.path):
-            raise UsageError(
-                f"{self.dir}: holds a search of {data.get('recipe')}; give "
-                "another --output for this recipe"
-            )
-        for row in data.get("candidates", []):
-            self.judged[row["id"]] = Judged.from_dict(row)
+        """Resume the candidates a state written under this search's key holds."""
+        rows, self.stale = read_state(self.dir, self.recipe.path, self.key)
+        self.judged = {j.candidate.id: j for j in rows}
         self.resumed = len(self.judged)
+        if self.stale:
+            self.say(f"not resuming {self.dir / STATE}: {self.stale}; judging every "
+                     "candidate afresh")  # fmt: skip
 
     def save_state(self) -> None:
-        data = {
-            "recipe": str(self.recipe.path),
-            "candidates": [j.to_dict() for j in self.judged.values()],
-        }
-        tmp = self.dir / f".{STATE}.tmp"
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, self.dir / STATE)  # never a half-written state
+        """Write what is judged so far (a state not resumed is first set aside)."""
+        if self.stale and self.aside is None and (self.dir / STATE).is_file():
+            self.aside = set_aside(self.dir)
+            self.say(f"the earlier search's state is kept as {self.aside}")
+        write_state(self.dir, self.recipe.path, self.key, list(self.judged.values()))
+
+    def start(self) -> None:
+        """Create the search directory, remembering what it already held (`undo`)."""
+        self.before = {*_children(self.dir / "candidates"), *_children(self.dir)}
+        self.made = None if self.dir.exists() else self.dir  # the first directory made
+        while self.made is not None and not self.made.parent.exists():
+            self.made = self.made.parent
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def undo(self) -> None:
+        """Remove what this run created, never what an earlier run left (its state, set
+        aside, goes back in place)."""
+        if self.made is not None:
+            shutil.rmtree(self.made)
+            return
+        if self.aside is not None:
+            os.replace(self.aside, self.dir / STATE)
+        made = [*_children(self.dir / "candidates"), *_children(self.dir)]
+        for path in (p for p in made if p not in self.before):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     # ---- one candidate ---------------------------------------------------------------------
 
@@ -193,7 +145,7 @@ class Search:
             "extends": os.path.relpath(self.recipe.path.resolve(), path.parent),
             "name": f"{self.recipe.name}-{cand.id}"[:64].rstrip("-."),
             "quantization": cand.quantization,
-            "targets": self.targets,
+            "targets": cand.targets or self.targets,
             "output": os.path.relpath(self.dir / "artifacts", path.parent),
         }
         header = (
@@ -225,12 +177,12 @@ class Search:
         result = compile_recipe(path, progress=lambda text: self.say(f"{cand.id}: {text}"))
         judged.artifact = str(result.artifact)
         with Registry(self.registry) as registry:
-            screen = self._screen_recipe(recipe) if self.settings.early_stop else None
+            screen = screen_recipe(recipe) if self.settings.early_stop else None
             if screen is not None:
                 self.say(f"{cand.id}: early look")
                 step = gate_compiled(result, screen, registry=registry)
                 assert step is not None
-                if _decided_fail(step.verdict):
+                if decided_fail(step.verdict):
                     judged.screen = {"failed": True, "checks": step.failed_checks}
                     judged.quality = quality_of(step.verdict, screened_out=True)
                     return judged
@@ -243,28 +195,57 @@ class Search:
             judged.measured_tokens_per_s = _measure_decode(result.artifact / "model")
         return judged
 
-    def _screen_recipe(self, recipe: Recipe) -> Recipe | None:
-        """The recipe whose gate looks at a quarter of the task items at confidence 0.99 and
-        the same divergence texts, replaying no traffic and measuring no noise floor (None
-        when the gate has too few items, or no tasks, for an early look to save anything)."""
-        gates = recipe.config.gates
-        assert gates is not None
-        items = gates.limit or DEFAULT_ITEMS
-        if not gates.tasks or items < SCREEN_MIN_ITEMS:
-            return None
-        thresholds = gates.thresholds.model_copy(update={"confidence": SCREEN_CONFIDENCE})
-        screened = gates.model_copy(
-            update={
-                "limit": max(1, math.ceil(items * SCREEN_FRACTION)),
-                "thresholds": thresholds,
-                "shadow": ShadowSection(),
-                "noise_floor": "off",
-            }
-        )
-        return replace(recipe, config=recipe.config.model_copy(update={"gates": screened}))
-
     def prices(self, cand: Candidate) -> dict[str, Price]:
-        return {t: price(self.info, cand.scheme, get_profile(t), self.deploy) for t in self.targets}
+        """The candidate priced on each searched target that runs it."""
+        return {
+            t: price(self.info, cand.scheme, get_profile(t), self.deploy)
+            for t in cand.targets or self.targets
+        }
+
+    # ---- the candidates ----------------------------------------------------------------------
+
+    def space(self) -> list[Candidate]:
+        """The uniform candidates, cheapest first: each scheme × KV variant whose recipe kiln
+        accepts for some target (preflighted as `kiln compile` would), the rest noted with
+        why. Calibration data a candidate needs, or no candidate at all, is a usage error
+        found here, before anything is written."""
+        s = self.settings
+        ignore = list(self.recipe.config.quantization.ignore)
+        uniform, skipped = uniform_candidates(
+            s.schemes, s.kv_cache, self.targets, self.path, ignore, self.info
+        )
+        if any(c.scheme.needs_calibration for c in uniform):
+            bad = calibration.check(self.recipe.calibration_spec())
+            if bad:
+                raise RecipeError([self.recipe.problem(p.key, p.problem, p.allowed) for p in bad])
+        out = []
+        for cand in uniform:
+            why = {t: self._refusal(cand, t) for t in cand.targets}
+            cand.targets = [t for t, problem in why.items() if problem is None]
+            if cand.targets:
+                out.append(cand)
+            else:
+                skipped[cand.id] = f"kiln refuses it ({next(iter(why.values()))})"
+        self.notes += [f"{cid}: {why}" for cid, why in skipped.items()]
+        if not out:
+            raise UsageError(
+                f"kiln search has no candidate to judge on {', '.join(self.targets)}: "
+                + "; ".join(f"{cid} {why}" for cid, why in skipped.items())
+                + "; choose schemes that these GPUs run (--schemes, search.schemes), or other "
+                "GPUs (--target)"
+            )
+        return sorted(out, key=lambda c: _cheapest(self.prices(c)))
+
+    def _refusal(self, cand: Candidate, target: str) -> str | None:
+        """Why `kiln compile` would refuse the candidate's recipe for `target` (None: it
+        would not), checked without writing it."""
+        quant = QuantizationSection(**cand.quantization)
+        config = self.recipe.config.model_copy(update={"quantization": quant, "targets": [target]})
+        try:
+            run_preflight(replace(self.recipe, config=config), check_memory=False)
+        except RecipeError as exc:
+            return re.sub(r"^\S+:\d+: ", "", exc.problems[0])  # the searched file's line is not it
+        return None
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -290,19 +271,11 @@ class Search:
             return ""
         return f", ETA ~{remaining * sum(fresh) / len(fresh) / 60:.0f} min before mixed precision"
 
-    def run(self) -> None:
-        s = self.settings
-        candidates, skipped = uniform_candidates(
-            s.schemes,
-            s.kv_cache,
-            self.targets,
-            self.path,
-            list(self.recipe.config.quantization.ignore),
-            self.info,
-        )
-        for cid, problems in skipped.items():
-            self.notes.append(f"{cid}: runs on none of the targets ({problems[0].problem})")
-        candidates.sort(key=lambda c: _cheapest(self.prices(c)))
+    def run(self, candidates: list[Candidate]) -> None:
+        """Judge `candidates` (space()) in order, then the mixed-precision ones."""
+        for j in self.judged.values():  # a resumed candidate's recipe, deleted since
+            if not Path(j.recipe).is_file():
+                j.recipe = str(self.write_recipe(j.candidate))
         total = len(candidates)
         for n, cand in enumerate(candidates, 1):
             if (why := self.over_budget()) is not None:
@@ -310,7 +283,7 @@ class Search:
                 return
             self.say(f"candidate {n} of {total} (+ mixed): {cand.id}{self.eta(total - n + 1)}")
             self.judge(cand)
-        if s.mixed:
+        if self.settings.mixed:
             self.run_mixed()
 
     def run_mixed(self) -> None:
@@ -340,10 +313,10 @@ class Search:
             )
             return
         parent = parents[0]
-        report = json.loads(
-            (Path(str(parent.artifact)) / "reports" / "quantization.json").read_text()
-        )
-        ranked = sensitivities(report, self.info)
+        if (why := self.over_budget()) is not None:  # before compiling a parent again
+            self.notes.append(f"mixed search stopped at k=1: {why}")
+            return
+        ranked = sensitivities(self.parent_report(parent), self.info)
         top = len(ranked) - 1  # keeping every group float quantises nothing
         if top < 1:
             self.notes.append(f"no mixed-precision candidate: {parent.candidate.id} has one group")
@@ -377,6 +350,22 @@ class Search:
             if ok is None:
                 return
             low, high = (low, mid) if ok else (mid, high)
+
+    def parent_report(self, parent: Judged) -> dict[str, Any]:
+        """The quantisation report of a mixed candidate's parent; its artifact compiled again
+        (the same recipe and tools: the same artifact, its verdict still valid) when it was
+        deleted since it was judged."""
+        report = Path(str(parent.artifact)) / "reports" / "quantization.json"
+        if not report.is_file():
+            cid = parent.candidate.id
+            self.say(f"{cid}: its artifact {parent.artifact} is gone; compiling it again for "
+                     "its per-layer report")  # fmt: skip
+            path = self.write_recipe(parent.candidate)
+            result = compile_recipe(path, progress=lambda text: self.say(f"{cid}: {text}"))
+            parent.recipe, parent.artifact = str(path), str(result.artifact)
+            self.save_state()
+            report = result.artifact / "reports" / "quantization.json"
+        return dict(json.loads(report.read_text()))
 
     # ---- the answer ---------------------------------------------------------------------------
 
@@ -442,17 +431,6 @@ def _cheapest(prices: dict[str, Price]) -> float:
     return min(known) if known else math.inf
 
 
-def _decided_fail(verdict: dict[str, Any]) -> bool:
-    """The early look's verdict settles a fail: a task's loss bound beyond its margin, or a
-    failed divergence check (measured on the same texts as the full gate). A perplexity ratio
-    or accuracy on a quarter of the items settles nothing."""
-    tasks = [t.get("decision") or {} for t in verdict.get("tasks", [])]
-    if any(d.get("outcome") == "fail" for d in tasks):
-        return True
-    return any(not c.get("passed") and c["name"] in DIVERGENCE_CHECKS
-               for c in verdict.get("checks", []))  # fmt: skip
-
-
 def _measure_decode(model_dir: Path, tokens: int = 32) -> float:
     """kiln's runtime decode tokens/s on this machine, one greedy sequence."""
     from kiln.runtime import Engine, SamplingParams
@@ -466,30 +444,8 @@ def _measure_decode(model_dir: Path, tokens: int = 32) -> float:
     return len(out.token_ids) / (time.perf_counter() - began)
 
 
-def check_settings(recipe: Recipe, settings: SearchSettings) -> list[str]:
-    """What the search cannot run as asked, before any work."""
-    problems = []
-    if recipe.config.gates is None:
-        problems.append(
-            "kiln search judges each candidate by the recipe's gate: add a gates: "
-            "section (tasks, thresholds) to the recipe"
-        )
-    targets = settings.targets or list(recipe.config.targets)
-    if not targets:
-        problems.append(
-            "kiln search prices each candidate on a GPU target: give --target T "
-            "(e.g. h100-sxm) or the recipe's targets:"
-        )
-    unknown = [t for t in targets if t not in PROFILES]
-    if unknown:
-        problems.append(f"unknown GPU targets {unknown}: use {', '.join(PROFILES)}")
-    bad = unknown_schemes(settings.schemes)
-    if bad:
-        problems.append(f"unknown schemes {bad}: use {', '.join(SCHEMES)}")
-    bad_kv = [k for k in settings.kv_cache if k not in KV_VARIANTS]
-    if bad_kv:
-        problems.append(f"unknown KV cache variants {bad_kv}: use {', '.join(KV_VARIANTS)}")
-    return problems
+def _children(path: Path) -> list[Path]:
+    return list(path.iterdir()) if path.is_dir() and not path.is_symlink() else []
 
 
 def run_search(
@@ -504,13 +460,22 @@ def run_search(
     from kiln.compiler.search.report import write_reports
 
     recipe = load_recipe(recipe_path)
-    problems = check_settings(recipe, settings)
+    problems = check_settings(recipe, settings) + directory_problems(out_dir)
     if problems:
         raise UsageError("\n".join(problems))
-    out_dir.mkdir(parents=True, exist_ok=True)
     search = Search(recipe, settings, out_dir, registry, progress or (lambda _t: None))
+    candidates = search.space()
     search.load_state()
-    search.run()
+    search.start()
+    search.run(candidates)
+    if not any(j.quality for j in search.judged.values()):
+        search.undo()
+        refused = [f"{j.candidate.id}: {j.refused}" for j in search.judged.values() if j.refused]
+        raise UsageError(
+            "kiln search judged no candidate: kiln compile refused "
+            + "; ".join(refused)
+            + "; fix the recipe and rerun (nothing this run wrote was kept)"
+        )
     answer = search.answer()
     write_reports(out_dir, answer)
     return answer

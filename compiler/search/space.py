@@ -18,7 +18,6 @@ from typing import Any
 
 from kiln.compiler.recipe.schema import QuantizationSection, section_spec
 from kiln.compiler.trtllm.rules.support import check_target
-from kiln.quant.registry import Problem
 from kiln.quant.schemes import check, resolve
 from kiln.quant.spec import Scheme
 from kiln.runtime.formats.model_info import ModelInfo
@@ -31,7 +30,13 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "w8a16": {"method": "gptq", "weight_bits": 8},
     "w4a16": {"method": "gptq"},
     "w4a16_awq": {"method": "awq"},
-    "w4a8": {"method": "awq", "activations": "fp8_static", "backend": "modelopt"},
+    # W4A8_AWQ stores no zero points, so the recipe must say symmetric (quant/schemes.py).
+    "w4a8": {
+        "method": "awq",
+        "activations": "fp8_static",
+        "backend": "modelopt",
+        "symmetric": True,
+    },
     "nvfp4": {"method": "nvfp4"},
 }
 KV_VARIANTS = ("none", "fp8")
@@ -47,6 +52,7 @@ class Candidate:
     kind: str = "uniform"  # uniform | mixed
     kept_float: list[str] = field(default_factory=list)  # mixed: the groups kept float
     parent: str | None = None  # mixed: the uniform candidate its sensitivity came from
+    targets: list[str] = field(default_factory=list)  # the searched targets that run it
 
     @property
     def scheme(self) -> Scheme:
@@ -83,19 +89,26 @@ def uniform_candidates(
     path: str,
     ignore: list[str],
     info: ModelInfo | None = None,
-) -> tuple[list[Candidate], dict[str, list[Problem]]]:
-    """Each scheme × KV variant some target runs on `path`, and why the others were left out
-    (candidate id → the problems on every target)."""
+) -> tuple[list[Candidate], dict[str, str]]:
+    """Each scheme × KV variant kiln accepts and some target runs on `path` (with the
+    targets that run it), and why the others were left out (candidate id → reason)."""
     out, skipped = [], {}
-    for name in names:
-        for kv in kv_variants:
+    for name in dict.fromkeys(names):
+        for kv in dict.fromkeys(kv_variants):
             cid = name if kv == "none" else f"{name}-kv{kv}"
-            cand = Candidate(cid, name, quantization_section(name, kv, ignore, info))
+            section = quantization_section(name, kv, ignore, info)
+            refused = check(section_spec(QuantizationSection(**section)), info)
+            if refused:
+                skipped[cid] = f"kiln refuses it ({refused[0]})"
+                continue
+            cand = Candidate(cid, name, section)
             problems = {t: check_target(cand.scheme, t, path) for t in targets}
-            if any(not p for p in problems.values()):
+            cand.targets = [t for t, p in problems.items() if not p]
+            if cand.targets:
                 out.append(cand)
             else:
-                skipped[cid] = [p for ps in problems.values() for p in ps][:2]
+                first = next(p for ps in problems.values() for p in ps)
+                skipped[cid] = f"runs on none of the targets ({first.problem})"
     return out, skipped
 
 
@@ -150,4 +163,5 @@ def mixed_candidate(parent: Candidate, ranked: list[tuple[float, list[str]]], k:
         kind="mixed",
         kept_float=kept,
         parent=parent.id,
+        targets=list(parent.targets),
     )

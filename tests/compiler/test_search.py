@@ -13,9 +13,9 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from kiln.compiler.search.early import decided_fail
 from kiln.compiler.search.pareto import frontier, winner
 from kiln.compiler.search.price import price
-from kiln.compiler.search.run import _decided_fail
 from kiln.compiler.search.space import SCHEMES, linear_groups, quantization_section
 from kiln.compiler.trtllm.capacity import DeploySpec
 from kiln.compiler.trtllm.targets import get_profile
@@ -138,16 +138,16 @@ def test_the_early_look_fails_a_candidate_without_the_full_gate(
 def test_an_early_look_settles_only_a_fail() -> None:
     task = {"task": "kiln_mc", "decision": {"outcome": "inconclusive"}}
     checks = [{"name": "kiln_mc: acc (mcnemar)", "passed": True}]
-    assert not _decided_fail({"tasks": [task], "checks": checks})
+    assert not decided_fail({"tasks": [task], "checks": checks})
     failing = {"task": "kiln_mc", "decision": {"outcome": "fail"}}
-    assert _decided_fail({"tasks": [failing], "checks": checks})
+    assert decided_fail({"tasks": [failing], "checks": checks})
     kl = [*checks, {"name": "KL divergence mean", "passed": False}]
-    assert _decided_fail({"tasks": [task], "checks": kl})
+    assert decided_fail({"tasks": [task], "checks": kl})
     task_check = [{"name": "kiln_mc: acc (mcnemar)", "passed": False}]
-    assert not _decided_fail({"tasks": [task], "checks": task_check})  # inconclusive fails
+    assert not decided_fail({"tasks": [task], "checks": task_check})  # inconclusive fails
     # a perplexity ratio on a quarter of the documents is not the full gate's
     ppl = [{"name": "kiln_ppl: word_perplexity ratio", "passed": False}]
-    assert not _decided_fail({"tasks": [], "perplexity": [{"task": "kiln_ppl"}], "checks": ppl})
+    assert not decided_fail({"tasks": [], "perplexity": [{"task": "kiln_ppl"}], "checks": ppl})
 
 
 @pytest.mark.parametrize(

@@ -31,11 +31,12 @@ import re
 import socket
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import wraps
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kiln.gates.channel_rules import require_passing_run, rollback_step
 from kiln.runtime.base.errors import ArtifactError, KilnError, UsageError
@@ -47,6 +48,7 @@ ENV_VAR = "KILN_REGISTRY"
 # How long a write waits for another process's write transaction before giving up.
 LOCK_WAIT_S = 60.0
 BASELINE_RULES = ("current", "fixed")
+F = TypeVar("F", bound=Callable[..., Any])
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -117,6 +119,38 @@ def default_actor() -> str:
     return os.environ.get("KILN_ACTOR") or f"{getpass.getuser()}@{socket.gethostname()}"
 
 
+# SQLite's result codes for a file it finds damaged: in its header, or a page a query reaches.
+_DAMAGE = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def _sqlite_code(exc: sqlite3.Error) -> int:
+    """SQLite's primary result code of `exc` (SQLITE_CORRUPT, ...); 0 when it has none."""
+    return (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+
+
+def _names_damage(method: F) -> F:
+    """Wrap a Registry method: SQLite finding the file damaged, wherever it reads or writes,
+    is a UsageError naming the file and what to do."""
+
+    @wraps(method)
+    def wrapper(self: Registry, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as exc:
+            if _sqlite_code(exc) not in _DAMAGE:
+                raise
+            raise UsageError(
+                f"registry {self.path}: the file is damaged ({exc}); nothing was changed. The "
+                "artifacts are not in this file and are unaffected: it records gate runs, "
+                "channels and promotions. Restore it from a backup, or salvage what is readable "
+                f"with `sqlite3 {self.path} .recover | sqlite3 recovered.db`, or move it away "
+                "and kiln starts a fresh registry there on its next command (gate and promote "
+                "the artifacts again)"
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
 @dataclass(slots=True)
 class ChannelState:
     name: str
@@ -148,10 +182,16 @@ class Registry:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
-        except sqlite3.DatabaseError as exc:  # not SQLite, or a damaged one
-            raise UsageError(
-                f"registry {self.path}: not a kiln registry ({exc}); point --registry (or "
-                f"${ENV_VAR}) at the registry file, or move this file away to start a new one"
+        except sqlite3.DatabaseError as exc:
+            if _sqlite_code(exc) == sqlite3.SQLITE_FULL:
+                raise  # the CLI says the disk is full
+            if _sqlite_code(exc) not in _DAMAGE:
+                raise UsageError(f"registry {self.path}: cannot be opened ({exc})") from None
+            raise UsageError(  # not SQLite at all, or damaged from its first page
+                f"registry {self.path}: not a kiln registry, or a damaged one ({exc}); point "
+                f"--registry (or ${ENV_VAR}) at the registry file; if this is it, restore it "
+                "from a backup (the artifacts themselves are intact), or move it away to "
+                "start a new one"
             ) from None
         except OSError as exc:
             raise UsageError(f"registry {self.path}: cannot be opened ({exc.strerror})") from None
@@ -182,7 +222,8 @@ class Registry:
         try:
             yield self._db
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:  # SQLite may have rolled back already (a damaged page)
+                self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
 
@@ -204,6 +245,7 @@ class Registry:
         )
         return manifest.digest
 
+    @_names_damage
     def record_gate_run(self, verdict: dict[str, Any], artifact_path: str | Path | None) -> int:
         """Store a gate.json verdict (and register the candidate artifact, which must be the
         one the verdict names); returns its id."""
@@ -236,6 +278,7 @@ class Registry:
             )
             return int(cursor.lastrowid or 0)
 
+    @_names_damage
     def gate_runs(self, candidate_digest: str | None = None) -> list[dict[str, Any]]:
         """Gate runs, newest first (of one candidate digest when given)."""
         sql = "SELECT id, candidate_digest, baseline, baseline_kind, passed, created_at "
@@ -249,6 +292,7 @@ class Registry:
         )
         return [dict(r) for r in rows]
 
+    @_names_damage
     def verdict(self, run_id: int) -> dict[str, Any]:
         """The stored gate.json of one run."""
         row = self._db.execute("SELECT verdict FROM gate_runs WHERE id = ?", (run_id,)).fetchone()
@@ -258,6 +302,7 @@ class Registry:
 
     # -- channels ---------------------------------------------------------------------
 
+    @_names_damage
     def configure_channel(
         self, channel: str, baseline_rule: str = "current", baseline_digest: str | None = None
     ) -> None:
@@ -282,6 +327,7 @@ class Registry:
                 (channel, baseline_rule, baseline_digest, _now()),
             )
 
+    @_names_damage
     def channel(self, name: str) -> ChannelState | None:
         row = self._db.execute(
             "SELECT c.*, a.name AS current_name, a.path AS current_path FROM channels c "
@@ -290,6 +336,7 @@ class Registry:
         ).fetchone()
         return None if row is None else _channel_state(row)
 
+    @_names_damage
     def ls(self) -> list[ChannelState]:
         """Every channel with what it serves now."""
         rows = self._db.execute(
@@ -298,12 +345,14 @@ class Registry:
         )
         return [_channel_state(r) for r in rows]
 
+    @_names_damage
     def artifacts(self) -> list[dict[str, Any]]:
         rows = self._db.execute(
             "SELECT digest, name, path, registered_at FROM artifacts ORDER BY registered_at"
         )
         return [dict(r) for r in rows]
 
+    @_names_damage
     def history(self, channel: str) -> list[dict[str, Any]]:
         """The channel's promotion events, oldest first."""
         rows = self._db.execute(
@@ -313,6 +362,7 @@ class Registry:
 
     # -- promotion --------------------------------------------------------------------
 
+    @_names_damage
     def promote(
         self,
         artifact_path: str | Path,
@@ -350,6 +400,7 @@ class Registry:
             )
             return self._event(db, channel, digest, current, "promote", reason, actor)
 
+    @_names_damage
     def rollback(
         self, channel: str, reason: str = "", actor: str | None = None, verify: Mode = "fast"
     ) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """How every kiln command turns failures into exit codes (one place for all CLIs).
 
 0 ok, 1 verdict failure, 2 usage or recipe error, 3 runtime failure, 130 interrupted.
-Expected mistakes (KilnError) print their message without a traceback; an unexpected
-failure prints its traceback too when the command line said `--debug` (`debug_option`).
+Expected mistakes (KilnError) print their message without a traceback; a full disk says so
+(exit 3) whichever library's exception carries it; an unexpected failure prints its
+traceback too when the command line said `--debug` (`debug_option`).
 """
 
 from __future__ import annotations
 
-import errno
 import sys
 import traceback
 from collections.abc import Callable
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kiln.runtime.base.errors import KilnError
+from kiln.runtime.base.errors import KilnError, disk_full
 
 F = TypeVar("F", bound=Callable[..., Any])
 _DEBUG = "kiln.debug"  # key in click's context meta, which nested commands share
@@ -49,25 +49,25 @@ def _debugging() -> bool:
 
 
 def handle_errors(fn: F) -> F:
-    """Wrap a command: KilnError → message + its exit code; anything else → exit 3."""
+    """Wrap a command: KilnError → message + its exit code; a full disk → its message, exit
+    3 (whatever wrapped it); anything else → exit 3."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except KilnError as exc:
-            _say(f"error: {exc.message}")
-            sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             _say("interrupted; nothing was published")
             sys.exit(130)
-        except Exception as exc:  # an unexpected failure is a runtime failure, exit 3
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                where = f" writing {exc.filename}" if exc.filename else ""
-                _say(f"error: no space left on the device{where}; free some space or point "
-                     "the output (or the cache, $XDG_CACHE_HOME) at a larger disk, then rerun: "
-                     "what finished is kept")  # fmt: skip
+        except Exception as exc:
+            full = disk_full(exc)
+            if full is not None:
+                _say(f"error: {full}")
                 sys.exit(3)
+            if isinstance(exc, KilnError):
+                _say(f"error: {exc.message}")
+                sys.exit(exc.exit_code)
+            # an unexpected failure is a runtime failure, exit 3
             if _debugging():
                 traceback.print_exc()
             _say(

@@ -8,10 +8,15 @@ thousand `[` end in a RecursionError. Here the composer itself counts, for every
 many values it stands for with its aliases expanded and how deep it reaches, and refuses
 the file the moment either passes its bound — before any Python object is built.
 PyYAML has no such limits of its own, hence this module.
+
+Numbers are read as YAML 1.2 reads them: PyYAML's YAML 1.1 takes `1e-5`, `1e3` and `1.0e3`
+for strings (its floats need a dot and a signed exponent, `1.0e+3`), the classic trap for
+a learning-rate or fraction written the way every other tool writes it.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,8 @@ class _Unbounded(yaml.MarkedYAMLError):
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """SafeLoader whose composer refuses documents past MAX_VALUES or MAX_DEPTH."""
+    """SafeLoader whose composer refuses documents past MAX_VALUES or MAX_DEPTH, and which
+    reads YAML 1.2's exponent floats (`1e3`, `1e-5`, `1.0e3`, `.5E3`) as floats."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -78,6 +84,16 @@ class _BoundedLoader(yaml.SafeLoader):
             return 1, 1
         measured = [self._measured[id(child)] for child in children]
         return 1 + sum(v for v, _ in measured), 1 + max((d for _, d in measured), default=0)
+
+
+# YAML 1.2's floats with an exponent that YAML 1.1's resolver leaves as strings; the rest of
+# 1.1's numbers (ints, `1.5`, `1.0e+3`, `.inf`) resolve as before. A copy of the resolvers
+# is the subclass's own: yaml.SafeLoader is unchanged.
+_BoundedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def read_text(path: Path) -> str:

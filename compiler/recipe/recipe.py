@@ -9,6 +9,7 @@ dataclasses (`quant.spec.QuantSpec`, `quant.spec.CalibrationSpec`,
 
 from __future__ import annotations
 
+import math
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,9 +143,30 @@ def _shown(value: Any) -> str:
     return text if len(text) <= MAX_INPUT_CHARS else text[: MAX_INPUT_CHARS - 1] + "…"
 
 
+def _not_a_number(value: Any, kind: str) -> tuple[str, str] | None:
+    """(problem, fix) where a number field holds text that reads as a number (a quoted one),
+    or a whole float where an integer is required (`1e3` is a float, as in YAML 1.2)."""
+    integer = kind == "int_type"
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        if not math.isfinite(number):
+            return None
+        plain = str(int(number)) if integer and number.is_integer() else repr(number)
+        return f"{_shown(value)} is text, not a number (quoted?)", f"write it unquoted: {plain}"
+    if integer and isinstance(value, float) and value.is_integer() and math.isfinite(value):
+        problem = f"{value!r} is a float (a decimal point or an exponent makes one), not an integer"
+        return problem, f"write {int(value)}"
+    return None
+
+
 def _format_error(error: Any) -> tuple[Key, str, str]:
     loc: Key = tuple(error["loc"])
     kind = error["type"]
+    if kind in ("int_type", "float_type") and (hint := _not_a_number(error["input"], kind)):
+        return loc, *hint
     if kind == "extra_forbidden":
         return loc, "unknown key", _allowed_keys(loc)
     if kind == "missing":

@@ -263,8 +263,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only for an assistant's turn (as OpenAI's and vLLM's schemas have it): checked
+    # by ChatCompletionRequest, which knows the message's index.
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Read to refuse them: a tool call the template is not given would vanish from the chat.
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -288,6 +293,29 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     echo: bool = False
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _servable_messages(self) -> ChatCompletionRequest:
+        """Refuse a message with nothing to say (null content where its role needs text, as
+        OpenAI and vLLM do) and a message carrying tool calls, which this server cannot
+        render; the error names the message's field."""
+        for i, message in enumerate(self.messages):
+            for call in ("tool_calls", "function_call"):
+                if getattr(message, call):
+                    raise PydanticCustomError(
+                        "unsupported_field",
+                        "{param}: tool calls (function calling) are not supported by this "
+                        "server; send the conversation as text",
+                        {"param": f"messages[{i}].{call}"},
+                    )
+            if message.content is None and message.role != "assistant":
+                raise PydanticCustomError(
+                    "missing_content",
+                    "{param} is null: a {role} message needs content (a string, or a list of "
+                    "text parts); only an assistant's message may leave it null",
+                    {"param": f"messages[{i}].content", "role": message.role},
+                )
+        return self
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template expects them (developer reads as system)."""

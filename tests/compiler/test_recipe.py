@@ -331,3 +331,34 @@ def test_extends_reads_only_recipe_files_and_never_echoes_another_file(tmp_path:
         assert f"{recipe}:2: extends:" in output
         assert "hunter2" not in output and "the-password" not in output and "root:" not in output
     assert "is not a kiln recipe" in output or "is not a recipe file" in output
+
+
+@pytest.mark.parametrize("written", ["1e-2", "1.0e-2", "1E-2", ".1e-1", "10e-3", "+1e-2"])
+def test_an_exponent_float_is_a_number_as_yaml_1_2_reads_it(
+    tmp_path: Path, good: Path, written: str
+) -> None:
+    """PyYAML's YAML 1.1 reads `1e-2` as a string: a recipe reads it as every other tool does,
+    in the file it names and in one it extends alike."""
+    write(tmp_path / "base.yaml", f"deploy:\n  kv_free_fraction: {written}\n")
+    text = good.read_text().replace(
+        "group_size: 64", f"group_size: 64\n  dampening_frac: {written}"
+    )
+    config = load_recipe(write(tmp_path / "child.yaml", "extends: base.yaml\n" + text)).config
+    assert config.quantization.dampening_frac == pytest.approx(0.01)
+    assert config.deploy.kv_free_fraction == pytest.approx(0.01)
+
+
+def test_a_quoted_number_is_refused_saying_it_is_text(good: Path) -> None:
+    good.write_text(good.read_text().replace("max_seq_len: 64", 'max_seq_len: "64"'))
+    code, output = validate(good)
+    assert code == 2
+    assert f"{good}:10: calibration.max_seq_len: '64' is text, not a number" in output
+    assert "write it unquoted: 64" in output
+
+
+def test_a_float_where_an_integer_is_needed_names_the_integer(good: Path) -> None:
+    good.write_text(good.read_text().replace("num_samples: 8", "num_samples: 1e2"))
+    code, output = validate(good)
+    assert code == 2
+    assert f"{good}:9: calibration.num_samples: 100.0 is a float" in output
+    assert "not an integer — write 100" in output

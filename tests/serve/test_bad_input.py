@@ -95,3 +95,49 @@ def test_chat_max_tokens_beyond_the_context_is_400_naming_the_field(
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], field: 9000})
     error = _keep_alive_pair(shared_server, CHAT, body)
     assert error["param"] == field and "context is 128 tokens" in error["message"]
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_null_content_where_the_role_needs_text_is_400_naming_the_message(
+    shared_server: LiveServer, role: str
+) -> None:
+    """OpenAI and vLLM refuse it too: such a message has nothing to say."""
+    messages = [{"role": "user", "content": "hi"}, {"role": role, "content": None}]
+    error = _keep_alive_pair(shared_server, CHAT, json.dumps({"messages": messages}))
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    assert error["param"] == "messages[1].content"
+    assert f"messages[1].content is null: a {role} message needs content" in error["message"]
+
+
+def test_an_assistant_turn_may_have_null_content(shared_server: LiveServer) -> None:
+    """As in OpenAI's and vLLM's schemas; the turn is rendered empty, as vLLM renders it."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "and now?"},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    resp = httpx.post(f"{shared_server.url}{CHAT}", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+CALL = {"name": "f", "arguments": "{}"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tool_calls", [{"id": "c1", "type": "function", "function": CALL}]), ("function_call", CALL)],
+)
+def test_a_tool_call_in_the_chat_is_400_naming_it_not_dropped(
+    shared_server: LiveServer, field: str, value: Any
+) -> None:
+    """The null content OpenAI allows beside a tool call would leave an empty turn: the
+    call would vanish from the chat the model is shown, so the request is refused."""
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, field: value},
+    ]
+    error = _keep_alive_pair(shared_server, CHAT, json.dumps({"messages": messages}))
+    assert error["param"] == f"messages[1].{field}"
+    assert "tool calls (function calling) are not supported" in error["message"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.gates.decide.compare import Comparisons, compare_results
+from kiln.gates.decide.compare import KL_CHECK, Comparisons, Unmeasured, compare_results
 from kiln.gates.decide.rules import GatePolicy
 from kiln.gates.measure.divergence import DivergenceSummary, kl_topk, summarize
 from kiln.gates.measure.divergence_texts import divergence_ids, divergence_texts, resolve_path
@@ -23,6 +23,7 @@ from kiln.gates.measure.eval_cache import (
     files_digest,
 )
 from kiln.gates.measure.noise_floor import NoiseFloor, control_dtype, describe_control
+from kiln.gates.measure.openai_answers import NotMeasured
 from kiln.gates.measure.shadow_step import Progress
 from kiln.gates.measure.sides import SideSpec
 from kiln.gates.measure.tasks import BUILTIN_TASKS_DIR, TaskResult
@@ -162,12 +163,16 @@ def evaluate_baseline(
 def divergence(
     base: SideEval, other: SideEval, gates: GatesSection, notes: list[str]
 ) -> DivergenceSummary | None:
-    """Next-token KL(base || other) and top-1 agreement over the divergence texts."""
+    """Next-token KL(base || other) and top-1 agreement over the divergence texts; None where
+    a side measured none (the divergence is off, or its engine's miss is recorded already),
+    NotMeasured where the two sides' numbers cannot be compared."""
     if base.topk is None or other.topk is None:
         return None
     if base.token_ids != other.token_ids:
-        notes.append("KL divergence skipped: the two sides tokenise the text differently")
-        return None
+        raise NotMeasured(
+            "the two sides tokenise the divergence texts differently, so their next-token "
+            "distributions are not over the same positions"
+        )
     import numpy as np
 
     pairs = zip(base.topk, other.topk, strict=True)
@@ -182,16 +187,36 @@ def divergence(
     return summary
 
 
+def gated_divergence(
+    compared: Comparisons,
+    base: SideEval,
+    other: SideEval,
+    gates: GatesSection,
+    notes: list[str],
+    engine: str,
+) -> None:
+    """The divergence into `compared`, or, where it cannot be computed, the KL check named
+    as not measured on `engine` (which fails the gate)."""
+    try:
+        compared.divergence = divergence(base, other, gates, notes)
+    except NotMeasured as exc:
+        compared.unmeasured.append(Unmeasured(KL_CHECK, engine, exc.reason))
+
+
 def noise_floor(
     base: SideEval, control: SideEval, dtype: str, gates: GatesSection, policy: GatePolicy
 ) -> NoiseFloor:
     """The control's comparison with the baseline, as the verdict reports it."""
     compared = compare_results(base.results, control.results, policy)
     tasks, ppl = compared.tasks, compared.perplexity
+    try:
+        floor_kl = divergence(base, control, gates, [])
+    except NotMeasured:
+        floor_kl = None  # the control is reported without one; the candidate's is gated
     return NoiseFloor(
         control=describe_control(dtype),
         dtype=dtype,
-        divergence=divergence(base, control, gates, []),
+        divergence=floor_kl,
         perplexity_ratio={p.task: p.ratio for p in ppl},
         flip_rate={t.task: t.flip_rate for t in tasks if t.flip_rate is not None},
         loss={t.task: -t.decision.diff for t in tasks},
@@ -223,7 +248,7 @@ def compare_models(
     b_eval, ctrl_eval = evaluate_baseline(base, gates, texts, max_length, base_dir, say, control)
     base_engine = b_eval.engine
     compared = compare_results(b_eval.results, c_eval.results, policy)
-    compared.divergence = divergence(b_eval, c_eval, gates, notes)
+    gated_divergence(compared, b_eval, c_eval, gates, notes, "kiln (in process)")
     if ctrl_eval is not None and control is not None:
         compared.noise_floor = noise_floor(b_eval, ctrl_eval, control, gates, policy)
     elif gates.noise_floor != "off":

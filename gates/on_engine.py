@@ -25,14 +25,22 @@ engine-served baseline is not cached: it is evaluated again each run.
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kiln.gates.decide.compare import Comparisons, Unmeasured, compare_results
+from kiln.gates.decide.compare import KL_CHECK, Comparisons, Unmeasured, compare_results
 from kiln.gates.decide.rules import GatePolicy
-from kiln.gates.evaluate import SideEval, divergence, evaluate_baseline, evaluate_side, task_dirs
+from kiln.gates.evaluate import (
+    SideEval,
+    divergence,
+    evaluate_baseline,
+    evaluate_side,
+    gated_divergence,
+    task_dirs,
+)
 from kiln.gates.measure.divergence_texts import divergence_ids, divergence_texts
 from kiln.gates.measure.http_lm import HttpLM, NotMeasured
 from kiln.gates.measure.noise_floor import engine_dtype
@@ -86,9 +94,23 @@ def _tokenizer(side: SideSpec) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def _vocab_size(side: SideSpec) -> int | None:
+    """The model's vocabulary rows (config.json), which a padded vocabulary makes more than
+    the tokenizer's: the token ids an engine's answer may name."""
+    assert side.path is not None
+    try:
+        config = json.loads((side.path / MODEL_DIR / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = text.get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
 def evaluate_served(
     served: Served,
     tokenizer: Any,
+    vocab_size: int | None,
     gates: GatesSection,
     texts: list[str],
     base_dir: Path,
@@ -97,8 +119,8 @@ def evaluate_served(
 ) -> ServedEval:
     """Tasks (one at a time, so one the engine refuses fails alone), top-k logprobs and the
     traffic's answers of one served side."""
-    lm = HttpLM(served, tokenizer)
-    label = f"{served.engine} {served.version}"
+    lm = HttpLM(served, tokenizer, vocab_size=vocab_size)
+    label = served.label
     unmeasured: list[Unmeasured] = []
     results = {}
 
@@ -125,7 +147,7 @@ def evaluate_served(
             try:
                 topk = lm.topk_logprobs(ids, gates.divergence.top_k)
             except NotMeasured as exc:
-                unmeasured.append(Unmeasured("KL divergence", label, exc.reason))
+                unmeasured.append(Unmeasured(KL_CHECK, label, exc.reason))
                 ids = None
     finally:
         lm.close()
@@ -175,7 +197,10 @@ def _engine_vs_runtime(
         tasks[name] = {"metric": mine.metric, "runtime": theirs.value, "engine": mine.value,
                        "items": len(shared), "items_changed": len(changed),
                        "agreement": 1 - len(changed) / len(shared) if shared else None}  # fmt: skip
-    kl = divergence(runtime, on_engine, gates, [])
+    try:
+        kl = divergence(runtime, on_engine, gates, [])
+    except NotMeasured:
+        kl = None
     return {
         "runtime": f"kiln's runtime in process ({dtype})",
         "tasks": tasks,
@@ -208,18 +233,21 @@ def compare_on_engine(
         else []
     )
     tokenizer = _tokenizer(cand)
+    vocab_size = _vocab_size(cand)
     probe = list(tokenizer.encode(PROBE_TEXT))
     top_k = gates.divergence.top_k
     cand_settings = settings_for(cand, None, top_k)
 
     def run(name: str) -> Callable[[Served], ServedEval]:
         return lambda served: evaluate_served(
-            served, tokenizer, gates, texts, base_dir, traffic, name
+            served, tokenizer, vocab_size, gates, texts, base_dir, traffic, name
         )
 
     say(f"candidate: on {choice.label}")
     c = _on_engine(choice, cand, "candidate", cand_settings, run(cand.name), log_dir, probe)
     engines: dict[str, Any] = {"candidate": c.record, "machine": machine_facts()}
+    if c.record.get("identity", "").startswith("named"):
+        notes.append(f"the candidate's model on {choice.label} was {c.record['identity']}")
     unmeasured = list(c.unmeasured)
     b_answers: Any = None
     if base.kind == "http" or choice.name != URL_ENGINE:
@@ -250,8 +278,8 @@ def compare_on_engine(
     compared = compare_results(
         {k: v for k, v in b_eval.results.items() if k in measured}, measured, policy
     )
-    compared.divergence = divergence(b_eval, c.evaluated, gates, notes)
-    compared.unmeasured = _one_per_check(unmeasured)
+    gated_divergence(compared, b_eval, c.evaluated, gates, notes, choice.label)
+    compared.unmeasured = _one_per_check([*unmeasured, *compared.unmeasured])
     compared.engines = engines
     if traffic is not None and c.answers is not None and b_answers is not None:
         say(f"replay: {len(traffic.records)} recorded requests, both sides' answers")

@@ -107,7 +107,11 @@ def run_gate(
             "and no traffic was given; set one of them"
         )
     choice = parse_engine(
-        gates.engine, gates.engine_args, gates.engine_target, gates.engine_timeout_s
+        gates.engine,
+        gates.engine_args,
+        gates.engine_target,
+        gates.engine_timeout_s,
+        gates.engine_model,
     )
     if not choice.in_process:
         traffic_run = None

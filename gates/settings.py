@@ -62,6 +62,7 @@ from kiln.gates.measure.replay import ReplaySettings
 from kiln.gates.measure.served import ENGINES
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.strict import StrictModel
+from kiln.runtime.base.yaml12 import safe_load
 
 DEFAULT_TASKS = ["kiln_ppl", "kiln_cloze", "kiln_next_word"]
 
@@ -191,6 +192,9 @@ class GatesSection(StrictModel):
     engine_target: str | None = None
     engine_timeout_s: float = Field(900.0, gt=0.0, le=86400.0)
     engine_vs_runtime: bool = True
+    # A URL engine's model that is the candidate (`kiln gate --engine-model`): a property of
+    # one run against one deployment, not of the recipe, so never part of a digest or key.
+    engine_model: str | None = Field(None, exclude=True)
 
     @field_validator("engine")
     @classmethod
@@ -248,7 +252,7 @@ def load_gate_file(path: str | Path) -> GatesSection:
     if not path.is_file():
         raise UsageError(f"{path}: gate file not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise UsageError(f"{path}: not valid YAML ({exc})") from None
     if not isinstance(data, dict):

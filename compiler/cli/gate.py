@@ -71,6 +71,11 @@ def _old_spelling(name: str) -> str:
     "configuration under test (repeatable), e.g. --engine-arg=--kv-cache-dtype=fp8.",
 )
 @click.option("--engine-target", help="trtllm: the artifact's target whose options to serve.")
+@click.option(
+    "--engine-model",
+    help="--engine URL: the served model that is the candidate, where its /v1/models card "
+    "names neither the artifact's name nor its digest (recorded as named, not checked).",
+)
 @REGISTRY_OPTION
 @click.option("--no-record", is_flag=True, help="Do not record the run in the registry.")
 @VERIFY_OPTION
@@ -95,6 +100,7 @@ class GateOptions:
     engine: str | None
     engine_args: tuple[str, ...]
     engine_target: str | None
+    engine_model: str | None
     registry_spec: str | None
     no_record: bool
     verify: Mode
@@ -123,9 +129,10 @@ def run_gate_command(opts: GateOptions) -> None:
     if opts.limit is not None:
         gates = gates.model_copy(update={"limit": opts.limit})
     engine = {"engine": opts.engine, "engine_args": list(opts.engine_args),
-              "engine_target": opts.engine_target}  # fmt: skip
-    if opts.engine is not None or opts.engine_args or opts.engine_target is not None:
-        parse_engine(opts.engine or gates.engine, opts.engine_args)  # its own words first
+              "engine_target": opts.engine_target, "engine_model": opts.engine_model}  # fmt: skip
+    if any(v for v in engine.values()):
+        # its own words first
+        parse_engine(opts.engine or gates.engine, opts.engine_args, model=opts.engine_model)
         given = {k: v for k, v in engine.items() if v}
         gates = load_gates({**gates.model_dump(), **given}, "--engine options")
     if out is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.gates.decide.compare import Comparisons, TaskComparison
+from kiln.gates.decide.compare import Comparisons, PerplexityComparison, TaskComparison
 from kiln.gates.decide.rules import GatePolicy
 from kiln.gates.measure.noise_floor import NoiseFloor, times_floor
 from kiln.gates.measure.shadow import ShadowReport
@@ -33,11 +33,12 @@ class Check:
 
 
 def threshold_check(name: str, value: float | None, op: str, threshold: float | None) -> Check:
-    """`value op threshold`; a missing value fails, a missing threshold is report-only."""
+    """`value op threshold`; a missing or non-finite value fails (what could not be computed
+    is never a pass), a missing threshold is report-only."""
     if threshold is None:
         return Check(name, value, None, op, True, NO_THRESHOLD)
-    if value is None or math.isnan(value):
-        return Check(name, value, threshold, op, False, "no value was measured")
+    if value is None or not math.isfinite(value):
+        return Check(name, value, threshold, op, False, "no finite value was measured")
     passed = value >= threshold if op == ">=" else value <= threshold
     return Check(name, value, threshold, op, passed)
 
@@ -143,6 +144,19 @@ def task_checks(
     return checks
 
 
+def perplexity_problem(ppl: PerplexityComparison) -> str:
+    """Why a perplexity pair is no measurement (a perplexity is finite and at least 1), or ""."""
+    floor = 0.0 if ppl.metric == "bits_per_byte" else 1.0
+    bad = [
+        f"the {side}'s {ppl.metric} is {value!r}"
+        for side, value in (("baseline", ppl.baseline), ("candidate", ppl.candidate))
+        if not (math.isfinite(value) and value >= floor)
+    ]
+    if not bad:
+        return ""
+    return f"{' and '.join(bad)}: not a {ppl.metric} (finite, at least {floor:g})"
+
+
 def _note(check: Check, text: str) -> Check:
     """Put `text` (the control's value, say) in front of a check's detail."""
     if text:
@@ -157,9 +171,13 @@ def verdict_checks(comparisons: Comparisons, policy: GatePolicy) -> list[Check]:
     for task in comparisons.tasks:
         checks.extend(task_checks(task, policy, floor))
     for ppl in comparisons.perplexity:
-        check = threshold_check(
-            f"{ppl.task}: {ppl.metric} ratio", ppl.ratio, "<=", policy.perplexity_ratio_max
-        )
+        name = f"{ppl.task}: {ppl.metric} ratio"
+        impossible = perplexity_problem(ppl)
+        if impossible:
+            checks.append(Check(name, None, policy.perplexity_ratio_max, "<=", False, impossible,
+                                NOT_MEASURED))  # fmt: skip
+            continue
+        check = threshold_check(name, ppl.ratio, "<=", policy.perplexity_ratio_max)
         control = floor.perplexity_ratio.get(ppl.task) if floor else None
         checks.append(_note(check, f"control {control:.4f}" if control is not None else ""))
     divergence = comparisons.divergence

@@ -116,6 +116,9 @@ class PerplexityComparison:
         return 1.0 / recovery_of(self.baseline, self.candidate, higher_is_better=False)
 
 
+KL_CHECK = "KL divergence"  # an Unmeasured check's name when the divergence is not measured
+
+
 @dataclass(slots=True)
 class Unmeasured:
     """A check the engine that served a side could not answer: it fails the gate, named."""

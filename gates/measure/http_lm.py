@@ -11,43 +11,35 @@ runtime in process, with the side's own tokenizer, and sent as token ids:
   KL need the first; loglikelihood scores either;
 - generation greedily (temperature 0) with the request's stop strings, one request each.
 
-A request the server refuses (a context shorter than an item, say) raises `NotMeasured`
-with the server's own words, so the check it belonged to is reported as not measured on
-that engine, never scored from a partial answer.
+A request the server refuses (a context shorter than an item, say), or an answer that is not
+what was asked (gates/measure/openai_answers.py checks every number where it enters), raises
+`NotMeasured` with the server's own words or the fault found, so the check it belonged to is
+reported as not measured on that engine, never scored from a partial or impossible answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from kiln.gates.measure.lm_eval_adapter import DEFAULT_MAX_LENGTH, Generation, ScoringLM
+from kiln.gates.measure.openai_answers import (
+    NotMeasured,
+    completion_choices,
+    echo_logprobs,
+    generated_text,
+    prompt_logprobs,
+)
 from kiln.gates.measure.served import Served
+
+__all__ = ["HttpLM", "NotMeasured"]
 
 BATCH = 8  # prompts per scoring request
 CONCURRENCY = 4  # requests in flight
 TIMEOUT_S = 600.0
-
-
-class NotMeasured(Exception):
-    """The server cannot answer what a check needs; `reason` says why, in its words."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One token's log-probability and rank at a prompt position (rank 1: most likely;
-    under the echo convention, 1 when it is the top-1 and 2 otherwise)."""
-
-    logprob: float
-    rank: int
 
 
 class HttpLM(ScoringLM):
@@ -60,18 +52,23 @@ class HttpLM(ScoringLM):
         max_length: int | None = None,
         batch_size: int = BATCH,
         concurrency: int = CONCURRENCY,
+        vocab_size: int | None = None,
     ) -> None:
         limit = (served.max_model_len or DEFAULT_MAX_LENGTH) - 2
         super().__init__(tokenizer, min(int(max_length or DEFAULT_MAX_LENGTH), limit), batch_size)
         self.served = served
         self.concurrency = concurrency
+        # Token ids an answer may name: the model's rows (a padded vocabulary holds more
+        # than the tokenizer's).
+        self.vocab_size = max(len(tokenizer), vocab_size or 0)
         headers = {"Authorization": f"Bearer {served.api_key}"} if served.api_key else {}
         self._client = httpx.Client(base_url=served.url, headers=headers, timeout=TIMEOUT_S)
 
     def close(self) -> None:
         self._client.close()
 
-    def _post(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+    def _post(self, body: dict[str, Any], count: int) -> list[dict[str, Any]]:
+        """The `count` choices of a completion request, in prompt order."""
         try:
             resp = self._client.post("/v1/completions", json={"model": self.served.model, **body})
         except httpx.HTTPError as exc:
@@ -82,15 +79,19 @@ class HttpLM(ScoringLM):
             raise NotMeasured(f"the server refused a request ({resp.status_code}: "
                               f"{resp.text[:300]})")  # fmt: skip
         try:
-            return sorted(resp.json()["choices"], key=lambda c: c["index"])
-        except (ValueError, KeyError, TypeError):
-            raise NotMeasured(
-                f"the server's answer is not an OpenAI completion ({resp.text[:200]!r})"
-            ) from None
+            data = resp.json()
+        except ValueError:
+            raise NotMeasured(f"the server's answer is not JSON ({resp.text[:200]!r})") from None
+        return completion_choices(data, count, self.served.model)
 
     def _parallel(self, work: Sequence[Any], fn: Callable[[Any], list[Any]]) -> list[Any]:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return [item for chunk in pool.map(fn, work) for item in chunk]
+
+    def _item(self, prompt: list[int]) -> str:
+        """How an answer's fault names the item it was for: its start, as text."""
+        text = self.tokenizer.decode(prompt[:12])
+        return f"the {len(prompt)}-token prompt starting {text[:60]!r}"
 
     def _prompt_logprobs(
         self, prompts: Sequence[list[int]], top_k: int = 0, starts: Sequence[int] | None = None
@@ -99,7 +100,7 @@ class HttpLM(ScoringLM):
         need = "topk" if top_k else "scores"
         why = caps.missing(need)
         if why is not None:
-            raise NotMeasured(f"{self.served.engine} {self.served.version}: {why}")
+            raise NotMeasured(why)  # the verdict names the engine beside it
         starts = list(starts) if starts is not None else [1] * len(prompts)
         batches = [
             list(range(b, min(b + self.batch_size, len(prompts))))
@@ -110,17 +111,18 @@ class HttpLM(ScoringLM):
             ids = [list(prompts[i]) for i in batch]
             if caps.prompt_logprobs:
                 choices = self._post({"prompt": ids, "max_tokens": 1, "temperature": 0,
-                                      "prompt_logprobs": top_k})  # fmt: skip
-                rows = [_from_prompt_logprobs(c.get("prompt_logprobs")) for c in choices]
+                                      "prompt_logprobs": top_k}, len(ids))  # fmt: skip
+                rows = [
+                    prompt_logprobs(c.get("prompt_logprobs"), p, self.vocab_size, self._item(p))
+                    for c, p in zip(choices, ids, strict=True)
+                ]
             else:
                 choices = self._post({"prompt": ids, "max_tokens": 1, "temperature": 0,
-                                      "echo": True, "logprobs": 1})  # fmt: skip
-                rows = [_from_echo(c.get("logprobs"), p) for c, p in zip(choices, ids, strict=True)]
-            short = len(rows) != len(ids) or any(
-                len(r) < len(p) for r, p in zip(rows, ids, strict=True)
-            )
-            if short:
-                raise NotMeasured("the server returned fewer prompt log-probabilities than tokens")
+                                      "echo": True, "logprobs": 1}, len(ids))  # fmt: skip
+                rows = [
+                    echo_logprobs(c.get("logprobs"), p, self._item(p))
+                    for c, p in zip(choices, ids, strict=True)
+                ]
             return [
                 [None if pos < max(1, starts[i]) else row[pos] for pos in range(len(prompts[i]))]
                 for i, row in zip(batch, rows, strict=True)
@@ -134,38 +136,6 @@ class HttpLM(ScoringLM):
                     "temperature": request.temperature}  # fmt: skip
             if request.stop:
                 body["stop"] = request.stop
-            return [str(self._post(body)[0]["text"])]
+            return [generated_text(self._post(body, 1)[0])]
 
         return self._parallel(list(requests), one)
-
-
-def _from_prompt_logprobs(entries: list[Any] | None) -> list[dict[int, Entry] | None]:
-    """vLLM's prompt_logprobs (ids as strings) → per position {id: Entry}."""
-    out: list[dict[int, Entry] | None] = []
-    for entry in entries or []:
-        if entry is None:
-            out.append(None)
-            continue
-        row = {}
-        for token, value in entry.items():
-            rank = value.get("rank")
-            row[int(token)] = Entry(float(value["logprob"]), int(rank) if rank else 10**9)
-        out.append(row)
-    return out
-
-
-def _from_echo(logprobs: dict[str, Any] | None, prompt: list[int]) -> list[dict[int, Entry] | None]:
-    """lm-eval's echo convention → per position {the prompt's token: Entry}: rank 1 when its
-    logprob is the top-1's (the greedy test lm-eval's local-completions makes)."""
-    values = (logprobs or {}).get("token_logprobs") or []
-    tops = (logprobs or {}).get("top_logprobs") or []
-    out: list[dict[int, Entry] | None] = []
-    for position, token in enumerate(prompt):
-        value = values[position] if position < len(values) else None
-        if value is None:
-            out.append(None)
-            continue
-        top = tops[position] if position < len(tops) and tops[position] else {}
-        best = max(top.values(), default=value)
-        out.append({token: Entry(float(value), 1 if value >= best else 2)})
-    return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -47,7 +48,9 @@ from packaging.version import InvalidVersion, Version
 from kiln.gates.measure.sides import SideSpec
 from kiln.runtime.base.errors import KilnError, UsageError
 from kiln.runtime.base.versions import version
+from kiln.runtime.client.http import base_url
 from kiln.runtime.formats.artifact import MODEL_DIR, load_manifest
+from kiln.runtime.formats.model_info import ModelInfo
 from kiln.runtime.formats.trtllm_serve import options_for_version, trtllm_line
 
 ENGINES = ("kiln", "kiln-serve", "vllm", "trtllm")
@@ -72,6 +75,7 @@ class EngineChoice:
     args: tuple[str, ...] = ()  # appended to the engine's command line
     target: str | None = None  # trtllm: the artifact's target whose options are served
     timeout_s: float = 900.0  # how long a started engine may take to answer /health
+    model: str | None = None  # a URL engine: the served model that is the candidate
 
     @property
     def in_process(self) -> bool:
@@ -83,7 +87,11 @@ class EngineChoice:
 
 
 def parse_engine(
-    spec: str, args: Sequence[str] = (), target: str | None = None, timeout_s: float = 900.0
+    spec: str,
+    args: Sequence[str] = (),
+    target: str | None = None,
+    timeout_s: float = 900.0,
+    model: str | None = None,
 ) -> EngineChoice:
     """`spec` as an engine: one of ENGINES or an http(s) URL; UsageError naming the choices."""
     if spec.startswith(("http://", "https://")):
@@ -91,7 +99,13 @@ def parse_engine(
             raise UsageError(
                 f"--engine {spec}: a running server takes no --engine-arg; kiln starts none"
             )
-        return EngineChoice(URL_ENGINE, spec.rstrip("/"), (), target, timeout_s)
+        # taken with or without the OpenAI client's /v1: kiln's requests name the /v1 paths
+        return EngineChoice(URL_ENGINE, base_url(spec), (), target, timeout_s, model)
+    if model is not None:
+        raise UsageError(
+            f"--engine-model {model}: names the model of a running server (--engine URL); "
+            f"--engine {spec} is started by kiln, which names the model itself"
+        )
     if spec not in ENGINES:
         raise UsageError(
             f"--engine {spec!r}: not an engine kiln can gate on; use one of {', '.join(ENGINES)} "
@@ -137,6 +151,12 @@ class Served:
     max_model_len: int | None
     capabilities: Capabilities
     api_key: str | None = field(default=None, repr=False)
+    identity: str = ""  # how kiln knows the served model is the side: started, digest, named
+
+    @property
+    def label(self) -> str:
+        """How a verdict names it: the engine (a running server by its URL) and version."""
+        return f"{self.url if self.engine == URL_ENGINE else self.engine} {self.version}"
 
     def describe(self) -> dict[str, Any]:
         """The record a gate report keeps of it."""
@@ -163,7 +183,20 @@ def settings_for(side: SideSpec, fallback: ServeSettings | None, top_k: int) -> 
     manifest = load_manifest(side.path)
     deploy = manifest.recipe.get("deploy") or {}
     kv = (manifest.scheme.trtllm_kv_cache_quant_algo if manifest.scheme else None) or None
-    return ServeSettings(deploy.get("max_seq_len"), kv.lower() if kv else None, top_k)
+    return ServeSettings(usable_context(side.path, deploy.get("max_seq_len")),
+                         kv.lower() if kv else None, top_k)  # fmt: skip
+
+
+def usable_context(artifact: Path, deployed: int | None) -> int | None:
+    """The context an artifact serves with: its recipe's `deploy.max_seq_len`, clamped to the
+    model's own positions (a recipe may keep the 4096 default on a shorter model, and every
+    engine refuses a context past the model's)."""
+    try:
+        config = json.loads((artifact / MODEL_DIR / "config.json").read_text())
+        limit = ModelInfo.from_hf_config(config).max_position_embeddings
+    except (OSError, ValueError, KilnError):
+        return deployed  # the engine reads the model itself and says what is wrong
+    return min(deployed, limit) if deployed else None
 
 
 # --- processes --------------------------------------------------------------------------
@@ -175,8 +208,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Ends an engine's process group when kiln ends, even by kill -9 (see engine_watch.py).
+WATCH = Path(__file__).with_name("engine_watch.py")
+
+
 class EngineProcess:
-    """One server process in its own process group, logging to a file."""
+    """One server process in its own process group, logging to a file, under a watch that
+    ends the group when this process ends."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path, cwd: Path | None) -> None:
         self.argv, self.log = argv, log
@@ -185,8 +223,9 @@ class EngineProcess:
         self._sink.write(f"$ {' '.join(argv)}\n".encode())
         self._sink.flush()
         try:
+            watched = [sys.executable, str(WATCH), str(os.getpid()), "--", *argv]
             self.process = subprocess.Popen(
-                argv, env={**os.environ, **env}, cwd=cwd, stdout=self._sink,
+                watched, env={**os.environ, **env}, cwd=cwd, stdout=self._sink,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         except OSError as exc:
@@ -399,12 +438,74 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _first_model(url: str, api_key: str | None) -> tuple[str, int | None]:
-    resp = httpx.get(f"{url}/v1/models", headers=_headers(api_key), timeout=30.0)
-    resp.raise_for_status()
-    card = resp.json()["data"][0]
+def _model_cards(url: str, api_key: str | None) -> list[dict[str, Any]]:
+    """The server's /v1/models cards (each with an `id`); EngineError naming what it said."""
+    try:
+        resp = httpx.get(f"{url}/v1/models", headers=_headers(api_key), timeout=30.0)
+        resp.raise_for_status()
+        cards = resp.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(
+            f"{url}/v1/models did not answer with a model list ({exc.__class__.__name__}: "
+            f"{exc}); is the server up, and does it need ${API_KEY}?"
+        ) from None
+    cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)] if (
+        isinstance(cards, list)) else []  # fmt: skip
+    if not cards:
+        raise EngineError(f"{url}/v1/models lists no model; the server serves nothing kiln can ask")
+    return cards
+
+
+def _context(card: dict[str, Any]) -> int | None:
     length = card.get("max_model_len")
-    return str(card["id"]), int(length) if isinstance(length, int) else None
+    return length if isinstance(length, int) and not isinstance(length, bool) else None
+
+
+def _started_model(url: str, side: SideSpec, what: str) -> tuple[str, int | None]:
+    """The model a server kiln started answers as: the side's name it was started with."""
+    cards = _model_cards(url, None)
+    card = next((c for c in cards if c["id"] == side.name), None)
+    if card is None:
+        ids = ", ".join(repr(c["id"]) for c in cards)
+        raise EngineError(
+            f"{what} answers at {url} as {ids}, not as {side.name!r}, the name kiln started it "
+            "with: another server holds the port, or the engine ignores --served-model-name"
+        )
+    return side.name, _context(card)
+
+
+def _candidate_card(
+    url: str, cards: list[dict[str, Any]], side: SideSpec, named: str | None
+) -> tuple[dict[str, Any], str]:
+    """Which of a running server's models is the candidate, and how kiln knows: named by
+    --engine-model, or its id or root holding the artifact's digest or name. UsageError
+    when none of them is, so a proxy serving another model is never gated as this one."""
+    ids = ", ".join(repr(c["id"]) for c in cards)
+    if named is not None:
+        card = next((c for c in cards if c["id"] == named), None)
+        if card is None:
+            raise UsageError(f"--engine-model {named}: {url} serves {ids}; name one of those")
+        return card, (
+            f"named by --engine-model {named}: kiln did not check that it serves "
+            f"{side.name} ({side.digest[:12]})"
+        )
+    short = side.digest[:12]
+    for card in cards:
+        names = [str(card["id"]), str(card.get("root") or "")]
+        if any(short in n for n in names):
+            return card, f"its /v1/models card names the candidate's digest {short}"
+    for card in cards:
+        if card["id"] == side.name:
+            return card, (
+                f"it answers as {side.name}, the candidate's name; its digest was not checked"
+            )
+    raise UsageError(
+        f"--engine {url} serves {ids}, none of which is the candidate {side.name} "
+        f"({short}): its /v1/models names neither the artifact's name nor its digest, so kiln "
+        "cannot tell that it serves what is gated. Point --engine at the server of this "
+        "artifact, or, if one of those is it, name it with --engine-model ID (the verdict "
+        "then records that it was named, not checked)"
+    )
 
 
 def _version(url: str, fallback: str) -> str:
@@ -412,7 +513,9 @@ def _version(url: str, fallback: str) -> str:
         resp = httpx.get(f"{url}/version", timeout=10.0)
         if resp.status_code == 200:
             data = resp.json()
-            return str(data.get("version", data) if isinstance(data, dict) else data)
+            found = data.get("version") if isinstance(data, dict) else data
+            if isinstance(found, str) and 0 < len(found) <= 80:
+                return found
     except (httpx.HTTPError, ValueError):
         pass
     return fallback
@@ -451,19 +554,23 @@ def probe(url: str, model: str, prompt: list[int], api_key: str | None) -> Capab
     return Capabilities(prompt_lp, echo, "; ".join(said))
 
 
-def _describe_url(choice: EngineChoice, prompt: list[int]) -> Served:
+def _describe_url(choice: EngineChoice, side: SideSpec, role: str, prompt: list[int]) -> Served:
+    """A running server as a side: the candidate's model found among its models (see
+    `_candidate_card`); an endpoint baseline as it answers (its first model)."""
     assert choice.url is not None
     key = os.environ.get(API_KEY)
     try:
-        model, length = _first_model(choice.url, key)
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-        raise EngineError(
-            f"--engine {choice.url}: /v1/models did not answer ({exc}); is the server up, and "
-            f"does it need ${API_KEY}?"
-        ) from None
+        cards = _model_cards(choice.url, key)
+    except EngineError as exc:
+        raise EngineError(f"--engine {choice.url}: {exc.message}") from None
+    if role == "candidate":
+        card, identity = _candidate_card(choice.url, cards, side, choice.model)
+    else:
+        card, identity = cards[0], "an endpoint baseline: its first model, as it answers"
+    model = str(card["id"])
     caps = probe(choice.url, model, prompt, key)
     return Served(URL_ENGINE, choice.url, model, _version(choice.url, "unknown"), None, {},
-                  None, length, caps, key)  # fmt: skip
+                  None, _context(card), caps, key, identity)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -478,7 +585,7 @@ def serve_side(
     """The side served by `choice` for the block's duration: started on a free port and
     stopped after (a URL engine is used as it is); `probe_prompt` asks what it answers."""
     if choice.name == URL_ENGINE:
-        yield _describe_url(choice, probe_prompt)
+        yield _describe_url(choice, side, role, probe_prompt)
         return
     if side.path is None:
         raise UsageError(f"{role} {side.spec}: an endpoint is not started by --engine {choice}")
@@ -504,12 +611,13 @@ def serve_side(
             process = EngineProcess(argv, env, log_dir / f"{role}-{choice.name}.log", None)
             try:
                 process.wait_ready(url, choice.timeout_s, what)
-                model, length = _first_model(url, None)
+                model, length = _started_model(url, side, what)
                 caps = probe(url, model, probe_prompt, None)
                 if choice.name == "trtllm":
                     caps = trtllm_capabilities(caps, config["tensorrt_llm"])
                 yield Served(choice.name, url, model, _version(url, fallback), argv, config,
-                             str(process.log), length, caps)  # fmt: skip
+                             str(process.log), length, caps, None,
+                             f"started by kiln on {side.path}")  # fmt: skip
             finally:
                 process.stop()
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.client.http import OpenAIClient
+from kiln.runtime.client.http import OpenAIClient, base_url
 from kiln.runtime.engine.answer import answer_alone
 from kiln.runtime.formats.artifact import MANIFEST, content_digest, file_digests
 from kiln.runtime.formats.artifact.verified import Mode, verify_artifact
@@ -71,7 +71,7 @@ def resolve_side(spec: str, role: str = "side", verify: Mode = "fast") -> SideSp
     artifact is checked against its manifest first (`verify`: fast or full, see
     runtime.artifact.verified): a gate measures only what its digest names."""
     if spec.startswith(("http://", "https://")):
-        return SideSpec(spec, "http", spec, spec, url=spec.rstrip("/"))
+        return SideSpec(spec, "http", spec, spec, url=base_url(spec))
     path = Path(spec).expanduser()
     if (path / MANIFEST).is_file():
         manifest = verify_artifact(path, mode=verify, action=f"gate it as the {role}").manifest

@@ -136,6 +136,17 @@ class OpenAIStub:
         self.server.server_close()
 
 
+@pytest.fixture(scope="module")
+def noisy_artifact(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An artifact of the tiny Llama with 5% noise on every weight matrix: a candidate that
+    differs from its float baseline."""
+    from tests.gates.test_gate_e2e import perturbed_copy
+
+    root = tmp_path_factory.mktemp("engine-gate")
+    noisy = perturbed_copy(tiny_llama, root / "noisy", scale=0.05)
+    return build_artifact(root / "arts", name="noisy", model_dir=noisy)
+
+
 @pytest.fixture
 def openai_stub() -> Iterator[Callable[..., OpenAIStub]]:
     """Start stubs on demand; every one started is shut down after the test."""

@@ -38,8 +38,6 @@ from kiln.gates.settings import load_gates
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats.trtllm_serve import draft_target, options_for_version
 from kiln.runtime.server import NativeBackend, ServerConfig, create_app
-from tests.gates.conftest import build_artifact
-from tests.gates.test_gate_e2e import perturbed_copy
 from tests.serve.conftest import LiveServer, tiny_engine
 
 GATES: dict[str, Any] = {
@@ -55,13 +53,6 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def noisy_artifact(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("engine-gate")
-    noisy = perturbed_copy(tiny_llama, root / "noisy", scale=0.05)
-    return build_artifact(root / "arts", name="noisy", model_dir=noisy)
-
-
 class _Request:
     def __init__(self, *args: Any) -> None:
         self.args = args
@@ -74,7 +65,7 @@ def test_kiln_serve_over_http_scores_items_as_the_runtime_does_in_process(
     server = LiveServer(create_app(NativeBackend(tiny_engine(tiny_llama)),
                                    ServerConfig("tiny", max_running=4))).start()  # fmt: skip
     try:
-        with serve_side(parse_engine(server.url), resolve_side(str(tiny_llama)),
+        with serve_side(parse_engine(server.url, model="tiny"), resolve_side(str(tiny_llama)),
                         ServeSettings(None, None, 5), tmp_path, "candidate",
                         local.tok_encode(TEXT)) as served:  # fmt: skip
             assert served.capabilities.prompt_logprobs and served.capabilities.echo_logprobs
@@ -147,7 +138,7 @@ def test_checks_a_server_cannot_answer_are_not_measured_and_fail_the_gate(
     """A server with completions but no log-probabilities (TensorRT-LLM 1.2's): generation
     tasks are measured on it, loglikelihood tasks and the KL are named as not measured."""
     stub = openai_stub(lambda body: "Paris")
-    gates = load_gates({**GATES, "engine": stub.url}, "test")
+    gates = load_gates({**GATES, "engine": stub.url, "engine_model": "stub-model"}, "test")
     outcome = run_gate(str(noisy_artifact), str(tiny_llama), gates, tmp_path / "out")
     verdict = outcome.verdict
     assert not verdict.passed

@@ -9,14 +9,12 @@ many values it stands for with its aliases expanded and how deep it reaches, and
 the file the moment either passes its bound — before any Python object is built.
 PyYAML has no such limits of its own, hence this module.
 
-Numbers are read as YAML 1.2 reads them: PyYAML's YAML 1.1 takes `1e-5`, `1e3` and `1.0e3`
-for strings (its floats need a dot and a signed exponent, `1.0e+3`), the classic trap for
-a learning-rate or fraction written the way every other tool writes it.
+Numbers are read as YAML 1.2 reads them (runtime/base/yaml12.py): `1e-5` is a float, not
+the string PyYAML's YAML 1.1 makes of it.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import yaml
 from kiln.compiler.recipe.errors import RecipeError
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.files import open_regular
+from kiln.runtime.base.yaml12 import Loader
 
 Key = tuple[str | int, ...]
 Origins = dict[Key, tuple[Path, int]]
@@ -38,7 +37,7 @@ class _Unbounded(yaml.MarkedYAMLError):
     """A file past one of the bounds; `problem` says which, `problem_mark` where."""
 
 
-class _BoundedLoader(yaml.SafeLoader):
+class _BoundedLoader(Loader):
     """SafeLoader whose composer refuses documents past MAX_VALUES or MAX_DEPTH, and which
     reads YAML 1.2's exponent floats (`1e3`, `1e-5`, `1.0e3`, `.5E3`) as floats."""
 
@@ -84,16 +83,6 @@ class _BoundedLoader(yaml.SafeLoader):
             return 1, 1
         measured = [self._measured[id(child)] for child in children]
         return 1 + sum(v for v, _ in measured), 1 + max((d for _, d in measured), default=0)
-
-
-# YAML 1.2's floats with an exponent that YAML 1.1's resolver leaves as strings; the rest of
-# 1.1's numbers (ints, `1.5`, `1.0e+3`, `.inf`) resolve as before. A copy of the resolvers
-# is the subclass's own: yaml.SafeLoader is unchanged.
-_BoundedLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
 
 
 def read_text(path: Path) -> str:

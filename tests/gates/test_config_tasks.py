@@ -127,3 +127,11 @@ def test_default_tasks_have_a_thousand_items_each_one_kind_of_scoring_each() -> 
         if kinds[name] != "loglikelihood_rolling":  # perplexity is scored by token, not item
             assert len(rows) >= 1000, (name, len(rows))
     assert sorted(kinds.values()) == ["generate_until", "loglikelihood_rolling", "multiple_choice"]
+
+
+def test_a_threshold_written_with_an_exponent_is_a_number(tmp_path: Path) -> None:
+    """YAML 1.1 reads `1e-3` as a string; a gate file reads it as every other tool does."""
+    path = tmp_path / "gate.yaml"
+    path.write_text("thresholds: {kl_mean: 1e-3, kl_p99: 2.5E-2}\n")
+    policy = load_gate_file(path).policy(8)
+    assert policy.kl_mean_max == 0.001 and policy.kl_p99_max == 0.025

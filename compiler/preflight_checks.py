@@ -2,7 +2,8 @@
 recipe and the model's files alone decide, so `kiln validate` refuses what `kiln compile`
 would fail on after calibrating.
 
-- the weights' shapes (read from the safetensors headers) against the config's;
+- every tensor the config's architecture reads present in every layer, with its shape, and no
+  layer beyond it (checkpoint_checks.py, from the safetensors headers);
 - a tokenizer in a Hugging Face model directory;
 - every `quantization.ignore` entry naming some linear, and some linear left to quantise;
 - the lengths asked for (deploy, calibration, report) within the model's positions;
@@ -11,15 +12,14 @@ would fail on after calibrating.
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from kiln.compiler.checkpoint_checks import completeness_problems
 from kiln.compiler.recipe.recipe import Recipe
 from kiln.compiler.sources import BUILTIN, GGUF, SourceRef
 from kiln.gates.measure.divergence_texts import resolve_path
 from kiln.gates.measure.tasks import BUILTIN_TASKS_DIR, task_problems
 from kiln.quant.selection import is_ignored, quantised_linears
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.base.files import irregular_entries, regular_problem
+from kiln.runtime.base.files import irregular_entries
 from kiln.runtime.formats.model_info import ModelInfo
 
 # What a transformers tokenizer loads from: a fast tokenizer, SentencePiece, or BPE vocabularies.
@@ -27,12 +27,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 
 
 def model_problems(recipe: Recipe, ref: SourceRef, info: ModelInfo) -> list[str]:
-    """The model source's files against its config: weight shapes, and a tokenizer."""
+    """The model source's files against its config: every tensor and its shape, and a
+    tokenizer."""
     if ref.kind in (GGUF, BUILTIN):
         return []  # one file holds config, tokenizer and tensors; its reader checked them
     unreadable = [f"{ref.path}/{line}" for line in irregular_entries(ref.path)]
     problems = [recipe.problem("model.source", p) for p in unreadable]
-    problems += [recipe.problem("model.source", p) for p in _shape_problems(ref.path, info)]
+    problems += [recipe.problem("model.source", p) for p in completeness_problems(ref.path, info)]
     if not any((ref.path / name).exists() for name in TOKENIZER_FILES):
         problems.append(
             recipe.problem(
@@ -43,32 +44,6 @@ def model_problems(recipe: Recipe, ref: SourceRef, info: ModelInfo) -> list[str]
             )
         )
     return problems
-
-
-def _shape_problems(model_dir: Path, info: ModelInfo) -> list[str]:
-    """Tensors whose stored shape differs from what config.json implies (first layer)."""
-    from safetensors import SafetensorError, safe_open
-
-    expected = {"model.embed_tokens.weight": (info.vocab_size, info.hidden_size)}
-    for name, shape in info.layer_linears(0).items():
-        expected[f"model.layers.0.{name}.weight"] = shape
-    found: dict[str, tuple[int, ...]] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        if regular_problem(path) is not None:
-            continue  # weight_problems names it
-        try:
-            with safe_open(str(path), framework="numpy") as handle:
-                for name in expected.keys() & set(handle.keys()):
-                    found[name] = tuple(handle.get_slice(name).get_shape())
-        except (OSError, SafetensorError):
-            continue  # weight_problems names a damaged file
-    return [
-        f"{name} is {list(found[name])} in the weights but config.json implies "
-        f"{list(shape)}; the config does not belong to these weights — restore the model's "
-        "own config.json"
-        for name, shape in expected.items()
-        if name in found and found[name] != tuple(shape)
-    ]
 
 
 def ignore_problems(recipe: Recipe, info: ModelInfo, spec: QuantSpec, key: str) -> list[str]:

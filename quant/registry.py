@@ -123,6 +123,41 @@ SCHEMES: dict[str, SchemeDef] = {
     )
 }  # fmt: skip
 
+
+@dataclass(frozen=True, slots=True)
+class ExpertLimit:
+    """Schemes a backend produces for dense linears but not for a mixture of experts' experts
+    (one registry entry): the recipe key to change, why, and what works instead."""
+
+    backend: str
+    schemes: tuple[str, ...]
+    key: str
+    why: str
+    instead: str
+    asymmetric_only: bool = False  # only with zero points (symmetric: false)
+
+
+# Each found by compiling tiny Mixtral and Qwen3-MoE checkpoints: llm-compressor quantises and
+# saves the experts, then transformers 5 cannot load them back (every later stage would fail
+# after calibrating).
+MOE_EXPERT_LIMITS = (
+    ExpertLimit(
+        "llmcompressor", ("W8A8_SQ",), "quantization.method",
+        "transformers 5 cannot load llm-compressor's int8 experts back (it fuses each expert's "
+        "int8 gate and up weights into one gate_up_proj and finds none)",
+        "method fp8 or fp8_dynamic (FP8), gptq (W4A16, or weight_bits: 8 for W8A16) or awq "
+        "with symmetric: true; or smoothquant with activations: int8_static and backend: "
+        "modelopt (calibration.moe_experts: warn)",
+    ),
+    ExpertLimit(
+        "llmcompressor", ("W4A16_AWQ", "W4A16_GPTQ", "W8A16"), "quantization.symmetric",
+        "transformers 5 cannot load llm-compressor's experts with zero points back (its "
+        "DecompressExperts finds no zero points: 'Asymmetric quant requires zero-point values')",
+        "symmetric: true (no zero points), or method fp8 or fp8_dynamic",
+        asymmetric_only=True,
+    ),
+)  # fmt: skip
+
 # The widths a recipe can ask for: every quantised width some scheme produces.
 WEIGHT_BITS = tuple(sorted({d.weight_bits for d in SCHEMES.values()} - {FLOAT_BITS}))
 

@@ -17,6 +17,7 @@ from kiln.quant.registry import (
     GROUP_SIZES,
     KV_CACHE,
     METHODS,
+    MOE_EXPERT_LIMITS,
     SCHEMES,
     Problem,
     SchemeDef,
@@ -158,11 +159,36 @@ def _group_problems(spec: QuantSpec, info: ModelInfo) -> list[Problem]:
     ]
 
 
+def _expert_problems(spec: QuantSpec, scheme: SchemeDef, info: ModelInfo) -> list[Problem]:
+    """The backend's MOE_EXPERT_LIMITS entry for this scheme, where it would quantise experts."""
+    found = [
+        e
+        for e in MOE_EXPERT_LIMITS
+        if e.backend == spec.backend and scheme.name in e.schemes
+        and not (e.asymmetric_only and spec.symmetric)
+    ]  # fmt: skip
+    if not found or info.moe is None:
+        return []
+    limit = found[0]
+    if not any(".experts." in name for name in quantised_linears(info, spec.ignore)):
+        return []
+    zero_points = " with zero points" if limit.asymmetric_only else ""
+    return [
+        Problem(
+            limit.key,
+            f"{scheme.name}{zero_points} from {spec.backend} on {info.architecture}'s experts: "
+            f"{limit.why}, so every stage after calibration would fail",
+            limit.instead,
+        )
+    ]
+
+
 def check(spec: QuantSpec, info: ModelInfo | None = None) -> list[Problem]:
     """Everything wrong with a spec, without loading weights; empty when it can work.
 
     With `info`, also checks that the group size divides the in_features of every
-    quantised linear (those not matched by `ignore`).
+    quantised linear (those not matched by `ignore`), and that the backend can quantise a
+    mixture of experts' experts with this scheme (MOE_EXPERT_LIMITS).
     """
     match, problems = _spec_problems(spec)
     if match is None:
@@ -170,6 +196,8 @@ def check(spec: QuantSpec, info: ModelInfo | None = None) -> list[Problem]:
     problems += _backend_problems(spec, match)
     if info is not None and match.grouped:
         problems += _group_problems(spec, info)
+    if info is not None:
+        problems += _expert_problems(spec, match, info)
     return problems
 
 

@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.runtime.base.errors import ArtifactError
+from kiln.runtime.formats.config_ranges import (
+    ConfigValueError,
+    attention_problems,
+    moe_problems,
+    rope_problems,
+    size_problems,
+)
 
 # The families the runtime's forward pass runs, by Hugging Face model_type (which is also
 # llama.cpp's architecture name for these) → the transformers class a config names. kiln
@@ -34,6 +41,11 @@ QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCa
 # Families whose config.json sets `sliding_window` but applies it only with use_sliding_window,
 # on the layers from max_window_layers on.
 OPT_IN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Families whose transformers model reads config.json's layer_types (Qwen2 and Qwen3 derive them
+# from max_window_layers where absent, Gemma 3 from its pattern); the others slide every layer
+# where a window is set and ignore layer_types, and Llama's has no window at all.
+LAYER_TYPES_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+UNWINDOWED_ARCHITECTURES = ("LlamaForCausalLM",)
 # Gemma 3: RMSNorms scale by (1 + weight), the embedding output is multiplied by
 # sqrt(hidden_size), attention output and the MLP's input and output each have their own norm
 # (`post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`),
@@ -58,6 +70,9 @@ class MoELayout:
     normalize: bool | None
     # The config.json key of each expert's MLP width, as transformers reads it.
     width_key: str
+    # Whether config.json's decoder_sparse_step and mlp_only_layers make some layers dense
+    # (Qwen3-MoE; transformers' Mixtral reads neither).
+    dense_keys: bool = False
 
 
 MOE_LAYOUTS = {
@@ -65,7 +80,7 @@ MOE_LAYOUTS = {
         "block_sparse_moe", "gate", "w1", "w3", "w2", True, "intermediate_size"
     ),
     "Qwen3MoeForCausalLM": MoELayout(
-        "mlp", "gate", "gate_proj", "up_proj", "down_proj", None, "moe_intermediate_size"
+        "mlp", "gate", "gate_proj", "up_proj", "down_proj", None, "moe_intermediate_size", True
     ),
 }
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -230,11 +245,14 @@ class ModelInfo:
         """Parse a config.json dict (Llama, Mistral, Qwen2, Qwen3 field names).
 
         Raises ValueError naming the field when one the shapes need is missing or unusable
-        (configs of other families name them differently: GPT-2's n_embd, n_layer).
+        (configs of other families name them differently: GPT-2's n_embd, n_layer), and
+        config_ranges.ConfigValueError naming each value out of its range.
         """
         arch = _architecture(config)
         try:
             return cls._parse(config, arch)
+        except ConfigValueError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"no usable {exc} for architecture {arch}; {SUPPORTED}") from None
 
@@ -252,29 +270,46 @@ class ModelInfo:
 
     @classmethod
     def _parse(cls, config: dict[str, Any], arch: str) -> ModelInfo:
+        if problems := size_problems(config):
+            raise ConfigValueError(problems)
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        max_positions = int(config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
         params = config.get("rope_parameters") or {}
         local = params.get("sliding_attention") or {}
+        where = "rope_parameters" if params else "rope_scaling"
         if "full_attention" in params:  # one set per layer type (Gemma 3, transformers 5)
-            params = params["full_attention"]
+            params, where = params["full_attention"], "rope_parameters.full_attention"
         rope = {**(config.get("rope_scaling") or {}), **params}
-        theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+        theta_key = f"{where}.rope_theta" if "rope_theta" in rope else "rope_theta"
+        theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
         partial = float(rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
         rope_type = str(rope.get("rope_type", rope.get("type", "default")))
-        window = config.get("sliding_window")
+        window = None if arch in UNWINDOWED_ARCHITECTURES else config.get("sliding_window")
         if arch in OPT_IN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
             window = None
         layers = int(config["num_hidden_layers"])
         gemma = arch in GEMMA_ARCHITECTURES
         local_theta = local.get("rope_theta", config.get("rope_local_base_freq"))
+        layout = MOE_LAYOUTS.get(arch)
+        bases = {theta_key: theta}  # and the sliding layers' own, where set (Gemma 3)
+        if local_theta is not None:
+            local_key = "rope_parameters.sliding_attention" if "rope_theta" in local else ""
+            bases[f"{local_key}.rope_theta" if local_key else "rope_local_base_freq"] = local_theta
+        problems = [
+            *(moe_problems(config, layout.width_key, layers, layout.dense_keys) if layout else []),
+            *attention_problems(config, layers, window, gemma),
+            *rope_problems(config, rope, where, int(head_dim * partial), bases),
+        ]
+        if problems:
+            raise ConfigValueError(problems)
         eos = config.get("eos_token_id")
         experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
         step = int(config.get("decoder_sparse_step") or 1)
-        dense_layers = tuple(
-            i for i in range(layers) if i in (config.get("mlp_only_layers") or []) or (i + 1) % step
-        )
-        layout = MOE_LAYOUTS.get(arch)
+        only = config.get("mlp_only_layers") or []
+        dense = layout is not None and layout.dense_keys
+        dense_layers = tuple(i for i in range(layers) if dense and (i in only or (i + 1) % step))
         normalize = layout.normalize if layout else None
         return cls(
             architecture=arch,
@@ -283,16 +318,14 @@ class ModelInfo:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab_size=int(config["vocab_size"]),
-            max_position_embeddings=int(
-                config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)
-            ),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             hidden_act=str(config.get("hidden_activation") or config.get("hidden_act", "silu")),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
+            rope_theta=float(theta),
             rope_type=rope_type,
             rope_scaling=rope if rope_type != "default" else None,
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
@@ -321,7 +354,7 @@ class ModelInfo:
 def _layer_types(config: dict[str, Any], arch: str, layers: int, window: bool) -> list[str]:
     """Each layer's attention ("sliding_attention" or "full_attention") as transformers reads
     config.json: its layer_types, else the family's rule."""
-    if config.get("layer_types"):
+    if arch in LAYER_TYPES_ARCHITECTURES and config.get("layer_types"):
         return [str(t) for t in config["layer_types"]]
     if arch in GEMMA_ARCHITECTURES:
         pattern = int(config.get("sliding_window_pattern") or 6)
@@ -330,7 +363,7 @@ def _layer_types(config: dict[str, Any], arch: str, layers: int, window: bool) -
         ]
     if not window:
         return ["full_attention"] * layers
-    first = int(config.get("max_window_layers", 28)) if arch in OPT_IN_WINDOW_ARCHITECTURES else 0
+    first = int(config.get("max_window_layers", 28)) if arch in LAYER_TYPES_ARCHITECTURES else 0
     return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
 
 

@@ -427,3 +427,96 @@ def test_every_expert_on_every_token_is_refused_where_the_backend_cannot(tiny_qw
     fp8 = QuantSpec(method="fp8", weight_bits=8, activations="fp8_static", backend="modelopt")
     with pytest.raises(PreflightError, match="backend modelopt calibrates each expert on"):
         quantize(tiny_qwen3_moe, resolve(fp8), CalibrationSpec(), Path("/nonexistent"))
+
+
+def requantised_recipe(tmp_path: Path, model: Path, quant: str) -> Path:
+    """moe_recipe with `quant` (the quantization section's lines) in place of its GPTQ."""
+    path = moe_recipe(tmp_path, model)
+    path.write_text(path.read_text().replace("method: gptq\n  group_size: 64\n", quant))
+    return path
+
+
+@pytest.mark.parametrize("fixture", ["tiny_mixtral", "tiny_qwen3_moe"])
+@pytest.mark.parametrize(
+    "quant",
+    [
+        "method: smoothquant\n",  # int8 dynamic activations
+        "method: smoothquant\n  activations: int8_static\n",
+        "method: smoothquant\n  ignore: [lm_head, 're:.*experts[.]0[.].*']\n",
+    ],
+    ids=["int8-dynamic", "int8-static", "expert-0-float"],
+)
+def test_int8_smoothquant_experts_from_llm_compressor_are_refused_at_validate(
+    fixture: str, quant: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """transformers 5 cannot read llm-compressor's int8 experts back (it fuses each expert's
+    int8 w1/w3 into gate_up_proj and finds none: "Ckpt contains: 0", exit 3 after
+    calibrating), whatever the activations and however few experts stay int8."""
+    model = request.getfixturevalue(fixture)
+    path = requantised_recipe(tmp_path, model, quant)
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    stderr = result.stderr.replace("\n", " ")
+    arch = "MixtralForCausalLM" if fixture == "tiny_mixtral" else "Qwen3MoeForCausalLM"
+    assert f"quantization.method: W8A8_SQ from llmcompressor on {arch}'s experts" in stderr
+    assert "backend: modelopt" in stderr and "method fp8 or fp8_dynamic" in stderr
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        "method: awq\n  group_size: 64\n",  # AWQ's default: zero points
+        "method: gptq\n  group_size: 64\n  symmetric: false\n",
+        "method: gptq\n  weight_bits: 8\n  symmetric: false\n",
+    ],
+    ids=["awq", "gptq-asymmetric", "w8a16-asymmetric"],
+)
+def test_experts_with_zero_points_from_llm_compressor_are_refused_at_validate(
+    quant: str, tiny_mixtral: Path, tmp_path: Path
+) -> None:
+    """transformers 5 reloads llm-compressor's experts only without zero points ("Asymmetric
+    quant requires zero-point values", exit 3 after calibrating); symmetric AWQ validates."""
+    result = CliRunner().invoke(
+        main, ["validate", str(requantised_recipe(tmp_path, tiny_mixtral, quant))]
+    )
+    assert result.exit_code == 2
+    stderr = result.stderr.replace("\n", " ")
+    assert "quantization.symmetric: " in stderr and "with zero points from llmcompressor" in stderr
+    assert "symmetric: true (no zero points)" in stderr
+    symmetric = requantised_recipe(tmp_path, tiny_mixtral, "method: awq\n  symmetric: true\n")
+    assert CliRunner().invoke(main, ["validate", str(symmetric)]).exit_code == 0
+
+
+def test_int8_smoothquant_experts_from_modelopt_compile_and_serve(
+    tiny_mixtral: Path, tmp_path: Path
+) -> None:
+    """What the refusal above offers: ModelOpt's int8 SmoothQuant (static activations) of every
+    expert, read back and served by kiln's runtime on its int8 kernels, routers float."""
+    from kiln.runtime.engine.layers.int8 import Int8Linear
+
+    quant = "method: smoothquant\n  activations: int8_static\n  backend: modelopt\n"
+    path = requantised_recipe(tmp_path, tiny_mixtral, quant)
+    path.write_text(
+        path.read_text().replace("max_seq_len: 64}", "max_seq_len: 64, moe_experts: warn}", 1)
+    )
+    artifact = Path(compile_json(path)["artifact"])
+    report = json.loads((artifact / "reports" / "quantization.json").read_text())
+    assert report["coverage"]["counts"]["expert"] == {"quantised": 2 * 4 * 3}
+    sparse = Engine.from_pretrained(artifact / "model").model.layers[1].experts
+    assert sparse is not None and sparse.router.is_floating_point()
+    assert all(isinstance(e, Int8Linear) for e in (*sparse.gate_up, *sparse.down))
+
+
+def test_where_a_moe_artifact_serves_instead_is_said_as_vllm_runs_it(
+    tiny_mixtral: Path, tmp_path: Path
+) -> None:
+    """W4A16 experts refused on both TensorRT-LLM paths: vLLM runs int4 MoE experts on CUDA,
+    and its CPU build only on x86 CPUs with AMX (its one int4 MoE kernel needs AMX tiles)."""
+    path = moe_recipe(tmp_path, tiny_mixtral, targets="[h100-sxm]")
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    stderr = result.stderr.replace("\n", " ")
+    assert (
+        "the artifact serves on kiln serve, and vLLM on CUDA GPUs; vLLM's CPU build runs " in stderr
+    )
+    assert "int4 MoE experts only on x86 CPUs with AMX" in stderr

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+from kiln.compiler.trtllm.rules.other_servers import serves_elsewhere
 from kiln.quant.registry import Problem
 from kiln.runtime.formats.model_info import ModelInfo
 
@@ -70,7 +71,7 @@ def engine_problem(info: ModelInfo, algo: str, kv_algo: str | None = None) -> Pr
         known = ", ".join(ENGINE_ARCHITECTURES)
         return Problem("deploy.trtllm_path",
                        f"{arch}: kiln's TensorRT-LLM 1.2 checkpoint export writes {known}",
-                       "targets: [] (the artifact serves on kiln serve and vLLM)")  # fmt: skip
+                       serves_elsewhere(info, algo))  # fmt: skip
     why = _family_problem(info, algo)
     return None if why is None else Problem("deploy.trtllm_path", f"{arch}: {why}", fix)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
 from kiln.compiler.trtllm.rules.engine import engine_problem
 from kiln.compiler.trtllm.rules.exclusions import group_problem, group_sizes
+from kiln.compiler.trtllm.rules.other_servers import serves_elsewhere
 from kiln.compiler.trtllm.rules.pytorch import (
     CONVERTS,
     conversion_problem,
@@ -37,7 +38,7 @@ def path_problems(info: ModelInfo, scheme: Scheme) -> dict[str, Problem | None]:
     algo, kv_algo = scheme.trtllm_quant_algo, scheme.trtllm_kv_cache_quant_algo
     engine = engine_problem(info, CHECKPOINT_ALGO.get(algo, algo), kv_algo)
     why = family_problem(info, CONVERTS.get(algo, algo), kv_algo)
-    elsewhere = "targets: [] (the artifact serves on kiln serve and vLLM)"
+    elsewhere = serves_elsewhere(info, algo)
     pytorch = None if why is None else Problem(
         "targets", f"TensorRT-LLM's PyTorch backend: {why}",
         elsewhere if engine is not None else f"deploy.trtllm_path: engine, or {elsewhere}",

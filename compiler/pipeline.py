@@ -259,7 +259,8 @@ def _report(
         texts = calibration.load_texts(spec, tokenizer, exclude=seen)
         smoothing = job.scheme.spec.method in SMOOTHING_METHODS
         report = quantization_report(build.source_model, build.model, texts,
-                                     max_seq_len=spec.max_seq_len, smoothing=smoothing)  # fmt: skip
+                                     max_seq_len=spec.max_seq_len, smoothing=smoothing,
+                                     scratch=out)  # fmt: skip
         for key, name in (("coverage", COVERAGE_FILE), ("moe_routing", ROUTING_FILE)):
             if (build.quantized.path / name).is_file():
                 report[key] = json.loads((build.quantized.path / name).read_text())

@@ -1,14 +1,13 @@
 """The quantisation error report: per-layer weight error and next-token agreement.
 
 Everything about the quantised model is read back from the saved checkpoint, never from the
-in-memory model that produced it, so the report describes what ships:
-
-- compressed-tensors: transformers loads it, compressed-tensors decompresses the integer or
-  fp8 codes, and the forward keeps its activation and KV cache quantisation;
-- ModelOpt HF export: transformers cannot load it (it has no "modelopt" quantizer), so
-  `quant.backends.modelopt.load_checkpoint` rebuilds the model from the codes and scales the
-  runtime's checkpoint reader decodes (the values kiln serves) and applies the exported
-  activation and KV scales with hooks.
+in-memory model that produced it, so the report describes what ships: the codes and scales
+kiln's checkpoint reader decodes (the values kiln serves), compressed-tensors' or ModelOpt's,
+with the checkpoint's activation and KV-cache quantisation applied by hooks
+(quant/streamed_model.py). Memory is bounded by a layer: both models stream their weights a
+module at a time and run one after the other (the float one's log-probabilities kept in a
+file meanwhile), and weights are compared a decoder layer at a time, in float32. Where a GPU
+is present the forwards run there.
 
 Weight error is the relative MSE ‖W_deq − W_ref‖² / ‖W_ref‖² per quantised linear. AWQ and
 SmoothQuant fold per-channel smoothing scales into neighbouring weights and norms, so W_ref is
@@ -23,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,26 +47,20 @@ def checkpoint_format(path: Path) -> str:
     return "float"
 
 
-def load_quantised(path: Path) -> tuple[Any, dict[str, Any]]:
-    """(model, {linear name: dequantised effective weight}) read from a saved checkpoint."""
-    fmt = checkpoint_format(path)
-    if fmt == "compressed-tensors":
-        from kiln.quant.backends.llmcompressor import load_checkpoint
-
-        return load_checkpoint(Path(path))
-    if fmt == "modelopt":
-        from kiln.quant.backends.modelopt import load_checkpoint as load_modelopt
-
-        return load_modelopt(Path(path))
-    return _load_float(Path(path)), {}
-
-
-def _load_float(path: Path) -> Any:
+def load_quantised(
+    path: Path, device: Any = "cpu", dtype: Any = None
+) -> tuple[Any, Mapping[str, Any]]:
+    """(model, {linear name: dequantised effective weight}) read from a saved checkpoint: a
+    streamed model (quant/streamed_model.py) that computes as the checkpoint ships, in `dtype`
+    (float32 when None)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval()
+    from kiln.quant.streamed_model import float_model, quantised_model
+
+    dtype = dtype or torch.float32
+    if checkpoint_format(path) == "float":
+        return float_model(Path(path), device, dtype), {}
+    return quantised_model(Path(path), device, dtype)
 
 
 def weight_errors(
@@ -101,12 +95,14 @@ def weight_errors(
                 row[prefix + SMOOTHED_BY_LINEAR[local]] = 1 / fit.clamp_min(1e-12)
     out = []
     for name, weight in weights.items():
-        ref = float_state[f"{name}.weight"].clone()
+        ref = float_state[f"{name}.weight"]
         if name in col:
             ref = ref * col[name][None, :]
         if name in row:
             ref = ref * row[name][:, None]
-        err = float(((weight - ref) ** 2).sum() / (ref**2).sum().clamp_min(1e-30))
+        diff = (weight - ref).reshape(-1)
+        flat = ref.reshape(-1)
+        err = float(torch.dot(diff, diff) / torch.dot(flat, flat).clamp_min(1e-30))
         out.append(
             {
                 "name": name,
@@ -118,33 +114,126 @@ def weight_errors(
     return out
 
 
-def next_token_agreement(
-    float_model: Any, quant_model: Any, samples: list[list[int]]
-) -> dict[str, Any]:
-    """KL(float ‖ quantised) per next-token position, top-1 agreement and both perplexities."""
+def layer_weight_errors(
+    float_dir: Path, quant_dir: Path, names: list[str], smoothing: bool = True
+) -> list[dict[str, Any]]:
+    """`weight_errors` of the quantised linears `names` (in the model's order), a decoder layer
+    at a time: only that layer's float and dequantised weights are ever held, in float32."""
     import torch
 
-    kls, agree, nll_f, nll_q, count = [], 0, 0.0, 0.0, 0
+    from kiln.runtime.formats.checkpoint import TensorFiles, open_checkpoint
+    from kiln.runtime.formats.weights import effective_weight
+
+    floats, ckpt = TensorFiles(Path(float_dir)), open_checkpoint(Path(quant_dir))
+    out: list[dict[str, Any]] = []
+    for group in _by_layer(names):
+        prefix = group[0][: len(group[0]) - len(_local(group[0]))]
+        float_state, quant_state = {}, {}
+        for norm in SMOOTHED_BY_NORM if smoothing and prefix else ():
+            key = f"{prefix}{norm}.weight"
+            if key in floats and key in ckpt:
+                float_state[key] = floats.get(key).to(torch.float32)
+                quant_state[key] = ckpt.tensor(key).to(torch.float32)
+        for name in group:
+            float_state[f"{name}.weight"] = floats.get(f"{name}.weight").to(torch.float32)
+        weights = {n: effective_weight(ckpt.served_linear(n), torch.float32) for n in group}
+        out += weight_errors(float_state, quant_state, weights, smoothing)
+    return out
+
+
+def _local(name: str) -> str:
+    """A linear's name within its decoder layer (e.g. self_attn.q_proj), or the whole name."""
+    return name.rpartition(".layers.")[2].partition(".")[2] if ".layers." in name else name
+
+
+def _by_layer(names: list[str]) -> list[list[str]]:
+    """Consecutive names of one decoder layer together (a linear outside the layers alone)."""
+    groups: list[list[str]] = []
+    for name in names:
+        prefix = name[: len(name) - len(_local(name))]
+        if groups and prefix and groups[-1][0].startswith(prefix):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+# Logits one forward may hold (the samples run in batches of one length within it).
+LOGITS_BYTES = 256 * 2**20
+
+
+def _batches(samples: list[list[int]], vocab: int) -> list[list[int]]:
+    """Indices of samples run together: one length each, within LOGITS_BYTES of logits."""
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(samples):
+        by_length.setdefault(len(ids), []).append(i)
+    out = []
+    for length, members in by_length.items():
+        size = max(1, LOGITS_BYTES // (4 * vocab * length))
+        out += [members[i : i + size] for i in range(0, len(members), size)]
+    return out
+
+
+def next_token_agreement(
+    float_model: Any,
+    quant_model: Any,
+    samples: list[list[int]],
+    scratch: Path,
+    device: Any = "cpu",
+) -> dict[str, Any]:
+    """KL(float ‖ quantised) per next-token position, top-1 agreement and both perplexities:
+    the float model's log-probabilities are computed first and kept in a file under `scratch`,
+    then the quantised model's are compared with them, one model running at a time."""
+    import numpy as np
+    import torch
+
+    vocab = int(float_model.config.vocab_size)
+    batches = _batches(samples, vocab)
+    rows = sum(len(samples[i]) - 1 for batch in batches for i in batch)
+
+    def log_probs(model: Any, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.tensor([samples[i] for i in batch], device=device)
+        logits = model(x).logits[:, :-1].float().log_softmax(-1)
+        return logits.reshape(-1, logits.shape[-1]).cpu(), x[:, 1:].reshape(-1, 1).cpu()
+
+    if rows == 0:
+        return {"tokens": 0, "kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 0.0,
+                "perplexity_float": 1.0, "perplexity_quantized": 1.0}  # fmt: skip
+    path = Path(scratch) / "float-logprobs.f32"
+    stored = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, vocab))
+    nll_f, at = 0.0, 0
     with torch.no_grad():
-        for ids in samples:
-            x = torch.tensor([ids])
-            lf = float_model(x).logits[0, :-1].float().log_softmax(-1)
-            lq = quant_model(x).logits[0, :-1].float().log_softmax(-1)
-            target = x[0, 1:, None]
+        for batch in batches:
+            lf, target = log_probs(float_model, batch)
+            stored[at : at + len(lf)] = lf.numpy()
+            nll_f -= float(lf.gather(-1, target).sum())
+            at += len(lf)
+        kls, agree, nll_q, at = [], 0, 0.0, 0
+        for batch in batches:
+            lq, target = log_probs(quant_model, batch)
+            lf = torch.from_numpy(np.asarray(stored[at : at + len(lq)]))
             kls.append((lf.exp() * (lf - lq)).sum(-1).clamp_min(0))
             agree += int((lf.argmax(-1) == lq.argmax(-1)).sum())
-            nll_f -= float(lf.gather(-1, target).sum())
             nll_q -= float(lq.gather(-1, target).sum())
-            count += target.shape[0]
-    kl = torch.cat(kls) if kls else torch.zeros(1)
+            at += len(lq)
+    del stored
+    path.unlink()
+    kl = torch.cat(kls)
     return {
-        "tokens": count,
+        "tokens": rows,
         "kl_mean": float(kl.mean()),
         "kl_p99": float(torch.quantile(kl, 0.99)),
-        "top1_agreement": agree / max(count, 1),
-        "perplexity_float": math.exp(nll_f / max(count, 1)),
-        "perplexity_quantized": math.exp(nll_q / max(count, 1)),
+        "top1_agreement": agree / rows,
+        "perplexity_float": math.exp(nll_f / rows),
+        "perplexity_quantized": math.exp(nll_q / rows),
     }
+
+
+def report_device() -> str:
+    """Where the report runs its forwards: the GPU where there is one."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def quantization_report(
@@ -153,25 +242,45 @@ def quantization_report(
     texts: list[str],
     max_seq_len: int = 256,
     smoothing: bool = True,
+    scratch: Path | None = None,
 ) -> dict[str, Any]:
     """Per-layer weight error and next-token KL, top-1 agreement and perplexity on `texts`
-    (`smoothing`: whether the method moved scales between layers, see weight_errors)."""
+    (`smoothing`: whether the method moved scales between layers, see weight_errors). Both
+    models stream their weights a module at a time (quant/streamed_model.py), one runs at a
+    time, in the float checkpoint's dtype (as it was calibrated and is deployed), and the
+    weights are compared a decoder layer at a time in float32: memory is bounded by a layer,
+    not by the model. `scratch` holds the float model's log-probabilities meanwhile."""
+    import tempfile
+
+    import torch
     from transformers import AutoTokenizer
 
     from kiln.quant.calibration import tokenize
+    from kiln.quant.spec import calibration_dtype
+    from kiln.quant.streamed_model import float_model, quantised_linears
 
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
-    float_model = _load_float(float_dir)
-    quant_model, weights = load_quantised(quant_dir)
-    layers = weight_errors(float_model.state_dict(), quant_model.state_dict(), weights, smoothing)
+    device = report_device()
     tokenizer = AutoTokenizer.from_pretrained(float_dir)
     samples = [s for s in tokenize(texts, tokenizer, max_seq_len) if len(s) >= 2]
+    config = json.loads((float_dir / "config.json").read_text())
+    dtype = getattr(torch, calibration_dtype(str(config.get("torch_dtype") or config.get("dtype"))))
+    reference = float_model(float_dir, device, dtype)
+    quant_model, weights = load_quantised(quant_dir, device, dtype)
+    names = list(weights)
+    if checkpoint_format(quant_dir) != "float":
+        from kiln.runtime.formats.checkpoint import open_checkpoint
+
+        names = quantised_linears(quant_model, open_checkpoint(quant_dir))
+    layers = layer_weight_errors(float_dir, quant_dir, names, smoothing)
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="kiln-report-") as tmp:
+        agreement = next_token_agreement(reference, quant_model, samples, Path(tmp), device)
     worst = max(layers, key=lambda layer: layer["rel_mse"], default=None)
     return {
         "format": checkpoint_format(quant_dir),
         "texts": len(samples),
         "max_seq_len": max_seq_len,
-        **next_token_agreement(float_model, quant_model, samples),
+        **agreement,
         "weight_rel_mse_mean": sum(x["rel_mse"] for x in layers) / len(layers) if layers else 0.0,
         "weight_rel_mse_max": worst["rel_mse"] if worst else 0.0,
         "worst_layer": worst["name"] if worst else None,

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from kiln.quant.selection import quantised_linears
-from kiln.quant.spec import CalibrationSpec, Scheme
+from kiln.quant.spec import DTYPE_BYTES, CalibrationSpec, Scheme, calibration_dtype
 from kiln.runtime.formats.model_info import ModelInfo
 
+__all__ = ["DTYPE_BYTES", "calibration_dtype", "estimate_calibration_bytes"]
+
 FP32 = 4
-# A checkpoint is calibrated in its own float dtype: an 8B bf16 model needs 16 GB, not 32.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def calibration_dtype(checkpoint_dtype: str) -> str:
-    """The torch dtype name a checkpoint is loaded in for calibration (float32 if unknown)."""
-    name = checkpoint_dtype.removeprefix("torch.")
-    return name if name in DTYPE_BYTES else "float32"
 
 
 # Python with torch, transformers, datasets and llm-compressor imported: 526 MiB resident

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.quant import calibration as calib_data
 from kiln.quant.backends.base import Backend, QuantJob
-from kiln.quant.memory import calibration_dtype
 from kiln.quant.schemes import check
-from kiln.quant.spec import CalibrationSpec, Scheme
+from kiln.quant.spec import CalibrationSpec, Scheme, calibration_dtype
 from kiln.runtime.base.errors import CalibrationDataError, PreflightError, StageFailure
 from kiln.runtime.base.versions import versions
 from kiln.runtime.formats.artifact import CalibrationRecord, SchemeRecord
@@ -86,13 +86,61 @@ def quantize(
             raise CalibrationDataError("\n".join(str(p) for p in problems))
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     dtype = getattr(torch, calibration_dtype(info.torch_dtype))
-    say(f"loading {model_dir} ({dtype}, CPU)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model.eval()
+    # Offloaded weights are written beside the output (one filesystem), never into it.
+    with tempfile.TemporaryDirectory(prefix=".offload-", dir=out_dir.parent) as offload:
+        where = "offloaded to disk, a layer at a time in memory" if backend.offloads else "CPU"
+        say(f"loading {model_dir} ({dtype}, {where})")
+        model = load_model(model_dir, dtype, Path(offload) if backend.offloads else None)
+        _calibrate(model, tokenizer, info, scheme, calibration, backend, record, out_dir,
+                   routing_out, say)  # fmt: skip
+        del model
+    tokenizer.save_pretrained(out_dir)
+    _spell_legacy_rope(out_dir / "config.json")
+    source_generation = model_dir / "generation_config.json"
+    if source_generation.is_file() and not (out_dir / "generation_config.json").exists():
+        shutil.copy2(source_generation, out_dir / "generation_config.json")
+    record.seconds = round(time.perf_counter() - start, 3)
+    return record
+
+
+def load_model(model_dir: Path, dtype: Any, offload: Path | None) -> Any:
+    """The float model for calibration in `dtype`: whole in memory, or, with an `offload`
+    folder, every weight left on disk (compressed-tensors' offloading reads it from the
+    checkpoint's own files) until the calibration pipeline onloads its layer."""
+    from transformers import AutoModelForCausalLM
+
+    if offload is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    from compressed_tensors.offload import load_offloaded_model
+
+    with load_offloaded_model():
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, device_map="auto_offload", max_memory={"cpu": 0},
+            offload_folder=str(offload),
+        )  # fmt: skip
+    return model.eval()
+
+
+def _calibrate(
+    model: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    scheme: Scheme,
+    calibration: CalibrationSpec,
+    backend: Backend,
+    record: SchemeRecord,
+    out_dir: Path,
+    routing_out: Path | None,
+    say: Callable[[str], None],
+) -> None:
+    """Calibrate and quantise `model` with `backend`, saving the result into `out_dir`."""
+    import torch
+
+    spec = scheme.spec
     samples: list[list[int]] = []
     if scheme.needs_calibration:
         samples, record.calibration = calibration_samples(calibration, tokenizer)
@@ -107,16 +155,9 @@ def quantize(
             backend.run(QuantJob(model, tokenizer, scheme, spec, samples, out_dir, say, everything))
     except Exception as exc:
         raise StageFailure(
-            f"{backend.name} failed to produce {scheme.label} from {model_dir}: "
+            f"{backend.name} failed to produce {scheme.label} from {model.name_or_path}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    tokenizer.save_pretrained(out_dir)
-    _spell_legacy_rope(out_dir / "config.json")
-    source_generation = model_dir / "generation_config.json"
-    if source_generation.is_file() and not (out_dir / "generation_config.json").exists():
-        shutil.copy2(source_generation, out_dir / "generation_config.json")
-    record.seconds = round(time.perf_counter() - start, 3)
-    return record
 
 
 def _spell_legacy_rope(path: Path) -> None:

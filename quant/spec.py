@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A checkpoint is calibrated, and its report run, in its own float dtype: an 8B bf16 model
+# needs 16 GB, not 32, and computes as it is deployed.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def calibration_dtype(checkpoint_dtype: str) -> str:
+    """The torch dtype name a checkpoint is computed in (float32 if unknown)."""
+    name = checkpoint_dtype.removeprefix("torch.")
+    return name if name in DTYPE_BYTES else "float32"
+
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:

@@ -46,6 +46,9 @@ class Backend:
     per_channel: frozenset[str]  # grouped schemes it can also do with group_size null
     packages: tuple[str, ...]  # distributions whose versions the manifest records
     run: RunFn
+    # Calibrates a model whose weights stay on disk until a layer needs them (quantize.py
+    # loads it so): the backend's pipeline onloads one layer at a time.
+    offloads: bool = False
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -61,6 +64,7 @@ def register_backend(
     asymmetric: set[str] = frozenset(),  # type: ignore[assignment]
     per_channel: set[str] = frozenset(),  # type: ignore[assignment]
     packages: tuple[str, ...] = (),
+    offloads: bool = False,
 ) -> Callable[[RunFn], RunFn]:
     """Decorator: register `fn` as the run function of backend `name`."""
 
@@ -75,6 +79,7 @@ def register_backend(
             per_channel=frozenset(per_channel),
             packages=packages,
             run=fn,
+            offloads=offloads,
         )
         return fn
 

@@ -90,9 +90,14 @@ def build_recipe(scheme: Scheme, spec: QuantSpec) -> list[Any]:
     asymmetric={"W4A16_AWQ", "W4A16_GPTQ", "W8A16"},
     per_channel={"W4A16_AWQ", "W4A16_GPTQ", "W8A16"},
     packages=("llmcompressor", "compressed-tensors"),
+    offloads=True,
 )
 def run(job: QuantJob) -> None:
-    """Quantise the model in place with oneshot and save it compressed into job.out_dir."""
+    """Quantise the model in place with oneshot and save it compressed into job.out_dir.
+
+    The model comes offloaded (quant/quantize.py): oneshot's sequential pipeline onloads one
+    decoder layer at a time, compression writes each compressed weight back to the offload,
+    and the save writes shard by shard, so no step holds the whole model."""
     from datasets import Dataset
     from llmcompressor import oneshot
 
@@ -116,8 +121,12 @@ def run(job: QuantJob) -> None:
             moe_calibrate_all_experts=job.calibrate_all_experts,
         )
     job.progress(f"saving compressed-tensors checkpoint to {job.out_dir}")
-    job.model.save_pretrained(job.out_dir, save_compressed=True)
+    job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_SIZE)
     restore_expert_names(Path(job.out_dir))
+
+
+# Hugging Face's shard size: what loaders expect, and what one save step holds in memory.
+SHARD_SIZE = "5GB"
 
 
 # The names llm-compressor gives each expert's projections when it splits transformers 5's
@@ -159,25 +168,3 @@ def restore_expert_names(out_dir: Path) -> None:
         data = json.loads(index.read_text())
         data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
         index.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def load_checkpoint(path: Path) -> tuple[Any, dict[str, Any]]:
-    """(model, dequantised weights) of a compressed-tensors checkpoint, float32 on CPU.
-
-    transformers decompresses the saved codes with compressed-tensors at load time; the
-    model keeps compressed-tensors' activation and KV cache quantisation in its forward.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
-    )
-    model.eval()
-    weights = {
-        name: module.weight.detach()
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        and getattr(getattr(module, "quantization_scheme", None), "weights", None) is not None
-    }
-    return model, weights

@@ -154,23 +154,48 @@ def _same_optional(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32; FP8 codes through a 256-entry table on the CPU, which is exact and ~3×
+    faster than torch's element-wise conversion there (it dominates dequantising FP8)."""
+    if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu":
+        return t.to(torch.float32)
+    import numpy as np
+
+    table = _FP8_TABLE.numpy()
+    codes = t.contiguous().view(torch.uint8).numpy()
+    return torch.from_numpy(np.take(table, codes))
+
+
+_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
 def dequantize(w: LinearWeights, dtype: torch.dtype) -> torch.Tensor:
     """The float weight [N, K] an encoding stores: (code - zero) * scale (the input's
     pre-quant scale, if any, is not folded in: see `effective_weight`)."""
     if w.scale is None:
         return w.weight.to(dtype)
-    codes = w.weight.to(torch.float32)
-    groups = w.scale.shape[1]
+    codes = as_float32(w.weight)
+    scale = w.scale.to(torch.float32)
+    zero = None if w.zero_point is None else w.zero_point.to(torch.float32)
+    groups = scale.shape[1]
+    size = w.scheme.group_size or w.in_features // groups
+    if w.g_idx is None and groups * size == w.in_features:
+        # Contiguous groups of one size: broadcast each group's scale over its columns
+        # rather than gathering a scale per column (the same products, in a fraction of the
+        # time and memory).
+        grouped = codes.view(codes.shape[0], groups, size)
+        if zero is not None:
+            grouped = grouped - zero[:, :, None]
+        return (grouped * scale[:, :, None]).view(codes.shape).to(dtype)
     if w.g_idx is not None:
         index = w.g_idx.long()
     else:
         # compressed-tensors rounds the group count up: when in_features is not a multiple of
         # group_size (SmolLM2's 576 at group 128) the last group is narrower.
-        size = w.scheme.group_size or w.in_features // groups
         index = torch.arange(w.in_features, device=codes.device) // size
-    if w.zero_point is not None:
-        codes = codes - w.zero_point.to(torch.float32)[:, index]
-    return (codes * w.scale.to(torch.float32)[:, index]).to(dtype)
+    if zero is not None:
+        codes = codes - zero[:, index]
+    return (codes * scale[:, index]).to(dtype)
 
 
 def effective_weight(w: LinearWeights, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,17 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return json.loads(read_text(path, ArtifactError))
 
 
+def open_tensors(path: Path) -> Any:
+    """A safetensors file opened to read its tensors one at a time, each into memory of its
+    own: safetensors' default memory map keeps every page read resident until the file is
+    closed, so reading a checkpoint through would hold all of it; `pread` holds only the
+    tensors still in use (safetensors >= 0.7; the memory map before)."""
+    try:
+        return safe_open(str(path), framework="pt", backend="pread")
+    except TypeError:
+        return safe_open(str(path), framework="pt")
+
+
 class TensorFiles:
     """Lazy access to the tensors of one or more safetensors files."""
 
@@ -32,7 +43,7 @@ class TensorFiles:
         for path in files:
             if (why := regular_problem(path)) is not None:
                 raise ArtifactError(f"{path}: {why}; a checkpoint holds regular files only")
-            handle = safe_open(str(path), framework="pt")
+            handle = open_tensors(path)
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self._where[name] = handle
 

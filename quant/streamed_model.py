@@ -1,0 +1,298 @@
+"""A transformers model whose weights stream from a checkpoint a module at a time: each module's
+parameters are read when the forward reaches it and dropped when it returns, so running a model
+holds one module's weights, never the model, and writes nothing to disk.
+
+The float side reads the checkpoint's tensors as stored (in float32). The quantised side reads
+them through kiln's checkpoint reader (runtime/formats/checkpoint: compressed-tensors or
+ModelOpt), each quantised linear decoded from its codes as the deployed kernel computes with it,
+and applies what the checkpoint records about activations and the KV cache with hooks: the
+pre-quant scale, then the input's fake quantisation (static per tensor, or dynamic per token as
+compressed-tensors computes it), and keys and values rounded after RoPE as the cache holds them.
+Mixture-of-experts checkpoints store each expert's projections apart; transformers 5 holds a
+layer's experts fused ([experts, 2 x width, hidden] gate then up, and [experts, hidden, width]),
+so those parameters are stacked from the experts as they are read.
+
+Hand-written: accelerate's and compressed-tensors' offloading read tensors as stored (or write
+converted copies to disk), and neither decodes a checkpoint's codes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.runtime.formats import nvfp4
+from kiln.runtime.formats.checkpoint import Checkpoint, TensorFiles, open_checkpoint
+from kiln.runtime.formats.model_info import ModelInfo
+from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, dequantize
+from kiln.runtime.formats.weights import effective_weight as _effective
+
+Provider = Callable[[str], torch.Tensor]  # a parameter's name in the model → its value
+EXPERTS = re.compile(r"^(model\.layers\.(\d+))\.mlp\.experts\.(gate_up_proj|down_proj)$")
+ROUTER = re.compile(r"^(model\.layers\.(\d+))\.mlp\.gate\.weight$")
+F32 = torch.float32
+
+
+def _moe_names(name: str, info: ModelInfo) -> tuple[str, str, list[list[str]]] | None:
+    """For a fused expert parameter: (kind, layer prefix, each expert's checkpoint weights)."""
+    moe, found = info.moe, EXPERTS.match(name)
+    if moe is None or found is None:
+        return None
+    prefix, kind = found.group(1), found.group(3)
+    base = f"{prefix}.{moe.block}.experts"
+    parts = (moe.gate, moe.up) if kind == "gate_up_proj" else (moe.down,)
+    names = [[f"{base}.{e}.{p}.weight" for p in parts] for e in range(info.num_experts)]
+    return kind, prefix, names
+
+
+def checkpoint_provider(
+    present: Callable[[str], bool], read: Provider, info: ModelInfo, tied: bool
+) -> Provider:
+    """The value of each model parameter from a checkpoint's tensors (`read`, by name), where
+    the model names them otherwise: a tied lm_head, a MoE layer's fused experts and router."""
+
+    def get(name: str) -> torch.Tensor:
+        if present(name):
+            return read(name)
+        if name == "lm_head.weight" and tied:
+            return read("model.embed_tokens.weight")
+        fused = _moe_names(name, info)
+        if fused is not None:
+            return torch.stack([torch.cat([read(n) for n in names]) for names in fused[2]])
+        router = ROUTER.match(name)
+        if router is not None and info.moe is not None:
+            return read(f"{router.group(1)}.{info.moe.block}.{info.moe.router}.weight")
+        return read(name)  # names what is missing
+
+    return get
+
+
+def float_provider(model_dir: Path, info: ModelInfo, tied: bool) -> Provider:
+    """A float checkpoint's parameters, as stored, in float32."""
+    files = TensorFiles(Path(model_dir))
+    return checkpoint_provider(files.__contains__, lambda n: files.get(n).to(F32), info, tied)
+
+
+def quantised_provider(ckpt: Checkpoint, info: ModelInfo, tied: bool) -> Provider:
+    """A quantised checkpoint's parameters in float32: each quantised linear's weight decoded
+    as its kernel computes with it (its pre-quant scale is applied to the input by a hook)."""
+
+    def read(name: str) -> torch.Tensor:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and ckpt.is_quantised(module):
+            return dequantize(ckpt.served_linear(module), F32)
+        return ckpt.tensor(name).to(F32)
+
+    def present(name: str) -> bool:
+        module, _, leaf = name.rpartition(".")
+        return name in ckpt or (leaf == "weight" and ckpt.is_quantised(module))
+
+    return checkpoint_provider(present, read, info, tied)
+
+
+def _materialised(module: torch.nn.Module, prefix: str, provider: Provider, device: Any) -> None:
+    for name, param in list(module._parameters.items()):
+        if param is not None:
+            value = provider(f"{prefix}{name}").to(device=device, dtype=param.dtype)
+            module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _released(module: torch.nn.Module) -> None:
+    for name, param in list(module._parameters.items()):
+        if param is not None:
+            meta = torch.empty_like(param, device="meta")
+            module._parameters[name] = torch.nn.Parameter(meta, requires_grad=False)
+
+
+def streamed_model(
+    config: dict[str, Any], provider: Provider, device: Any = "cpu", dtype: Any = F32
+) -> Any:
+    """The transformers model of `config` computing in `dtype`, with every parameter on the
+    meta device, read from `provider` when its module runs and released after (buffers, such
+    as RoPE's frequencies, are real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    hf_config = AutoConfig.for_model(**config)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[buffer_name] = buffer.to(device)
+        if not any(p is not None for p in module._parameters.values()):
+            continue
+        prefix = f"{module_name}." if module_name else ""
+
+        def onload(m: torch.nn.Module, args: Any, prefix: str = prefix) -> None:
+            _materialised(m, prefix, provider, device)
+
+        def release(m: torch.nn.Module, args: Any, output: Any) -> None:
+            _released(m)
+
+        module.register_forward_pre_hook(onload)
+        module.register_forward_hook(release)
+    return model.eval()
+
+
+# -- what the checkpoint records about activations and the KV cache -----------------------
+
+
+def fake_quant_fp8(x: Any, scale: Any) -> Any:
+    """Round x to float8_e4m3fn with a per-tensor scale and back."""
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+def fake_quant_int8(x: Any, scale: Any) -> Any:
+    """Round x to int8 with a per-tensor scale and back."""
+    return (x / scale).round().clamp(-128, 127) * scale
+
+
+def _dynamic(acts: ActivationScheme) -> Callable[[Any], Any]:
+    """Per-token fake quantisation as compressed-tensors computes it (its own functions)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = QuantizationArgs(num_bits=acts.num_bits, type=acts.type, strategy=acts.strategy,
+                            symmetric=acts.symmetric, dynamic=True)  # fmt: skip
+
+    def quantise(x: Any) -> Any:
+        scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=None)
+        return fake_quantize(x=x, scale=scale, zero_point=zero, args=args)
+
+    return quantise
+
+
+def input_quantiser(linear: LinearWeights) -> Callable[[Any], Any] | None:
+    """What the deployed layer does to its input before the GEMM, or None for nothing."""
+    acts, pqs, scale = linear.scheme.activations, linear.pre_quant_scale, linear.input_scale
+    static: Callable[[Any, Any], Any] = fake_quant_fp8
+    if acts is not None and acts.type == "int":
+        static = fake_quant_int8
+    elif acts is not None and acts.num_bits == 4:
+        static = nvfp4.fake_quantize
+    dynamic = _dynamic(acts) if acts is not None and acts.dynamic and scale is None else None
+    if pqs is None and scale is None and dynamic is None:
+        return None
+
+    def quantise(x: Any) -> Any:
+        if pqs is not None:
+            x = x * pqs.to(x.device, x.dtype)
+        if scale is not None:
+            x = static(x, scale.to(x.device))
+        elif dynamic is not None:
+            x = dynamic(x)
+        return x
+
+    return quantise
+
+
+def _input_hook(quantise: Callable[[Any], Any]) -> Any:
+    def hook(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (quantise(args[0]), *args[1:])
+
+    return hook
+
+
+KV_ATTENTION = "kiln_quantised_kv"
+
+
+def quantised_kv_attention(
+    model: Any, scales: dict[str, Any], fake_quant: Callable[[Any, Any], Any]
+) -> None:
+    """Route attention through SDPA with keys and values rounded as the KV cache holds them."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        k_scale, v_scale = getattr(module, "kiln_kv_scales", (None, None))
+        if k_scale is not None:
+            key = fake_quant(key, k_scale.to(key.device))
+        if v_scale is not None:
+            value = fake_quant(value, v_scale.to(value.device))
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register(KV_ATTENTION, attention)
+    for name, module in model.named_modules():
+        if f"{name}.k_scale" in scales or f"{name}.v_scale" in scales:
+            module.kiln_kv_scales = (scales.get(f"{name}.k_scale"), scales.get(f"{name}.v_scale"))
+    model.set_attn_implementation(KV_ATTENTION)
+
+
+def quantised_linears(model: Any, ckpt: Checkpoint) -> list[str]:
+    """The model's linears the checkpoint stores quantised, in the model's order (a MoE's
+    experts, fused into 3-D parameters by transformers, are not linears of the model)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and ckpt.is_quantised(name)
+    ]
+
+
+class EffectiveWeights(Mapping[str, torch.Tensor]):
+    """{linear: its effective float32 weight (dequantised × pre-quant scale)}, decoded when
+    asked for: a whole model's would not fit where the report runs."""
+
+    def __init__(self, ckpt: Checkpoint, names: list[str]) -> None:
+        self.ckpt, self.names = ckpt, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return _effective(self.ckpt.served_linear(name), F32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def float_model(model_dir: Path, device: Any = "cpu", dtype: Any = F32) -> Any:
+    """A float checkpoint as a streamed model computing in `dtype`."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    info = ModelInfo.from_hf_config(config)
+    tied = bool(config.get("tie_word_embeddings", False))
+    return streamed_model(config, float_provider(Path(model_dir), info, tied), device, dtype)
+
+
+def quantised_model(
+    model_dir: Path, device: Any = "cpu", dtype: Any = F32
+) -> tuple[Any, EffectiveWeights]:
+    """A quantised checkpoint (compressed-tensors or ModelOpt) as a streamed model that computes
+    as it ships, in `dtype` (its weights decoded in float32 first), and its quantised linears'
+    effective weights."""
+    ckpt = open_checkpoint(Path(model_dir))
+    info = ModelInfo.from_hf_config(ckpt.config)
+    tied = bool(ckpt.config.get("tie_word_embeddings", False))
+    model = streamed_model(ckpt.config, quantised_provider(ckpt, info, tied), device, dtype)
+    names = quantised_linears(model, ckpt)
+    for name in names:
+        quantise = input_quantiser(_scales_only(ckpt, name))
+        if quantise is not None:
+            model.get_submodule(name).register_forward_pre_hook(_input_hook(quantise))
+    if ckpt.kv_cache is not None:
+        scales: dict[str, Any] = {}
+        for layer in range(info.num_layers):
+            k, v = ckpt.kv_scales(layer)
+            scales[f"model.layers.{layer}.self_attn.k_scale"] = k.to(F32)
+            scales[f"model.layers.{layer}.self_attn.v_scale"] = v.to(F32)
+        fake = fake_quant_int8 if ckpt.kv_cache == "int8" else fake_quant_fp8
+        quantised_kv_attention(model, scales, fake)
+    return model, EffectiveWeights(ckpt, names)
+
+
+def _scales_only(ckpt: Checkpoint, name: str) -> LinearWeights:
+    """A quantised linear's activation scheme and scales, with its weight dropped (a hook keeps
+    these for the model's life; the weight is read when the layer runs)."""
+    linear = ckpt.served_linear(name)
+    empty = torch.empty(0)
+    return LinearWeights(linear.scheme, empty, input_scale=linear.input_scale,
+                         pre_quant_scale=linear.pre_quant_scale)  # fmt: skip

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,18 +158,21 @@ def _by_layer(names: list[str]) -> list[list[str]]:
     return groups
 
 
-# Logits one forward may hold (the samples run in batches of one length within it).
+# Logits one forward may hold (the samples run in batches of one length within it), and the
+# rows of log-probabilities compared at once: a large vocabulary makes both the report's peak.
 LOGITS_BYTES = 256 * 2**20
+ROWS = 128
 
 
-def _batches(samples: list[list[int]], vocab: int) -> list[list[int]]:
-    """Indices of samples run together: one length each, within LOGITS_BYTES of logits."""
+def _batches(samples: list[list[int]], vocab: int, itemsize: int) -> list[list[int]]:
+    """Indices of samples run together (each batch reads every weight once): one length each,
+    within LOGITS_BYTES of logits."""
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(samples):
         by_length.setdefault(len(ids), []).append(i)
     out = []
     for length, members in by_length.items():
-        size = max(1, LOGITS_BYTES // (4 * vocab * length))
+        size = max(1, LOGITS_BYTES // (itemsize * vocab * length))
         out += [members[i : i + size] for i in range(0, len(members), size)]
     return out
 
@@ -182,50 +185,52 @@ def next_token_agreement(
     device: Any = "cpu",
 ) -> dict[str, Any]:
     """KL(float ‖ quantised) per next-token position, top-1 agreement and both perplexities:
-    the float model's log-probabilities are computed first and kept in a file under `scratch`,
-    then the quantised model's are compared with them, one model running at a time."""
+    the float model's log-probabilities are computed first and written to a file under
+    `scratch`, then the quantised model's are compared with them, one model running at a time
+    and ROWS positions of log-probabilities in memory at once."""
     import numpy as np
     import torch
 
     vocab = int(float_model.config.vocab_size)
-    batches = _batches(samples, vocab)
-    rows = sum(len(samples[i]) - 1 for batch in batches for i in batch)
+    batches = _batches(samples, vocab, float_model.dtype.itemsize)
 
-    def log_probs(model: Any, batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.tensor([samples[i] for i in batch], device=device)
-        logits = model(x).logits[:, :-1].float().log_softmax(-1)
-        return logits.reshape(-1, logits.shape[-1]).cpu(), x[:, 1:].reshape(-1, 1).cpu()
+    def chunks(model: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(log-probabilities [rows, vocab] in float32, the next tokens) ROWS at a time."""
+        for batch in batches:
+            x = torch.tensor([samples[i] for i in batch], device=device)
+            logits = model(x).logits[:, :-1].reshape(-1, vocab)
+            targets = x[:, 1:].reshape(-1, 1).cpu()
+            for start in range(0, len(logits), ROWS):
+                rows = logits[start : start + ROWS].float().log_softmax(-1).cpu()
+                yield rows, targets[start : start + ROWS]
 
-    if rows == 0:
+    path = Path(scratch) / "float-logprobs.f32"
+    nll_f, nll_q, count, agree, kls = 0.0, 0.0, 0, 0, []
+    with torch.no_grad():
+        with path.open("wb") as sink:  # written, not mapped: the pages are not ours to hold
+            for lf, target in chunks(float_model):
+                sink.write(lf.numpy().tobytes())
+                nll_f -= float(lf.gather(-1, target).sum())
+                count += len(lf)
+        with path.open("rb") as source:
+            for lq, target in chunks(quant_model):
+                lf = torch.from_numpy(np.fromfile(source, np.float32, lq.numel()))
+                lf = lf.view(lq.shape)
+                kls.append((lf.exp() * (lf - lq)).sum(-1).clamp_min(0))
+                agree += int((lf.argmax(-1) == lq.argmax(-1)).sum())
+                nll_q -= float(lq.gather(-1, target).sum())
+    path.unlink()
+    if count == 0:
         return {"tokens": 0, "kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 0.0,
                 "perplexity_float": 1.0, "perplexity_quantized": 1.0}  # fmt: skip
-    path = Path(scratch) / "float-logprobs.f32"
-    stored = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, vocab))
-    nll_f, at = 0.0, 0
-    with torch.no_grad():
-        for batch in batches:
-            lf, target = log_probs(float_model, batch)
-            stored[at : at + len(lf)] = lf.numpy()
-            nll_f -= float(lf.gather(-1, target).sum())
-            at += len(lf)
-        kls, agree, nll_q, at = [], 0, 0.0, 0
-        for batch in batches:
-            lq, target = log_probs(quant_model, batch)
-            lf = torch.from_numpy(np.asarray(stored[at : at + len(lq)]))
-            kls.append((lf.exp() * (lf - lq)).sum(-1).clamp_min(0))
-            agree += int((lf.argmax(-1) == lq.argmax(-1)).sum())
-            nll_q -= float(lq.gather(-1, target).sum())
-            at += len(lq)
-    del stored
-    path.unlink()
     kl = torch.cat(kls)
     return {
-        "tokens": rows,
+        "tokens": count,
         "kl_mean": float(kl.mean()),
         "kl_p99": float(torch.quantile(kl, 0.99)),
-        "top1_agreement": agree / rows,
-        "perplexity_float": math.exp(nll_f / rows),
-        "perplexity_quantized": math.exp(nll_q / rows),
+        "top1_agreement": agree / count,
+        "perplexity_float": math.exp(nll_f / count),
+        "perplexity_quantized": math.exp(nll_q / count),
     }
 
 
@@ -258,7 +263,9 @@ def quantization_report(
     from kiln.quant.calibration import tokenize
     from kiln.quant.spec import calibration_dtype
     from kiln.quant.streamed_model import float_model, quantised_linears
+    from kiln.runtime.base.heap import return_large_frees
 
+    return_large_frees()  # modules are loaded and freed one after another
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
     device = report_device()
     tokenizer = AutoTokenizer.from_pretrained(float_dir)

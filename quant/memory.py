@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kiln.quant.backends import BACKENDS
 from kiln.quant.selection import quantised_linears
 from kiln.quant.spec import DTYPE_BYTES, CalibrationSpec, Scheme, calibration_dtype
 from kiln.runtime.formats.model_info import ModelInfo
@@ -14,6 +15,7 @@ FP32 = 4
 # Python with torch, transformers, datasets and llm-compressor imported: 526 MiB resident
 # (measured, CPU build of torch 2.13), before any model loads.
 RUNTIME_BYTES = 550 * 2**20
+SHARD_BYTES = 5 * 10**9  # a saved checkpoint's shard (backends/llmcompressor.py SHARD_SIZE)
 
 
 def estimate_calibration_bytes(
@@ -21,10 +23,13 @@ def estimate_calibration_bytes(
 ) -> dict[str, int]:
     """Peak host bytes of calibrating `info` with `spec` on `calib`, by component.
 
-    Basis (llm-compressor's sequential pipeline, fp32 on CPU; ModelOpt is no larger for the
+    Basis (llm-compressor's sequential pipeline on CPU; ModelOpt is no larger for the
     schemes it does, since it calibrates batch by batch):
-    - weights: every parameter in the checkpoint's float dtype, plus one fp32 copy of the
-      largest linear's weight for quantise/compress scratch;
+    - weights: for a backend that calibrates an offloaded model (llm-compressor), one decoder
+      layer onloaded in the checkpoint's float dtype and its compressed copy, the embeddings,
+      or one saved shard (5 GB at most), whichever is larger; for one that needs the model in
+      memory (ModelOpt), every parameter in that dtype; plus one fp32 copy of the largest
+      linear's weight for quantise/compress scratch;
     - activations: the layer-input cache the sequential pipeline keeps for all samples
       (num_samples × max_seq_len × hidden, held twice: inputs and outputs of the layer being
       calibrated), plus one sample's pass through a layer (q/k/v, attention scores per head,
@@ -46,6 +51,13 @@ def estimate_calibration_bytes(
     largest = max((o * i for o, i in linears.values()), default=0)
     weight_bytes = DTYPE_BYTES[calibration_dtype(info.torch_dtype)]
     weights = info.num_parameters * weight_bytes + largest * FP32
+    if BACKENDS[spec.backend].offloads:
+        layer = max((sum(o * i for o, i in info.layer_linears(n).values())
+                     for n in range(info.num_layers)), default=0)  # fmt: skip
+        embeddings = info.vocab_size * info.hidden_size * (1 if info.tie_word_embeddings else 2)
+        shard = min(SHARD_BYTES, info.num_parameters * weight_bytes)
+        resident = max(2 * layer * weight_bytes + embeddings * weight_bytes, shard)
+        weights = resident + largest * FP32
 
     activations = 0
     if calibrated:

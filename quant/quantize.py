@@ -19,6 +19,7 @@ from kiln.quant.backends.base import Backend, QuantJob
 from kiln.quant.schemes import check
 from kiln.quant.spec import CalibrationSpec, Scheme, calibration_dtype
 from kiln.runtime.base.errors import CalibrationDataError, PreflightError, StageFailure
+from kiln.runtime.base.heap import return_large_frees
 from kiln.runtime.base.versions import versions
 from kiln.runtime.formats.artifact import CalibrationRecord, SchemeRecord
 
@@ -88,6 +89,7 @@ def quantize(
     import torch
     from transformers import AutoTokenizer
 
+    return_large_frees()  # layers are loaded and freed one after another
     dtype = getattr(torch, calibration_dtype(info.torch_dtype))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # Offloaded weights are written beside the output (one filesystem), never into it.

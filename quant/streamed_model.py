@@ -73,20 +73,21 @@ def checkpoint_provider(
 
 
 def float_provider(model_dir: Path, info: ModelInfo, tied: bool) -> Provider:
-    """A float checkpoint's parameters, as stored, in float32."""
+    """A float checkpoint's parameters, as stored."""
     files = TensorFiles(Path(model_dir))
-    return checkpoint_provider(files.__contains__, lambda n: files.get(n).to(F32), info, tied)
+    return checkpoint_provider(files.__contains__, files.get, info, tied)
 
 
 def quantised_provider(ckpt: Checkpoint, info: ModelInfo, tied: bool) -> Provider:
-    """A quantised checkpoint's parameters in float32: each quantised linear's weight decoded
-    as its kernel computes with it (its pre-quant scale is applied to the input by a hook)."""
+    """A quantised checkpoint's parameters: each quantised linear's weight decoded in float32
+    as its kernel computes with it (its pre-quant scale is applied to the input by a hook),
+    the rest as stored."""
 
     def read(name: str) -> torch.Tensor:
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and ckpt.is_quantised(module):
             return dequantize(ckpt.served_linear(module), F32)
-        return ckpt.tensor(name).to(F32)
+        return ckpt.tensor(name)
 
     def present(name: str) -> bool:
         module, _, leaf = name.rpartition(".")

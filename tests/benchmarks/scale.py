@@ -1,0 +1,244 @@
+"""`kiln compile` at the sizes teams ship: per stage, seconds, seconds per billion parameters and
+peak RSS over the checkpoint's bf16 bytes, and the artifact's bytes over the weights'.
+
+    PYTHONPATH=. python tests/benchmarks/scale.py [--models llama-1b,llama-3b] \
+        [--recipes fp8,w8a8,gptq,awq,modelopt-fp8,modelopt-awq,modelopt-w8a8] [--oneshot] \
+        [--work /path/with/disk]
+
+Each model is a random-weight checkpoint of a real model's shape with SmolLM2's tokenizer,
+built once under --work (tests/scale_models.py: llama-1b, llama-3b, llama-8b, qwen3-moe-2b,
+guard-300m). Each compile runs in its own process with a fresh stage cache; its process tree's
+RSS is sampled every 0.1 s and charged to the stage its progress names, and the tree's peak is
+also read as the kernel counts it (getrusage of the children). --oneshot runs llm-compressor's
+own `oneshot` + `save_pretrained` on the same model and calibration data beside each FP8
+compile, as its users run it (the whole model loaded in bf16), and prints kiln's wall time over
+it. 16×128 calibration tokens, 8×128 report tokens, one target (h100-sxm). The CPU, its flags
+and the date head the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.benchmarks.cpu_comparison import machine
+from tests.scale_models import SHAPES, build, weight_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+QUANTIZATION: dict[str, dict[str, Any]] = {
+    "fp8": {"method": "fp8", "activations": "fp8_static"},
+    "w8a8": {"method": "smoothquant", "weight_bits": 8, "activations": "int8_dynamic"},
+    "gptq": {"method": "gptq", "weight_bits": 4, "group_size": 128},
+    "awq": {"method": "awq", "weight_bits": 4, "group_size": 128},
+    "modelopt-fp8": {"method": "fp8", "activations": "fp8_static", "backend": "modelopt"},
+    "modelopt-awq": {
+        "method": "awq",
+        "weight_bits": 4,
+        "group_size": 128,
+        "symmetric": True,
+        "backend": "modelopt",
+    },
+    "modelopt-w8a8": {
+        "method": "smoothquant",
+        "weight_bits": 8,
+        "activations": "int8_static",
+        "backend": "modelopt",
+    },
+}
+STAGE = re.compile(r"^(source|quantize|report|export|package)\b")
+GB = 1e9
+
+
+def recipe(model: Path, name: str, scheme: str, out: Path) -> Path:
+    """A recipe compiling `model` with `scheme`: 16×128 calibration, 8×128 report tokens."""
+    data = {
+        "name": name,
+        "model": {"source": str(model)},
+        "quantization": {**QUANTIZATION[scheme], "ignore": ["lm_head"]},
+        "calibration": {"dataset": "builtin:licenses", "num_samples": 16, "max_seq_len": 128},
+        "report": {"dataset": "builtin:licenses", "num_samples": 8, "max_seq_len": 128},
+        "targets": ["h100-sxm"],
+        "output": str(out),
+    }
+    path = out / f"{name}.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+class TreeSampler:
+    """The RSS of a process and its descendants, sampled, charged to the stage it is in."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.stage = "start"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+                rss = sum(p.memory_info().rss for p in procs)
+            except psutil.Error:
+                rss = 0
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure(argv: list[str], env: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """Run `argv` (a `kiln compile --json`) measured: its JSON, per-stage peaks, the tree's
+    peak RSS as getrusage counts it and the wall time."""
+    began = time.perf_counter()
+    wrapper = [sys.executable, "-c",
+               "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+               "sys.exit(code)", *argv]  # fmt: skip
+    proc = subprocess.Popen(wrapper, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    sampler = TreeSampler(proc.pid)
+    assert proc.stderr is not None and proc.stdout is not None
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        found = STAGE.match(line.strip().removeprefix("draft: "))
+        if found:
+            sampler.stage = found.group(1)
+    out = proc.stdout.read()
+    proc.wait()
+    sampler.stop()
+    wall = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}:\n{''.join(log[-30:])}")
+    maxrss_kb = int(log[-1].strip())
+    return {"json": json.loads(out), "peaks": sampler.peaks, "maxrss": maxrss_kb * 1024,
+            "wall": wall}, "".join(log)  # fmt: skip
+
+
+def du(path: Path) -> int:
+    """Bytes on disk under `path`, a hard-linked file counted once."""
+    seen, total = set(), 0
+    for p in path.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def compile_row(model: Path, scheme: str, work: Path) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix=f"{model.name}-{scheme}-", dir=work))
+    path = recipe(model, f"scale-{model.name}-{scheme}", scheme, out)
+    env = {**os.environ, "XDG_CACHE_HOME": str(out / "cache"), "OMP_WAIT_POLICY": "PASSIVE"}
+    kiln = [sys.executable, "-m", "kiln.compiler.cli", "compile", str(path), "--json"]
+    result, _ = measure(kiln, env)
+    artifact = Path(result["json"]["artifact"])
+    stages = {k: v["seconds"] for k, v in result["json"]["stages"].items()}
+    return {"model": model.name, "scheme": scheme, "stages": stages, "peaks": result["peaks"],
+            "maxrss": result["maxrss"], "wall": result["wall"], "artifact": du(artifact),
+            "model_dir": du(artifact / "model"), "out": str(out)}  # fmt: skip
+
+
+ONESHOT = """
+import sys, json, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from datasets import Dataset
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from kiln.quant.backends.cpu_workarounds import llmcompressor_on_cpu
+from kiln.quant.quantize import calibration_samples
+from kiln.quant.spec import CalibrationSpec
+src, out = sys.argv[1], sys.argv[2]
+tok = AutoTokenizer.from_pretrained(src)
+spec = CalibrationSpec(dataset="builtin:licenses", num_samples=16, max_seq_len=128)
+samples, _ = calibration_samples(spec, tok)
+data = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+group = {"targets": ["Linear"],
+         "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+         "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                               "dynamic": False, "symmetric": True, "observer": "static_minmax"}}
+with llmcompressor_on_cpu():
+    oneshot(model=model, tokenizer=tok, dataset=data, num_calibration_samples=len(samples),
+            max_seq_length=128, shuffle_calibration_samples=False,
+            recipe=[QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])])
+model.save_pretrained(out, save_compressed=True, max_shard_size="5GB")
+print("{}")
+"""
+
+
+def oneshot_row(model: Path, work: Path) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix=f"{model.name}-oneshot-", dir=work))
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
+    result, _ = measure([sys.executable, "-c", ONESHOT, str(model), str(out / "model")], env)
+    return {"wall": result["wall"], "maxrss": result["maxrss"], "out": str(out)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama-1b,llama-3b")
+    parser.add_argument("--recipes", default="fp8")
+    parser.add_argument("--oneshot", action="store_true")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-scale"))
+    parser.add_argument("--keep", action="store_true", help="Keep each compile's output.")
+    args = parser.parse_args()
+    print(machine())
+    print(time.strftime("date: %Y-%m-%d"))
+    rows = []
+    for name in args.models.split(","):
+        model = args.work / "models" / name
+        if not (model / "config.json").is_file():
+            build(SHAPES[name], model)
+        bf16 = weight_bytes(model)
+        billions = bf16 / 2 / 1e9
+        for scheme in args.recipes.split(","):
+            row = compile_row(model, scheme, args.work)
+            if args.oneshot and scheme == "fp8":
+                base = oneshot_row(model, args.work)
+                row["oneshot_wall"], row["oneshot_maxrss"] = base["wall"], base["maxrss"]
+                subprocess.run(["rm", "-rf", base["out"]], check=False)
+            rows.append(row)
+            print(f"\n{name} ({billions:.2f}B parameters, {bf16 / GB:.2f} GB bf16), {scheme}:")
+            for stage, seconds in row["stages"].items():
+                peak = row["peaks"].get(stage.split("-")[0], 0)
+                print(f"  {stage:<11} {seconds:8.1f} s  {seconds / billions:8.1f} s/B  "
+                      f"peak RSS {peak / GB:6.2f} GB = {peak / bf16:4.2f}x bf16")  # fmt: skip
+            limit = 1.5 * bf16 + 2 * 2**30
+            print(f"  compile     {row['wall']:8.1f} s wall; peak RSS (getrusage) "
+                  f"{row['maxrss'] / GB:.2f} GB = {row['maxrss'] / bf16:.2f}x bf16 "
+                  f"(goal <= {limit / GB:.2f} GB)")  # fmt: skip
+            print(f"  artifact    {row['artifact'] / GB:.2f} GB on disk = "
+                  f"{row['artifact'] / row['model_dir']:.2f}x model/ "
+                  f"({row['model_dir'] / GB:.2f} GB)")  # fmt: skip
+            if "oneshot_wall" in row:
+                print(f"  oneshot     {row['oneshot_wall']:8.1f} s wall, peak "
+                      f"{row['oneshot_maxrss'] / GB:.2f} GB; kiln compile / oneshot = "
+                      f"{row['wall'] / row['oneshot_wall']:.2f}")  # fmt: skip
+            if not args.keep:
+                subprocess.run(["rm", "-rf", row["out"]], check=False)
+    print("\n" + json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

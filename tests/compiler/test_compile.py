@@ -293,3 +293,55 @@ def test_a_damaged_artifact_is_not_up_to_date_and_is_published_again(
     assert artifact.verify(again["artifact"]) == []  # republished whole
     code, out, _ = kiln("compile", str(recipe), "--json")
     assert json.loads(out)["up_to_date"] is True  # and now it is
+
+
+MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
+
+
+def _memory_cgroup(name: str) -> Path | None:
+    """A new cgroup-v1 memory group, where this machine lets the tests make one."""
+    group = MEMORY_CGROUPS / name
+    try:
+        group.mkdir()
+    except OSError:
+        return None
+    return group
+
+
+def test_an_out_of_memory_kill_in_the_report_keeps_the_quantised_stage(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    """The kernel's OOM killer ends a compile whose report outgrows its memory (the process
+    is moved into a memory cgroup with a limit below what the report needs as the report
+    starts): nothing is published, and the rerun reuses the quantised stage."""
+    group = _memory_cgroup(f"kiln-test-{os.getpid()}")
+    if group is None:
+        pytest.skip("this machine lets no test make a memory cgroup (/sys/fs/cgroup/memory)")
+    try:
+        recipe = recipe_file(tmp_path, tiny_llama)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.compiler.cli", "compile", str(recipe)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        report = tmp_path / "out" / ".kiln-cache" / "report"
+        deadline = time.monotonic() + 300
+        while not list(report.glob("*.partial")):
+            assert proc.poll() is None, "the compile ended before its report began"
+            assert time.monotonic() < deadline, "the report stage never started"
+            time.sleep(0.01)
+        (group / "memory.limit_in_bytes").write_text(str(4 * 2**20))
+        (group / "cgroup.procs").write_text(str(proc.pid))  # new pages count against 4 MiB
+        assert proc.wait(timeout=300) == -signal.SIGKILL
+        assert "oom_kill 1" in (group / "memory.oom_control").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        group.rmdir()
+    assert published(tmp_path / "out") == []
+
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    stages = json.loads(stdout)["stages"]
+    assert stages["quantize"]["status"] == "cached" and stages["report"]["status"] == "ran"

@@ -21,6 +21,7 @@ from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, 
 from kiln.compiler.trtllm.deploy import (
     TargetContext,
     TargetFailure,
+    exported_tps,
     pytorch_checkpoint,
     target_failures,
     write_target,
@@ -98,7 +99,7 @@ def model_job(pre: CompilePlan) -> ModelJob:
         calibration=pre.calibration,
         report=pre.report,
         imported=pre.imported,
-        tps=tuple(sorted({t.tp_size for t in pre.targets.values()})),
+        tps=exported_tps(pre.trtllm_path, {t.tp_size for t in pre.targets.values()}),
         recipe=pre.resolved,
     )
 

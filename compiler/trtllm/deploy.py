@@ -52,6 +52,7 @@ from kiln.runtime.formats.artifact import (
     TargetRecord,
     TargetSpeculation,
     json_dumps,
+    load_manifest,
 )
 from kiln.runtime.formats.model_info import ModelInfo
 
@@ -69,6 +70,19 @@ PLAIN_ENGINE = (
     "that passes its own draft tokens"
 )
 log = logging.getLogger(__name__)
+
+
+# Why a target on the PyTorch path has no `trtllm/tp<N>/`: compile.py exports none there.
+NOT_EXPORTED = (
+    "not exported: deploy.trtllm_path is pytorch, and only the engine path (trtllm-build) "
+    "reads the TensorRT-LLM checkpoint; trtllm-serve loads the Hugging Face one"
+)
+
+
+def exported_tps(path: str, tps: set[int]) -> tuple[int, ...]:
+    """The tensor-parallel sizes that get a TensorRT-LLM checkpoint (`trtllm/tp<N>/`): every
+    target's where the recipe's `deploy.trtllm_path` takes the engine path, none for pytorch."""
+    return () if path == "pytorch" else tuple(sorted(tps))
 
 
 def checkpoint_dir(tp: int) -> str:
@@ -115,11 +129,16 @@ def pytorch_checkpoint(root: Path, ctx: TargetContext) -> TargetContext:
     if ctx.path == "engine":
         return ctx
     draft = ctx.speculative
-    if draft is not None and draft.method == "draft" and draft.exports:
-        export = next(iter(draft.exports.values()))
-        fmt, algo = export.source_format or "float", export.source_quant_algo or "NO_QUANT"
-        src = root / str(draft.draft_dir) / MODEL_DIR
+    if draft is not None and draft.method == "draft" and draft.draft_dir is not None:
+        # The draft's format and algorithm as its nested manifest records them (it has no
+        # TensorRT-LLM export on the PyTorch path).
+        scheme = load_manifest(root / draft.draft_dir).scheme
+        fmt = scheme.format if scheme else "float"
+        algo = (scheme.trtllm_quant_algo if scheme else None) or "NO_QUANT"
+        src = root / draft.draft_dir / MODEL_DIR
         served, why = _convert(fmt, algo, src, root / PYTORCH_DRAFT_DIR)
+        if served is None and why is None:  # served as it is, where that backend loads it
+            why = pytorch_problem(fmt, algo)
         dir_ = PYTORCH_DRAFT_DIR if served else None
         ctx = replace(ctx, speculative=replace(draft, served_dir=dir_, served_problem=why))
     served, why = _convert(ctx.model_format, ctx.quant_algo, root / MODEL_DIR,
@@ -195,7 +214,7 @@ def write_target(root: Path, target: TargetPlan, ctx: TargetContext) -> TargetRe
     engine_dir.mkdir(parents=True)
     (engine_dir / "plan.json").write_text(json_dumps(plan.to_dict()))
     speculative = ctx.speculative
-    export = ctx.exports[plan.tp_size]
+    export = ctx.exports.get(plan.tp_size) or ExportRecord(plan.tp_size, unsupported=NOT_EXPORTED)
     record = TargetRecord(engine="", pytorch="", plan=f"{ENGINES_DIR}/{name}/plan.json",
                           tp_size=plan.tp_size, export=export)  # fmt: skip
     if speculative is not None:
@@ -216,15 +235,11 @@ def write_target(root: Path, target: TargetPlan, ctx: TargetContext) -> TargetRe
     if loads is None and ctx.model_format == "modelopt" and ctx.quant_algo in HF_ALGOS:
         tp_rules = check_hf_checkpoint(root / ctx.served_dir, plan.tp_size)
         loads = "conformance: " + "; ".join(tp_rules[:3]) if tp_rules else None
-    draft = speculative.exports.get(plan.tp_size) if speculative else None
     if loads is None and speculative is not None and speculative.served_problem is not None:
         loads = f"the draft: {speculative.served_problem}"
     elif loads is None and speculative is not None and speculative.served_dir is not None:
         why_not = check_hf_checkpoint(root / speculative.served_dir, plan.tp_size)
         loads = f"the draft: conformance: {'; '.join(why_not[:3])}" if why_not else None
-    elif loads is None and draft is not None and draft.source_format is not None:
-        why = pytorch_problem(draft.source_format, draft.source_quant_algo or "NO_QUANT")
-        loads = None if why is None else f"the draft: {why}"
     if ctx.path == "engine":
         record.pytorch = "skipped: deploy.trtllm_path is engine"
     elif loads is not None:

@@ -394,3 +394,20 @@ def test_tied_embeddings_and_a_float_down_proj_convert_as_excluded_modules(tmp_p
         name = "model.layers.1.mlp.down_proj.weight"
         assert torch.equal(a.get_tensor(name), b.get_tensor(name))
         assert "model.layers.1.mlp.down_proj.pre_quant_scale" not in set(b.keys())
+
+
+def test_a_conversion_larger_than_a_shard_is_sharded_with_an_index(converted, tmp_path):
+    ct, whole = converted("llama", "gptq")
+    convert_to_modelopt_hf(ct, tmp_path, max_shard_bytes=300_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    single, held = load_file(whole / "model.safetensors"), {}
+    for shard in shards:
+        tensors = load_file(tmp_path / shard)
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 300_000
+        assert {index["weight_map"][name] for name in tensors} == {shard}
+        held.update(tensors)
+    assert held.keys() == single.keys()
+    assert all(torch.equal(held[name], single[name]) for name in single)
+    assert check_hf_checkpoint(tmp_path, 1) == []

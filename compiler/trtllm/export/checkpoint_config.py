@@ -17,9 +17,16 @@ from kiln.runtime.base.versions import kiln_version
 
 
 def checkpoint_config(
-    src: Source, algo: str, tp: int, dtype: str, pre_quant: bool, exclude: list[str]
+    src: Source,
+    algo: str,
+    tp: int,
+    dtype: str,
+    pre_quant: bool,
+    exclude: list[str],
+    group_size: int | None = None,
 ) -> dict[str, Any]:
-    """config.json of the checkpoint: model shape, rope, mapping and quantization."""
+    """config.json of the checkpoint: model shape, rope, mapping and quantization
+    (`group_size`: the quantised linears' groups, for the group-wise algorithms)."""
     cfg, info = src.config, src.info
     rope = cfg.get("rope_parameters") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -36,10 +43,9 @@ def checkpoint_config(
         "exclude_modules": exclude,
     }
     if algo in ("W4A16_AWQ", "W4A8_AWQ"):
-        group = next(
-            lin.scheme.group_size for lin in src.linears.values() if lin.scheme.strategy == "group"
+        quant.update(
+            group_size=group_size, has_zero_point=not src.symmetric, pre_quant_scale=pre_quant
         )
-        quant.update(group_size=group, has_zero_point=not src.symmetric, pre_quant_scale=pre_quant)
     if algo == "NVFP4":  # blocks of 16 (quantization/layers.py FP4Linear)
         quant["group_size"] = 16
     family = _family(src, rope_theta)

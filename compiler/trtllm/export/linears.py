@@ -1,8 +1,8 @@
 """One linear laid out for a TensorRT-LLM rank: q/k/v fused into one GEMM, sharded for
 tensor parallelism, padded to the shapes TensorRT-LLM's group-wise layer creates, and int4
 codes packed as ModelOpt packs them. The rules (which role splits how, which features pad to
-what) are in compiler/trtllm/export/writer.py's docstring and compiler/trtllm/rules/exclusions.py;
-the checkpoint tensors they become are named in writer.py.
+what) are in compiler/trtllm/export/layouts.py's docstring and
+compiler/trtllm/rules/exclusions.py; the checkpoint tensors they become are named in layouts.py.
 """
 
 from __future__ import annotations
@@ -105,7 +105,18 @@ def shard(lin: LinearWeights, role: str, tp: int, rank: int) -> LinearWeights:
                 "in_features of every linear by the group size"
             ) from exc
     rows = lin.out_features // tp
-    return lin.rows(torch.arange(rank * rows, (rank + 1) * rows))
+    return _row_range(lin, rank * rows, (rank + 1) * rows)
+
+
+def _row_range(lin: LinearWeights, start: int, end: int) -> LinearWeights:
+    """Output channels start:end as views (`LinearWeights.rows` copies what it picks): a rank's
+    share of lm_head costs no second copy of it."""
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[start:end]
+
+    return replace(lin, weight=lin.weight[start:end], scale=cut(lin.scale),
+                   zero_point=cut(lin.zero_point), bias=cut(lin.bias))  # fmt: skip
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:

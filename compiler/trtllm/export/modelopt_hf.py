@@ -21,17 +21,23 @@ their TensorRT-LLM and ModelOpt sources); `check_hf_checkpoint` there proves wha
   dequantising scale) become ModelOpt's `self_attn.k_proj.k_scale`/`v_proj.v_scale`.
 Everything else (embeddings, norms, float linears, Qwen2's q/k/v biases) is copied as stored;
 float decoder linears, the embedding and lm_head are listed in `exclude_modules`.
+
+The weights are read and written a decoder layer at a time, in shards of at most 5 GB with
+their index (one `model.safetensors` below that; runtime/formats/safetensors_writer.py), so the
+conversion holds about one layer; the tokenizer and the other files it takes as they are are
+hard links to the source's where the filesystem allows (stored once in an artifact).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from kiln.compiler.trtllm.export.linears import pack_int4_rows
 from kiln.compiler.trtllm.export.source import trtllm_algo
@@ -43,10 +49,12 @@ from kiln.compiler.trtllm.rules.pytorch import (
     hf_linears,
 )
 from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.heap import return_large_frees
 from kiln.runtime.base.versions import kiln_version
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
 from kiln.runtime.formats.model_info import with_legacy_rope
+from kiln.runtime.formats.safetensors_writer import SHARD_BYTES, save_sharded
 from kiln.runtime.formats.weights import LinearWeights
 
 NOT_COPIED = ("config.json", "recipe.yaml", QUANT_CONFIG_FILE)
@@ -112,9 +120,12 @@ def _owned(ckpt: Checkpoint, modules: set[str]) -> set[str]:
     return owned
 
 
-def convert_to_modelopt_hf(model_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """Write `model_dir` (compressed-tensors) to `out_dir` as a ModelOpt HF checkpoint;
-    returns its `quantization` section. UsageError names what does not map exactly."""
+def convert_to_modelopt_hf(
+    model_dir: Path, out_dir: Path, *, max_shard_bytes: int = SHARD_BYTES
+) -> dict[str, Any]:
+    """Write `model_dir` (compressed-tensors) to `out_dir` as a ModelOpt HF checkpoint, in
+    shards of at most `max_shard_bytes`; returns its `quantization` section. UsageError names
+    what does not map exactly."""
     ckpt = open_checkpoint(Path(model_dir))
     quant = ckpt.quant
     if not isinstance(quant, CompressedTensors) or len(quant.groups) != 1:
@@ -136,33 +147,65 @@ def convert_to_modelopt_hf(model_dir: Path, out_dir: Path) -> dict[str, Any]:
     algo = CONVERTS[source_algo]
     config = dict(ckpt.config)
     quantised = [lin.name for lin in hf_linears(config) if ckpt.is_quantised(lin.name)]
-    tensors: dict[str, torch.Tensor] = {}
-    for module in quantised:
-        tensors.update(_linear(ckpt, module, algo))
-    for name in sorted(set(ckpt.names()) - _owned(ckpt, set(quantised))):
-        tensors[name] = ckpt.tensor(name)
-    for i in range(int(config["num_hidden_layers"])) if kv_algo else ():
-        k, v = ckpt.kv_scales(i)
-        prefix = f"model.layers.{i}.self_attn"
-        tensors[f"{prefix}.k_proj.k_scale"] = k.to(torch.float32).reshape(())
-        tensors[f"{prefix}.v_proj.v_scale"] = v.to(torch.float32).reshape(())
     excluded = ["lm_head", "model.embed_tokens"] + [
         lin.name for lin in hf_linears(config) if lin.name not in quantised
     ]
     excluded += float_expert_blocks(config, set(excluded))
     section: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": kv_algo}
+    ones_dtype = None
     if algo == "W4A16_AWQ":
-        pre_quant_dtype = ckpt.tensor("model.norm.weight").dtype
-        for module in quantised:
-            if module.endswith(("o_proj", "down_proj")):
-                columns = int(tensors[f"{module}.weight"].shape[1])
-                tensors[f"{module}.pre_quant_scale"] = torch.ones(columns, dtype=pre_quant_dtype)
+        ones_dtype = ckpt.tensor("model.norm.weight").dtype
         section.update(
             group_size=group.weights.group_size, has_zero_point=False, pre_quant_scale=True
         )
     section["exclude_modules"] = excluded
-    _write(Path(model_dir), Path(out_dir), config, section, tensors)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        return _tensors(ckpt, quantised, algo, kv_algo is not None, ones_dtype)
+
+    return_large_frees()  # layers are read and freed one after another
+    _write(Path(model_dir), Path(out_dir), config, section, tensors, max_shard_bytes)
     return section
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a tensor or module belongs to (None: embedding, final norm, lm_head)."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+
+
+def _tensors(
+    ckpt: Checkpoint,
+    quantised: list[str],
+    algo: str,
+    kv_cache: bool,
+    ones_dtype: torch.dtype | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the conversion, a decoder layer at a time, then the rest of the model:
+    the quantised linears in ModelOpt's layout (W4A16_AWQ: with the pre-quant scale of ones the
+    loader requires on o_proj and down_proj, in `ones_dtype`), everything else as stored."""
+    rest: dict[int | None, list[str]] = {}
+    for name in sorted(set(ckpt.names()) - _owned(ckpt, set(quantised))):
+        rest.setdefault(_layer_of(name), []).append(name)
+    modules: dict[int | None, list[str]] = {}
+    for module in quantised:
+        modules.setdefault(_layer_of(module), []).append(module)
+    layers = int(ckpt.config["num_hidden_layers"])
+    for layer in [*range(layers), None]:
+        for module in modules.get(layer, []):
+            out = _linear(ckpt, module, algo)
+            if ones_dtype is not None and module.endswith(("o_proj", "down_proj")):
+                columns = int(out[f"{module}.weight"].shape[1])
+                out[f"{module}.pre_quant_scale"] = torch.ones(columns, dtype=ones_dtype)
+            yield from out.items()
+            del out
+        for name in rest.get(layer, []):
+            yield name, ckpt.tensor(name)
+        if kv_cache and layer is not None:
+            k, v = ckpt.kv_scales(layer)
+            prefix = f"model.layers.{layer}.self_attn"
+            yield f"{prefix}.k_proj.k_scale", k.to(torch.float32).reshape(())
+            yield f"{prefix}.v_proj.v_scale", v.to(torch.float32).reshape(())
 
 
 def _write(
@@ -170,12 +213,13 @@ def _write(
     out: Path,
     config: dict[str, Any],
     section: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    max_shard_bytes: int,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():  # tokenizer, generation config, chat template
         if path.is_file() and path.name not in NOT_COPIED and "safetensors" not in path.name:
-            shutil.copy2(path, out / path.name)
+            _link_or_copy(path, out / path.name)
     producer = {"name": "kiln", "version": kiln_version()}
     hf_quant = {"producer": producer, "quantization": section}
     (out / QUANT_CONFIG_FILE).write_text(json.dumps(hf_quant, indent=2) + "\n")
@@ -193,5 +237,14 @@ def _write(
     # RoPE spelled for transformers 4.57 too, which TensorRT-LLM 1.2 reads config.json with.
     spelled = with_legacy_rope({**config, "quantization_config": inline})
     (out / "config.json").write_text(json.dumps(spelled, indent=2) + "\n")
-    contiguous = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_sharded(out, tensors, metadata={"format": "pt"}, max_shard_bytes=max_shard_bytes)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """`dst` as a hard link to `src` (one copy on disk where both land in one artifact), or a
+    copy across filesystems. Nothing kiln writes is edited in place, so sharing is safe."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

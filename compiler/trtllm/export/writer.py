@@ -2,74 +2,46 @@
 
 No library writes this format from a compressed-tensors checkpoint (ModelOpt's
 `export_tensorrt_llm_checkpoint` takes only a live ModelOpt-quantised model), so the
-mapping is ours, written from TensorRT-LLM 1.2's loader: `preprocess_weights` in
-tensorrt_llm/models/modeling_utils.py and the layers in tensorrt_llm/quantization/layers.py.
+mapping is ours, written from TensorRT-LLM 1.2's loader: what each linear becomes, per
+layout and tensor-parallel rank, is compiler/trtllm/export/layouts.py; this module refuses what
+no layout holds, names the float linears in `exclude_modules` and walks the model. The rules
+are stated in compiler/trtllm/rules/checkpoint.py; its `check_checkpoint` proves a written
+checkpoint obeys them.
 
-Layouts, chosen so one checkpoint builds on every GPU (trtllm-build lays quantised weights
-out for the GPU it runs on only for the ModelOpt-flow algorithms):
-- NO_QUANT: weights in `dtype`.
-- FP8: float8 weight, per-tensor `weights_scaling_factor` and `activation_scaling_factor`.
-  A fused GEMM (qkv, fc/gate are separate in TRT-LLM) has one weight scale: q, k and v are
-  re-quantised to the largest of their scales, as ModelOpt does (`notes` says how much moved).
-- FP8_PER_CHANNEL_PER_TOKEN (FP8 rowwise, dynamic per-token activations): float8 weight and
-  `per_channel_scale` (out,) float32; lm_head in `dtype` (the loader requires it float). A
-  float linear keeps its whole attention or MLP block (and the norm feeding it) float.
-- W4A16_AWQ: int4 codes packed two output rows per byte, (out/2, in) int8, ModelOpt's
-  packing (`pack_int4_rows`; the runtime's reader unpacks it); `weights_scaling_factor`
-  (out, in/group) float32; `prequant_scaling_factor` where the quantiser kept one;
-  asymmetric groups add `zero` = -zero_point × scale laid out (in/group, out) in `dtype`,
-  as the groupwise kernel reads it (w = code × scale + zero).
-- W4A8_AWQ (ModelOpt): the W4A16_AWQ tensors, `prequant_scaling_factor` on every linear
-  (ones where ModelOpt folded it into the norm: TensorRT-LLM divides it by the activation
-  scale), the static FP8 `activation_scaling_factor`, and `weights_scaling_factor_2`, the
-  per-tensor scale that lets the kernel hold the group scales in FP8: the largest group scale
-  × 7 / 448 (the layer's max |w| over FP8's max), as ModelOpt's own writer sets it. Features
-  pad to a multiple of max(128, group) × tp.
-- NVFP4 (ModelOpt): e2m1 codes packed two input columns per byte, (out, in/2) uint8; FP8
-  `weights_scaling_factor` per block of 16 inputs, float32 `weights_scaling_factor_2` per
-  tensor (q, k and v share theirs: ModelOpt makes them equal) and the activations' global
-  `activation_scaling_factor`, as ModelOpt's own writer lays them out.
-- W4A16_GPTQ: exported as W4A16_AWQ (same groupwise kernel; TensorRT-LLM's W4A16_GPTQ
-  layout is pre-interleaved for one GPU architecture). `producer.source_quant_algo` keeps
-  the original name.
-- W8A16 and W4A16 (per channel): dequantised weights in `dtype`; trtllm-build quantises
-  them itself (symmetric, per channel) — its codes can differ from the quantiser's.
-- W8A8_SQ_PER_CHANNEL (static activations): int8 weight, `weights_scaling_factor` (out,),
-  `activation_scaling_factor`, `prequant_scaling_factor` (the "ootb" layers).
-- W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (dynamic activations): int8 weight,
-  `per_channel_scale` (1, out), `smoother` (1, in) on dense and proj, `scale_to_int` on the
-  two norms (the plugin layers).
-- KV cache FP8/INT8: `attention.kv_cache_scaling_factor` = max(k_scale, v_scale).
-Tensor parallel: qkv by heads (KV heads replicated when tp exceeds them), fc/gate/lm_head by
-rows (lm_head padded to a multiple of tp), dense/proj by columns; embedding replicated.
-Group-wise linears are padded to the shapes TensorRT-LLM's group-wise layer creates
-(features up to a multiple of max(64, group) × tp): each rank's own slice, then zeros, as
-the group-wise GEMM plugin reads them (K from the activation: a rank reads its shard's
-leading rows; cpp/tensorrt_llm/plugins/weightOnlyGroupwiseQuantMatmulPlugin `enqueue`).
-`exclude_modules` names the float linears as ModelOpt's writer does; for W8A16/W4A16 it also
-restates TensorRT-LLM's default exclusions and each name's tensors. The rules are stated in
-compiler/trtllm/rules/checkpoint.py; its `check_checkpoint` proves a written checkpoint obeys them.
+TensorRT-LLM 1.2 reads exactly one `rank{N}.safetensors` per rank, so a rank file of a 70B
+model cannot be sharded: it is streamed. The model is walked a unit at a time (the embedding,
+lm_head, each decoder layer), each unit read once for every rank, twice over: first to plan
+every rank file's layout, then to write each tensor at its place
+(runtime/formats/safetensors_writer.py). What the walk must know before it starts (which
+linears are quantised, zero points, pre-quant scales) is read off the config and the tensor
+names (source.py), so the export holds about one layer, never the model.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from kiln.compiler.trtllm.export.checkpoint_config import checkpoint_config
+from kiln.compiler.trtllm.export.layouts import (
+    FLOAT_WEIGHTS,
+    bias_tensors,
+    expert_tensors,
+    linear_tensors,
+)
 from kiln.compiler.trtllm.export.linears import (
     fuse_linears,
     head_rows,
-    pack_int4_rows,
     pad_groupwise,
     pad_linear,
     shard,
 )
-from kiln.compiler.trtllm.export.source import GEMMA_NORMS, QK_NORMS, Source, read_source
+from kiln.compiler.trtllm.export.source import GEMMA_NORMS, QK_NORMS, Layer, Source, read_source
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
 from kiln.compiler.trtllm.rules.exclusions import (
     NO_EXCLUSIONS,
@@ -78,12 +50,11 @@ from kiln.compiler.trtllm.rules.exclusions import (
     rowwise_exclude_modules,
 )
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.formats import nvfp4
-from kiln.runtime.formats.weights import LinearWeights, effective_weight
+from kiln.runtime.base.heap import return_large_frees
+from kiln.runtime.formats.safetensors_writer import write_files
+from kiln.runtime.formats.weights import LinearWeights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-INT4_AWQ = ("W4A16_AWQ", "W4A8_AWQ")  # ModelOpt's packed int4 layout
-FLOAT_WEIGHTS = ("NO_QUANT", "W8A16", "W4A16")  # trtllm-build quantises these itself
 # HF projection → (TensorRT-LLM module, tensor-parallel role)
 MODULES = {
     "o_proj": ("attention.dense", "row"),
@@ -93,90 +64,6 @@ MODULES = {
 }
 # The linears of each block FP8 rowwise swaps whole (exclusions.ROWWISE_BLOCKS).
 BLOCK_LINEARS = {"attention": ("qkv", "dense"), "mlp": ("fc", "gate", "proj")}
-
-
-def _bias(prefix: str, lin: LinearWeights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A linear's bias tensor (Qwen2's q/k/v), if it has one."""
-    return {} if lin.bias is None else {f"{prefix}.bias": lin.bias.to(dtype).contiguous()}
-
-
-def _tensors(
-    prefix: str,
-    lin: LinearWeights,
-    algo: str,
-    role: str,
-    dtype: torch.dtype,
-    pre_quant: bool,
-    zero_point: bool,
-    weight_global: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one (fused, sharded) linear's weight (`weight_global`: its
-    NVFP4 per-tensor weight scale)."""
-    if algo in FLOAT_WEIGHTS or lin.scale is None or (algo == ROWWISE and prefix == "lm_head"):
-        return {f"{prefix}.weight": effective_weight(lin, dtype).contiguous()}
-    f32 = torch.float32
-    one = torch.ones(1, dtype=f32)
-    act = lin.input_scale.reshape(1).to(f32) if lin.input_scale is not None else one
-    pqs = lin.pre_quant_scale
-    if algo == "FP8":
-        return {
-            f"{prefix}.weight": lin.weight.contiguous(),
-            f"{prefix}.weights_scaling_factor": lin.scale[:1, 0].to(f32),
-            f"{prefix}.activation_scaling_factor": act,
-        }
-    if algo == "NVFP4":
-        assert weight_global is not None and lin.input_scale is not None
-        return {
-            f"{prefix}.weight": nvfp4.pack_e2m1(lin.weight),
-            f"{prefix}.weights_scaling_factor": (lin.scale / weight_global).to(torch.float8_e4m3fn),
-            f"{prefix}.weights_scaling_factor_2": weight_global.reshape(()),
-            f"{prefix}.activation_scaling_factor": lin.input_scale.to(f32).reshape(()),
-        }
-    if algo == ROWWISE:
-        return {
-            f"{prefix}.weight": lin.weight.contiguous(),
-            f"{prefix}.per_channel_scale": lin.scale[:, 0].to(f32).contiguous(),
-        }
-    if algo in INT4_AWQ:
-        out = {
-            f"{prefix}.weight": pack_int4_rows(lin.weight).contiguous(),
-            f"{prefix}.weights_scaling_factor": lin.scale.to(f32).contiguous(),
-        }
-        if pre_quant:
-            out[f"{prefix}.prequant_scaling_factor"] = (
-                pqs if pqs is not None else torch.ones(lin.in_features)
-            ).to(dtype)
-        if zero_point:  # w = code × scale + zero, with zero = −zero_point × scale
-            points = lin.zero_point if lin.zero_point is not None else torch.zeros(lin.scale.shape)
-            zero = -points.to(f32) * lin.scale.to(f32)
-            out[f"{prefix}.zero"] = zero.t().contiguous().to(dtype)
-        if algo == "W4A8_AWQ":  # max |w| = 7 × the largest group scale; FP8's max is 448
-            out[f"{prefix}.weights_scaling_factor_2"] = (lin.scale.max() * (7 / 448)).reshape(1)
-            out[f"{prefix}.activation_scaling_factor"] = act
-        return out
-    if algo == "W8A8_SQ_PER_CHANNEL":
-        return {
-            f"{prefix}.weight": lin.weight.contiguous(),
-            f"{prefix}.weights_scaling_factor": lin.scale.to(f32).reshape(-1).contiguous(),
-            f"{prefix}.activation_scaling_factor": act,
-            f"{prefix}.prequant_scaling_factor": (
-                pqs if pqs is not None else torch.ones(lin.in_features)
-            ).to(dtype),
-        }
-    # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN
-    out = {
-        f"{prefix}.weight": lin.weight.contiguous(),
-        f"{prefix}.per_channel_scale": lin.scale.to(f32).reshape(1, -1).contiguous(),
-    }
-    if role == "row":
-        smoother = 1 / pqs if pqs is not None else torch.ones(lin.in_features)
-        out[f"{prefix}.smoother"] = smoother.to(f32).reshape(1, -1).contiguous()
-    elif pqs is not None and not torch.all(pqs == 1):
-        raise UsageError(
-            f"{prefix}: the SmoothQuant plugin layout folds a column linear's "
-            "smoothing into the norm; this checkpoint kept it separate"
-        )
-    return out
 
 
 def export_checkpoint(
@@ -190,7 +77,8 @@ def export_checkpoint(
     """Export the quantised HF checkpoint in `model_dir` to a TensorRT-LLM checkpoint in `out_dir`.
 
     `quant_algo` is what the quantiser recorded (read off the checkpoint when None). Returns
-    a record for the manifest: the checkpoint's quant algos, tp, files and notes.
+    a record for the manifest: the checkpoint's quant algos, tp, files and notes. Memory holds
+    about one decoder layer, not the model (see the module's docstring).
     """
     if dtype not in DTYPES:
         raise UsageError(f"dtype {dtype!r}: use {' or '.join(DTYPES)}")
@@ -199,7 +87,7 @@ def export_checkpoint(
         raise UsageError(f"{src.quant_algo}: {NOT_EXPORTED[src.quant_algo]}")
     if src.quant_algo not in CHECKPOINT_ALGO:
         raise UsageError(f"{src.quant_algo} has no TensorRT-LLM checkpoint export")
-    info, algo, torch_dtype = src.info, CHECKPOINT_ALGO[src.quant_algo], DTYPES[dtype]
+    info, algo = src.info, CHECKPOINT_ALGO[src.quant_algo]
     tp = tp_size
     width = info.moe_intermediate_size if info.moe is not None else info.intermediate_size
     if tp < 1 or (
@@ -209,9 +97,7 @@ def export_checkpoint(
             f"tp_size {tp} does not split {info.num_heads} heads, {info.num_kv_heads} KV heads "
             f"and {width} MLP columns"
         )
-    pre_quant = algo == "W4A8_AWQ" or (
-        algo == "W4A16_AWQ" and any(lin.pre_quant_scale is not None for lin in src.linears.values())
-    )
+    pre_quant = algo == "W4A8_AWQ" or (algo == "W4A16_AWQ" and src.pre_quant_scales)
     notes: list[str] = []
     if info.gemma and info.qk_norm:
         notes.append(
@@ -231,27 +117,23 @@ def export_checkpoint(
             "decoder layers (ignore only lm_head), or use smoothquant with static activations"
         )
     float_head = (*FLOAT_WEIGHTS, ROWWISE)  # TensorRT-LLM keeps lm_head float for these
-    if algo in float_head and src.linears["lm_head"].scale is not None:
+    head_quantised = src.quantised("lm_head")
+    if algo in float_head and head_quantised:
         notes.append(
             f"{algo}: lm_head stays in {dtype} (TensorRT-LLM runs it in float under {algo})"
         )
-    quantised_head = algo not in float_head and src.linears["lm_head"].scale is not None
     if algo == ROWWISE:
         exclude = rowwise_exclude_modules(_float_blocks(excluded))
     else:
+        quantised_head = algo not in float_head and head_quantised
         exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
-    modules = _modules(src)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    for rank in range(tp):
-        tensors = _rank_tensors(
-            src, modules, algo, tp, rank, torch_dtype, pre_quant, notes if rank == 0 else []
-        )
-        path = out_dir / f"rank{rank}.safetensors"
-        save_file(tensors, str(path))
-        files.append(path.name)
-    config = checkpoint_config(src, algo, tp, dtype, pre_quant, exclude)
+    return_large_frees()  # layers are read and freed one after another
+    walk = _Walk(src, algo, tp, DTYPES[dtype], pre_quant)
+    files = write_files(out_dir, walk.tensors)
+    notes += walk.notes
+    config = checkpoint_config(src, algo, tp, dtype, pre_quant, exclude, walk.group_size)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {
         "quant_algo": config["quantization"]["quant_algo"] or "NO_QUANT",
@@ -270,19 +152,19 @@ def _excluded(src: Source) -> list[str]:
     names: list[str] = []
     for i in range(src.info.num_layers):
         qkv = [
-            src.linears[f"model.layers.{i}.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")
+            src.quantised(f"model.layers.{i}.self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj")
         ]
-        if len({lin.scale is None for lin in qkv}) > 1:
+        if len(set(qkv)) > 1:
             raise UsageError(
                 f"layer {i}: q, k and v must be all quantised or all ignored "
                 "(TensorRT-LLM fuses them)"
             )
-        if qkv[0].scale is None:
+        if not qkv[0]:
             names.append(f"transformer.layers.{i}.attention.qkv")
         for hf, trt in _layer_modules(src, i).items():
-            if src.linears[hf].scale is None:
+            if not src.quantised(hf):
                 names.append(trt)
-        if i in src.routers:  # layers/moe.py: the router is never quantised
+        if src.sparse(i):  # layers/moe.py: the router is never quantised
             names.append(f"transformer.layers.{i}.mlp.router")
             _check_experts(src, i)
     return names
@@ -293,9 +175,8 @@ def _check_experts(src: Source, layer: int) -> None:
     layer runs all experts of a layer in one format."""
     if src.quant_algo == "NO_QUANT":
         return
-    float_experts = [
-        e for e, linears in enumerate(src.experts(layer)) if any(w.scale is None for w in linears)
-    ]
+    names = src.expert_names(layer)  # (gate, up, down) of expert 0, then of expert 1, ...
+    float_experts = sorted({e // 3 for e, name in enumerate(names) if not src.quantised(name)})
     if float_experts:
         raise UsageError(
             f"layer {layer}: experts {float_experts} are float while the checkpoint is "
@@ -309,7 +190,7 @@ def _layer_modules(src: Source, layer: int) -> dict[str, str]:
     one (not q/k/v, Phi-3's gate and up, nor experts: those are fused or stacked per rank)."""
     hf, trt = f"model.layers.{layer}", f"transformer.layers.{layer}"
     out = {f"{hf}.self_attn.o_proj": f"{trt}.attention.dense"}
-    if layer in src.routers:
+    if src.sparse(layer):
         return out
     if not src.info.fused_projections:
         out[f"{hf}.mlp.gate_proj"] = f"{trt}.mlp.fc"
@@ -334,71 +215,114 @@ def _float_blocks(excluded: list[str]) -> list[str]:
     return blocks
 
 
-def _weight_globals(src: Source) -> dict[str, torch.Tensor]:
-    """NVFP4: TensorRT-LLM module → its per-tensor weight scale (q/k/v: the largest of the
-    three, as TensorRT-LLM's own loader takes for its fused qkv)."""
-    found, out = src.weight_globals, {}
-    for i in range(src.info.num_layers if found else 0):
-        hf, trt = f"model.layers.{i}", f"transformer.layers.{i}"
-        names = [f"{hf}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-        if all(n in found for n in names):
-            out[f"{trt}.attention.qkv"] = torch.stack([found[n] for n in names]).max()
-        gate_up = [f"{hf}.mlp.{p}" for p in ("gate_proj", "up_proj")]
-        if src.info.fused_projections and all(n in found for n in gate_up):
-            out[f"{trt}.mlp.fc"] = torch.stack([found[n] for n in gate_up]).max()
-        for name, module in _layer_modules(src, i).items():
-            if name in found:
-                out[module] = found[name]
-    if "lm_head" in found:
-        out["lm_head"] = found["lm_head"]
+def _weight_globals(src: Source, layer: Layer) -> dict[str, torch.Tensor]:
+    """NVFP4: TensorRT-LLM module of decoder layer `layer` → its per-tensor weight scale
+    (q/k/v: the largest of the three, as TensorRT-LLM's own loader takes for its fused qkv)."""
+    found, out = layer.weight_globals, dict[str, torch.Tensor]()
+    if not found:
+        return out
+    hf, trt = f"model.layers.{layer.index}", f"transformer.layers.{layer.index}"
+    names = [f"{hf}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    if all(n in found for n in names):
+        out[f"{trt}.attention.qkv"] = torch.stack([found[n] for n in names]).max()
+    gate_up = [f"{hf}.mlp.{p}" for p in ("gate_proj", "up_proj")]
+    if src.info.fused_projections and all(n in found for n in gate_up):
+        out[f"{trt}.mlp.fc"] = torch.stack([found[n] for n in gate_up]).max()
+    for name, module in _layer_modules(src, layer.index).items():
+        if name in found:
+            out[module] = found[name]
     return out
 
 
-def _modules(src: Source) -> dict[str, tuple[LinearWeights, str]]:
-    """TensorRT-LLM module name → (whole linear, tp role); q/k/v are fused per rank later."""
-    out: dict[str, tuple[LinearWeights, str]] = {"lm_head": (src.linears["lm_head"], "column")}
-    for i in range(src.info.num_layers):
-        for hf, trt in _layer_modules(src, i).items():
-            out[trt] = (src.linears[hf], MODULES[hf.rpartition(".")[2]][1])
-    return out
+@dataclass
+class _Walk:
+    """The checkpoint's tensors as (rank file, name, tensor), a unit (the embedding, lm_head,
+    a decoder layer) at a time: `tensors()` reads each unit once and yields every rank's
+    tensors of it, holding one rank's at a time. What a walk learns on the way (rank 0's
+    fusion notes, the group size) is kept from the last walk; every walk learns the same."""
 
+    src: Source
+    algo: str
+    tp: int
+    dtype: torch.dtype
+    pre_quant: bool
+    notes: list[str] = field(default_factory=list)
+    group_size: int | None = None
 
-def _rank_tensors(
-    src: Source,
-    modules: dict[str, tuple[LinearWeights, str]],
-    algo: str,
-    tp: int,
-    rank: int,
-    dtype: torch.dtype,
-    pre_quant: bool,
-    notes: list[str],
-) -> dict[str, torch.Tensor]:
-    info, zero_point = src.info, not src.symmetric
-    globals_ = _weight_globals(src)
+    def tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        self.notes = []
+        yield from self._shared()
+        yield from self._lm_head()
+        for i in range(self.src.info.num_layers):
+            yield from self._layer(i)
 
-    def norm(key: str) -> torch.Tensor:
+    def _file(self, rank: int) -> str:
+        return f"rank{rank}.safetensors"
+
+    def _norm(self, weight: torch.Tensor) -> torch.Tensor:
         # Gemma 3 computes x·(1 + w); TensorRT-LLM's RmsNorm x·w (models/gemma/convert.py
         # adds the one, in float32).
-        weight = src.tensors[key]
-        return (weight.float() + 1 if info.gemma else weight).to(dtype)
+        return (weight.float() + 1 if self.src.info.gemma else weight).to(self.dtype)
 
-    def linear(prefix: str, lin: LinearWeights, role: str) -> None:
-        out.update(_tensors(prefix, lin, algo, role, dtype, pre_quant, zero_point,
-                            globals_.get(prefix)))  # fmt: skip
-        out.update(_bias(prefix, lin, dtype))
+    def _linear(
+        self, prefix: str, lin: LinearWeights, role: str, weight_global: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """One (fused, sharded, padded) linear's tensors, with its bias."""
+        if lin.scheme.strategy == "group" and self.group_size is None:
+            self.group_size = lin.scheme.group_size
+        zero_point = not self.src.symmetric
+        args = (self.algo, role, self.dtype, self.pre_quant, zero_point, weight_global)
+        return linear_tensors(prefix, lin, *args) | bias_tensors(prefix, lin, self.dtype)
 
-    out: dict[str, torch.Tensor] = {
-        "transformer.vocab_embedding.weight": src.tensors["model.embed_tokens.weight"].to(dtype),
-        "transformer.ln_f.weight": norm("model.norm.weight"),
-    }
-    for name, (lin, role) in modules.items():
-        if name == "lm_head" and lin.out_features % tp:
+    def _shared(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """The embedding and the final norm: the same on every rank."""
+        for name, key in (("transformer.vocab_embedding.weight", "model.embed_tokens.weight"),
+                          ("transformer.ln_f.weight", "model.norm.weight")):  # fmt: skip
+            stored = self.src.tensor(key)
+            tensor = stored.to(self.dtype) if key.startswith("model.embed") else self._norm(stored)
+            for rank in range(self.tp):
+                yield self._file(rank), name, tensor
+            del stored, tensor  # not held while the next one is read
+
+    def _lm_head(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """lm_head by rows, padded to a multiple of tp."""
+        lin, weight_global = self.src.lm_head()
+        tp = self.tp
+        if lin.out_features % tp:
             lin = pad_linear(lin, -(-lin.out_features // tp) * tp, lin.in_features)
-        linear(name, pad_groupwise(shard(lin, role, tp, rank), algo, role, tp), role)
-    for i in range(info.num_layers):
-        prefix, layer = f"model.layers.{i}", f"transformer.layers.{i}"
+        for rank in range(tp):
+            shard_ = pad_groupwise(shard(lin, "column", tp, rank), self.algo, "column", tp)
+            for name, tensor in self._linear("lm_head", shard_, "column", weight_global).items():
+                yield self._file(rank), name, tensor
+                del tensor
+            del shard_
+        del lin  # not held while the first layer is read
+
+    def _layer(self, i: int) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """Decoder layer `i`, read once, on every rank."""
+        layer = self.src.layer(i)
+        for rank in range(self.tp):
+            notes = self.notes if rank == 0 else []
+            for name, tensor in self._layer_tensors(layer, rank, notes).items():
+                yield self._file(rank), name, tensor
+                del tensor  # the rank's dict goes with the loop: one rank's tensors at a time
+
+    def _layer_tensors(self, layer: Layer, rank: int, notes: list[str]) -> dict[str, torch.Tensor]:
+        """Decoder layer `layer`'s tensors on rank `rank`."""
+        src, algo, tp, i = self.src, self.algo, self.tp, layer.index
+        info, linears = src.info, layer.linears
+        prefix, trt = f"model.layers.{i}", f"transformer.layers.{i}"
+        globals_ = _weight_globals(src, layer)
+        out: dict[str, torch.Tensor] = {}
+
+        def linear(name: str, lin: LinearWeights, role: str) -> None:
+            out.update(self._linear(name, lin, role, globals_.get(name)))
+
+        for hf, module in _layer_modules(src, i).items():
+            role = MODULES[hf.rpartition(".")[2]][1]
+            linear(module, pad_groupwise(shard(linears[hf], role, tp, rank), algo, role, tp), role)
         parts = [
-            src.linears[f"{prefix}.self_attn.{p}"].rows(head_rows(heads, info.head_dim, tp, rank))
+            linears[f"{prefix}.self_attn.{p}"].rows(head_rows(heads, info.head_dim, tp, rank))
             for p, heads in (
                 ("q_proj", info.num_heads),
                 ("k_proj", info.num_kv_heads),
@@ -406,64 +330,32 @@ def _rank_tensors(
             )
         ]
         qkv = pad_groupwise(fuse_linears(parts, algo, notes, f"layer {i} qkv"), algo, "column", tp)
-        linear(f"{layer}.attention.qkv", qkv, "column")
+        linear(f"{trt}.attention.qkv", qkv, "column")
         if info.fused_projections:
             # models/phi3: one fc of [up; gate] rows (swiglu gates with the second half), each
             # rank holding its own rows of both halves.
-            halves = [shard(src.linears[f"{prefix}.mlp.{p}"], "column", tp, rank)
+            halves = [shard(linears[f"{prefix}.mlp.{p}"], "column", tp, rank)
                       for p in ("up_proj", "gate_proj")]  # fmt: skip
             fc = fuse_linears(halves, algo, notes, f"layer {i} gate_up")
-            linear(f"{layer}.mlp.fc", pad_groupwise(fc, algo, "column", tp), "column")
-        if i in src.routers:
-            out.update(_expert_tensors(src, i, algo, tp, rank, dtype, notes))
-        out[f"{layer}.input_layernorm.weight"] = norm(f"{prefix}.input_layernorm.weight")
-        out[f"{layer}.post_layernorm.weight"] = norm(f"{prefix}.post_attention_layernorm.weight")
+            linear(f"{trt}.mlp.fc", pad_groupwise(fc, algo, "column", tp), "column")
+        if layer.router is not None:
+            out.update(expert_tensors(src, layer, algo, tp, rank, self.dtype, notes))
+        norm = self._norm
+        out[f"{trt}.input_layernorm.weight"] = norm(layer.norms[f"{prefix}.input_layernorm.weight"])
+        out[f"{trt}.post_layernorm.weight"] = norm(
+            layer.norms[f"{prefix}.post_attention_layernorm.weight"]
+        )
         for gemma_norm in GEMMA_NORMS if info.gemma else ():
-            out[f"{layer}.{gemma_norm}.weight"] = norm(f"{prefix}.{gemma_norm}.weight")
+            out[f"{trt}.{gemma_norm}.weight"] = norm(layer.norms[f"{prefix}.{gemma_norm}.weight"])
         for qk in QK_NORMS if info.qk_norm else ():
             # models/qwen/convert.py, models/gemma/convert.py: q_norm / k_norm load as
             # attention.{q,k}_layernorm, float.
-            out[f"{layer}.attention.{qk[0]}_layernorm.weight"] = norm(
-                f"{prefix}.self_attn.{qk}.weight"
+            out[f"{trt}.attention.{qk[0]}_layernorm.weight"] = norm(
+                layer.norms[f"{prefix}.self_attn.{qk}.weight"]
             )
         if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
             for plugin_norm in ("input_layernorm", "post_layernorm"):
-                out[f"{layer}.{plugin_norm}.scale_to_int"] = torch.ones(1, dtype=dtype)
-        if i in src.kv_scales:
-            out[f"{layer}.attention.kv_cache_scaling_factor"] = src.kv_scales[i].reshape(1)
-    return out
-
-
-def _expert_tensors(
-    src: Source, layer: int, algo: str, tp: int, rank: int, dtype: torch.dtype, notes: list[str]
-) -> dict[str, torch.Tensor]:
-    """Sparse layer `layer`'s MoE tensors on one rank (layers/moe.py MixtureOfExperts): the
-    float32 router (num_experts, hidden), whole on every rank; `mlp.fc` stacking each
-    expert's [up; gate] rows of this rank (experts, 2 × width / tp, hidden) and `mlp.proj`
-    each expert's down columns (experts, hidden, width / tp). FP8: one weight scale per
-    expert and GEMM (up and gate re-quantised to the larger of theirs) and one activation
-    scale per GEMM, the largest of the experts'."""
-    prefix = f"transformer.layers.{layer}.mlp"
-    out = {f"{prefix}.router.weight": src.routers[layer].to(torch.float32).contiguous()}
-    fcs, projs = [], []
-    for e, (gate, up, down) in enumerate(src.experts(layer)):
-        halves = [shard(w, "column", tp, rank) for w in (up, gate)]
-        fcs.append(fuse_linears(halves, algo, notes, f"layer {layer} expert {e} gate_up"))
-        projs.append(shard(down, "row", tp, rank))
-    for name, linears in (("fc", fcs), ("proj", projs)):
-        if algo != "FP8":  # float, or float weights trtllm-build quantises per channel
-            out[f"{prefix}.{name}.weight"] = torch.stack(
-                [effective_weight(w, dtype) for w in linears]
-            ).contiguous()
-            continue
-        scales = [w.input_scale for w in linears if w.input_scale is not None]
-        act = torch.stack(scales).max() if scales else torch.ones(())
-        if scales and not all(torch.equal(s, scales[0]) for s in scales):
-            notes.append(f"layer {layer} experts' {name}: one FP8 activation scale for all "
-                         "experts, the largest of theirs")  # fmt: skip
-        out[f"{prefix}.{name}.weight"] = torch.stack([w.weight for w in linears]).contiguous()
-        out[f"{prefix}.{name}.weights_scaling_factor"] = torch.stack(
-            [w.scale.reshape(-1)[:1] for w in linears if w.scale is not None]
-        ).to(torch.float32)
-        out[f"{prefix}.{name}.activation_scaling_factor"] = act.to(torch.float32).reshape(1)
-    return out
+                out[f"{trt}.{plugin_norm}.scale_to_int"] = torch.ones(1, dtype=self.dtype)
+        if layer.kv_scale is not None:
+            out[f"{trt}.attention.kv_cache_scaling_factor"] = layer.kv_scale.reshape(1)
+        return out

@@ -15,7 +15,7 @@ FP32 = 4
 # Python with torch, transformers, datasets and llm-compressor imported: 526 MiB resident
 # (measured, CPU build of torch 2.13), before any model loads.
 RUNTIME_BYTES = 550 * 2**20
-SHARD_BYTES = 5 * 10**9  # a saved checkpoint's shard (backends/llmcompressor.py SHARD_SIZE)
+SHARD_BYTES = 5 * 10**9  # a saved checkpoint's shard (backends/base.py SHARD_SIZE)
 
 
 def estimate_calibration_bytes(

@@ -94,9 +94,8 @@ def quantize(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # Offloaded weights are written beside the output (one filesystem), never into it.
     with tempfile.TemporaryDirectory(prefix=".offload-", dir=out_dir.parent) as offload:
-        where = "offloaded to disk, a layer at a time in memory" if backend.offloads else "CPU"
-        say(f"loading {model_dir} ({dtype}, {where})")
-        model = load_model(model_dir, dtype, Path(offload) if backend.offloads else None)
+        say(f"loading {model_dir} ({dtype}) for {backend.name}")
+        model = backend.load(model_dir, dtype, Path(offload), scheme)
         _calibrate(model, tokenizer, info, scheme, calibration, backend, record, out_dir,
                    routing_out, say)  # fmt: skip
         del model
@@ -107,24 +106,6 @@ def quantize(
         shutil.copy2(source_generation, out_dir / "generation_config.json")
     record.seconds = round(time.perf_counter() - start, 3)
     return record
-
-
-def load_model(model_dir: Path, dtype: Any, offload: Path | None) -> Any:
-    """The float model for calibration in `dtype`: whole in memory, or, with an `offload`
-    folder, every weight left on disk (compressed-tensors' offloading reads it from the
-    checkpoint's own files) until the calibration pipeline onloads its layer."""
-    from transformers import AutoModelForCausalLM
-
-    if offload is None:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    from compressed_tensors.offload import load_offloaded_model
-
-    with load_offloaded_model():
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, device_map="auto_offload", max_memory={"cpu": 0},
-            offload_folder=str(offload),
-        )  # fmt: skip
-    return model.eval()
 
 
 def _calibrate(

@@ -1,7 +1,8 @@
 """What a quantisation backend declares and the job it runs: one `Backend` per library,
 registered with `@register_backend(...)` on the function that quantises a loaded model and
-saves it, `run(job: QuantJob)`. The declared capabilities are what `quant.schemes.check`
-reads, so a refused combination names what the backend can do.
+saves it, `run(job: QuantJob)`, with the function that loads the float model for it,
+`load(model_dir, dtype, offload_dir, scheme)`. The declared capabilities are what
+`quant.schemes.check` reads, so a refused combination names what the backend can do.
 """
 
 from __future__ import annotations
@@ -30,7 +31,18 @@ class QuantJob:
     calibrate_all_experts: bool = True
 
 
+# Hugging Face's shard size: what loaders expect, and what one save step holds in memory.
+SHARD_SIZE = "5GB"
 RunFn = Callable[[QuantJob], None]
+# (model dir, dtype, offload folder, scheme) → the float model to calibrate
+LoadFn = Callable[[Path, Any, Path, Scheme], Any]
+
+
+def load_whole(model_dir: Path, dtype: Any, offload: Path, scheme: Scheme) -> Any:
+    """The float model in `dtype`, every weight in memory (`offload` unused)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 @dataclass(frozen=True)
@@ -46,8 +58,9 @@ class Backend:
     per_channel: frozenset[str]  # grouped schemes it can also do with group_size null
     packages: tuple[str, ...]  # distributions whose versions the manifest records
     run: RunFn
-    # Calibrates a model whose weights stay on disk until a layer needs them (quantize.py
-    # loads it so): the backend's pipeline onloads one layer at a time.
+    load: LoadFn = load_whole
+    # Its `load` leaves the weights on disk until a layer needs them (for every scheme, or
+    # some): the calibration holds a layer, not the model.
     offloads: bool = False
 
 
@@ -64,7 +77,7 @@ def register_backend(
     asymmetric: set[str] = frozenset(),  # type: ignore[assignment]
     per_channel: set[str] = frozenset(),  # type: ignore[assignment]
     packages: tuple[str, ...] = (),
-    offloads: bool = False,
+    load: LoadFn | None = None,
 ) -> Callable[[RunFn], RunFn]:
     """Decorator: register `fn` as the run function of backend `name`."""
 
@@ -79,7 +92,8 @@ def register_backend(
             per_channel=frozenset(per_channel),
             packages=packages,
             run=fn,
-            offloads=offloads,
+            load=load or load_whole,
+            offloads=load is not None,
         )
         return fn
 

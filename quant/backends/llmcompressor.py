@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.quant.backends.base import QuantJob, register_backend
+from kiln.quant.backends.base import SHARD_SIZE, QuantJob, register_backend
 from kiln.quant.selection import ignore_regexes
 
 if TYPE_CHECKING:
@@ -81,6 +81,21 @@ def build_recipe(scheme: Scheme, spec: QuantSpec) -> list[Any]:
     return [QuantizationModifier(**quant_args)]  # fp8, fp8_dynamic: round to nearest
 
 
+def load_offloaded(model_dir: Path, dtype: Any, offload: Path, scheme: Scheme) -> Any:
+    """The float model with every weight left on disk (compressed-tensors' offloading reads it
+    from the checkpoint's own files; what calibration changes is written under `offload`)
+    until oneshot's sequential pipeline onloads its layer, on the GPU where there is one."""
+    from compressed_tensors.offload import load_offloaded_model
+    from transformers import AutoModelForCausalLM
+
+    with load_offloaded_model():
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, device_map="auto_offload", max_memory={"cpu": 0},
+            offload_folder=str(offload),
+        )  # fmt: skip
+    return model.eval()
+
+
 @register_backend(
     "llmcompressor",
     format="compressed-tensors",
@@ -90,7 +105,7 @@ def build_recipe(scheme: Scheme, spec: QuantSpec) -> list[Any]:
     asymmetric={"W4A16_AWQ", "W4A16_GPTQ", "W8A16"},
     per_channel={"W4A16_AWQ", "W4A16_GPTQ", "W8A16"},
     packages=("llmcompressor", "compressed-tensors"),
-    offloads=True,
+    load=load_offloaded,
 )
 def run(job: QuantJob) -> None:
     """Quantise the model in place with oneshot and save it compressed into job.out_dir.
@@ -123,10 +138,6 @@ def run(job: QuantJob) -> None:
     job.progress(f"saving compressed-tensors checkpoint to {job.out_dir}")
     job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_SIZE)
     restore_expert_names(Path(job.out_dir))
-
-
-# Hugging Face's shard size: what loaders expect, and what one save step holds in memory.
-SHARD_SIZE = "5GB"
 
 
 # The names llm-compressor gives each expert's projections when it splits transformers 5's

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.quant.backends.base import QuantJob, register_backend
+from kiln.quant.backends.base import SHARD_SIZE, QuantJob, load_whole, register_backend
 from kiln.quant.selection import is_ignored
 
 if TYPE_CHECKING:
@@ -66,11 +66,41 @@ def calibrate(model: Any, scheme: Scheme, spec: QuantSpec, samples: list[list[in
     import modelopt.torch.quantization as mtq
     import torch
 
+    device = model.get_input_embeddings().weight.device  # where an offloaded model runs
+
     def forward_loop(m: torch.nn.Module) -> None:
         for ids in samples:
-            m(torch.tensor([ids]))
+            m(torch.tensor([ids], device=device))
 
     mtq.quantize(model, build_config(model, scheme, spec), forward_loop)
+
+
+def load_offloaded(model_dir: Path, dtype: Any, offload: Path, scheme: Scheme) -> Any:
+    """For a scheme ModelOpt calibrates by max alone (FP8, NVFP4), the float model with its
+    decoder layers left on disk (accelerate's offloading, which ModelOpt's calibration hooks
+    run through and its export streams a layer at a time from), the embeddings, final norm and
+    head in memory where the layers run: on the GPU where there is one. (ModelOpt's export
+    makes its dummy inputs on the model's device, which must hold data: the embeddings', never
+    "disk".) AWQ and SmoothQuant read the weights outside the forward: the whole model."""
+    import json
+
+    import modelopt.torch.quantization as mtq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if getattr(mtq, PRESETS[scheme.name]).get("algorithm") != "max":
+        return load_whole(model_dir, dtype, offload, scheme)
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config") or config
+    main = "cuda:0" if torch.cuda.is_available() else "cpu"
+    layers = {f"model.layers.{i}": "disk" for i in range(int(config["num_hidden_layers"]))}
+    kept = {"model.embed_tokens": main, "model.rotary_emb": main, "model.norm": main,
+            "lm_head": main}  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, device_map={**kept, **layers}, offload_folder=str(offload)
+    )
+    return model.eval()
 
 
 @register_backend(
@@ -80,6 +110,7 @@ def calibrate(model: Any, scheme: Scheme, spec: QuantSpec, samples: list[list[in
     activations={"none", "fp8_static", "int8_static", "nvfp4"},
     kv_cache={"none", "fp8"},
     packages=("nvidia-modelopt",),
+    load=load_offloaded,
 )
 def run(job: QuantJob) -> None:
     """Calibrate the model with ModelOpt and export the HF checkpoint into job.out_dir.
@@ -90,7 +121,8 @@ def run(job: QuantJob) -> None:
 
     calibrate(job.model, job.scheme, job.spec, job.samples)
     job.progress(f"exporting ModelOpt HF checkpoint to {job.out_dir}")
-    export_hf_checkpoint(job.model, dtype=job.model.dtype, export_dir=job.out_dir)
+    export_hf_checkpoint(job.model, dtype=job.model.dtype, export_dir=job.out_dir,
+                         max_shard_size=SHARD_SIZE)  # fmt: skip
 
 
 # Reading the export back: transformers has no "modelopt" quantizer, so a ModelOpt HF

@@ -106,3 +106,17 @@ def test_an_unknown_format_version_is_refused_with_the_fix(tmp_path: Path) -> No
     (path / artifact.MANIFEST).write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match="recompile the artifact"):
         artifact.load_manifest(path)
+
+
+def test_identical_files_are_stored_once(tmp_path: Path) -> None:
+    manifest = artifact.Manifest(name="twins", recipe={})
+    with artifact.assemble(tmp_path, manifest) as staging:
+        for folder in ("model", "trtllm/hf", "draft/model"):
+            (staging.dir / folder).mkdir(parents=True)
+            (staging.dir / folder / "tokenizer.json").write_text('{"vocab": [1, 2, 3]}')
+        (staging.dir / "model" / "config.json").write_text('{"other": true}')
+    assert staging.path is not None
+    copies = [staging.path / f / "tokenizer.json" for f in ("model", "trtllm/hf", "draft/model")]
+    assert len({p.stat().st_ino for p in copies}) == 1 and copies[0].stat().st_nlink == 3
+    assert (staging.path / "model" / "config.json").stat().st_nlink == 1
+    assert artifact.verify(staging.path) == []

@@ -333,6 +333,28 @@ class Staging:
     path: Path | None = None
 
 
+def link_duplicates(root: Path, files: dict[str, FileEntry]) -> int:
+    """Store identical files of an artifact once: each file with the content of one before it
+    becomes a hard link to that one (a tokenizer in model/ and trtllm/hf/, say). The digests do
+    not change; returns the bytes saved. Where a link cannot be made (another filesystem under
+    the artifact), the copy stays."""
+    first: dict[tuple[str, int], Path] = {}
+    saved = 0
+    for rel, entry in sorted(files.items()):
+        path = root / rel
+        kept = first.setdefault((entry.sha256, entry.size), path)
+        if kept == path or os.path.samefile(kept, path):
+            continue
+        temporary = path.with_name(f".{path.name}.link")
+        try:
+            os.link(kept, temporary)
+        except OSError:
+            continue
+        os.replace(temporary, path)
+        saved += entry.size
+    return saved
+
+
 @contextmanager
 def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> Iterator[Staging]:
     """Yield a hidden staging directory; on success hash it and rename it into place.
@@ -350,6 +372,7 @@ def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> I
     try:
         yield handle
         manifest.files = file_digests(staging)
+        link_duplicates(staging, manifest.files)
         manifest.digest = content_digest(manifest.files)
         if stamp:
             manifest.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -34,6 +34,7 @@ from kiln.quant import calibration
 from kiln.quant.spec import CalibrationSpec
 from kiln.runtime.base.cache import cache_home
 from kiln.runtime.base.errors import SourceError, UsageError
+from kiln.runtime.formats.safetensors_writer import SHARD_BYTES
 
 PROVENANCE = "kiln-draft.json"
 TOKENIZER_FILES = (
@@ -324,7 +325,7 @@ def _count(model: Any) -> int:
 def _save(draft: Any, tokenizer: Any, model_dir: Path, out: Path) -> None:
     """The draft as an HF directory with the target's own tokenizer files, byte for byte."""
     out.mkdir(parents=True, exist_ok=True)
-    draft.save_pretrained(out)
+    draft.save_pretrained(out, max_shard_size=SHARD_BYTES)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out / name)

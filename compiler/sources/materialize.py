@@ -21,6 +21,7 @@ from kiln.compiler.sources.metadata import CAUSAL_LM_CLASSES, inspect_source
 from kiln.compiler.sources.reference import BUILTIN, GGUF, HF_DIR, HUB_CACHE, SourceRef
 from kiln.quant.prequantized import detect as prequantized
 from kiln.runtime.base.errors import SourceError, StageFailure
+from kiln.runtime.formats.safetensors_writer import SHARD_BYTES
 
 PROVENANCE_FILE = "kiln_source.json"
 
@@ -127,7 +128,7 @@ def _dequantise_gguf(ref: SourceRef, out: Path) -> None:
     # punctuation when decoding: wrong for a byte-level BPE (transformers 5 ignores it, with a
     # warning on every load; 4.x applies it).
     tokenizer.clean_up_tokenization_spaces = False
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size=SHARD_BYTES)  # transformers 5 defaults to 50 GB
     tokenizer.save_pretrained(out)
 
 
@@ -147,7 +148,7 @@ def _convert_to_safetensors(ref: SourceRef, out: Path) -> None:
         raise StageFailure(
             f"model.source {ref.spec!r}: transformers could not load {ref.path} ({exc})"
         ) from exc
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size=SHARD_BYTES)  # transformers 5 defaults to 50 GB
     for src in sorted(ref.path.iterdir()):
         weights = src.name.startswith("pytorch_model")
         if src.is_file() and not weights and not (out / src.name).exists():

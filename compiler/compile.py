@@ -15,13 +15,12 @@ from typing import Any
 from kiln.compiler.draft.speculation import Speculation, compile_draft
 from kiln.compiler.leftovers import sweep_output, sweep_user_cache
 from kiln.compiler.pipeline import ModelBuild, ModelJob, Progress, build_model, fill_artifact
-from kiln.compiler.preflight import CompilePlan, run_preflight
+from kiln.compiler.preflight import CompilePlan, compile_jobs, run_preflight
 from kiln.compiler.recipe.recipe import load_recipe
 from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
 from kiln.compiler.trtllm.deploy import (
     TargetContext,
     TargetFailure,
-    exported_tps,
     pytorch_checkpoint,
     target_failures,
     write_target,
@@ -80,7 +79,7 @@ def compile_recipe(
     """Run every stage of a recipe and return the published artifact."""
     recipe = load_recipe(recipe_path)
     root = (output or recipe.output_dir()).resolve()
-    pre = run_preflight(recipe, output=root)
+    pre = run_preflight(recipe, output=root, force=force)
     with output_lock(root):
         cache = StageCache(root / CACHE_DIR)
         sweep_output(root)  # what a killed run left, here and in the per-user cache
@@ -90,18 +89,7 @@ def compile_recipe(
 
 def model_job(pre: CompilePlan) -> ModelJob:
     """The recipe's model as a job for the pipeline."""
-    return ModelJob(
-        role="",
-        name=pre.recipe.name,
-        source=pre.source,
-        info=pre.info,
-        scheme=pre.scheme,
-        calibration=pre.calibration,
-        report=pre.report,
-        imported=pre.imported,
-        tps=exported_tps(pre.trtllm_path, {t.tp_size for t in pre.targets.values()}),
-        recipe=pre.resolved,
-    )
+    return compile_jobs(pre)[0]
 
 
 def _run_stages(

@@ -4,18 +4,22 @@ resolve it, once, into the frozen `CompilePlan` every later stage reads.
 Every problem found is collected and reported at once: the model source and its
 architecture, the scheme × backend × shapes, the calibration and report data, the target
 GPUs and their support matrix, a speculative draft (the same checks, and a tokenizer equal
-to the model's), and whether calibration fits in this machine's memory.
+to the model's), whether calibration fits in this machine's memory, and whether what the
+compile writes fits the free space of its output's disk (compiler/disk/).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kiln.compiler import sources
+from kiln.compiler.disk import SKIP_VARIABLE, DiskEstimate, estimate_disk
 from kiln.compiler.draft.check import SpeculativePlan, check_speculative
+from kiln.compiler.draft.speculation import draft_job
+from kiln.compiler.pipeline import ModelJob
 from kiln.compiler.preflight_checks import (
     gate_problems,
     ignore_problems,
@@ -27,6 +31,7 @@ from kiln.compiler.recipe.recipe import Recipe, load_recipe
 from kiln.compiler.resolve import ResolvedScheme, resolve_scheme
 from kiln.compiler.stages import output_problem
 from kiln.compiler.trtllm.capacity import DeploySpec, Plan
+from kiln.compiler.trtllm.deploy import exported_tps
 from kiln.compiler.trtllm.target_plan import TargetPlan, plan_target, target_support
 from kiln.compiler.trtllm.targets import PROFILES
 from kiln.quant import calibration
@@ -58,6 +63,7 @@ class CompilePlan:
     memory: dict[str, int] = field(default_factory=dict)
     imported: PreQuantized | None = None  # a pre-quantised AWQ/GPTQ source, converted as is
     speculative: SpeculativePlan | None = None  # the draft (or n-gram) to compile beside it
+    disk: DiskEstimate | None = None  # what the compile writes, and the room there
 
     @property
     def plans(self) -> dict[str, Plan]:
@@ -129,13 +135,14 @@ def _targets(
 
 
 def run_preflight(
-    recipe: Recipe, *, check_memory: bool = True, output: Path | None = None
+    recipe: Recipe, *, check_memory: bool = True, output: Path | None = None, force: bool = False
 ) -> CompilePlan:
     """Check everything that can be checked without loading weights; raise RecipeError.
 
-    `check_memory=False` skips the checks of the calibration host, its memory and the output
-    directory (planning needs neither); `output` is where the artifact goes when not the
-    recipe's own `output`.
+    `check_memory=False` skips the checks of the calibration host, its memory, the output
+    directory and its free disk (planning needs none); `output` is where the artifact goes when
+    not the recipe's own `output`; `force`: every stage will run again, cached or not. The disk
+    check is skipped where $KILN_NO_DISK_CHECK is set.
     """
     problems: list[str] = []
     if check_memory and (problem := output_problem(output or recipe.output_dir())) is not None:
@@ -176,7 +183,7 @@ def run_preflight(
     if problems:
         raise RecipeError(problems)
     assert ref is not None and info is not None and scheme is not None  # no problems: resolved
-    return CompilePlan(
+    plan = CompilePlan(
         recipe=recipe,
         resolved=resolved,
         source=ref,
@@ -191,6 +198,32 @@ def run_preflight(
         imported=quant.imported,
         speculative=speculative,
     )
+    if not check_memory:
+        return plan
+    disk = disk_estimate(plan, output or recipe.output_dir(), force=force)
+    if not os.environ.get(SKIP_VARIABLE) and (short := disk.problems()):
+        fix = (f"free space, or point --output (or the recipe's `output:`) at a larger disk; "
+               f"the estimate is an upper bound: {SKIP_VARIABLE}=1 skips this check")  # fmt: skip
+        raise RecipeError([recipe.problem("output", p, fix) for p in short])
+    return replace(plan, disk=disk)
+
+
+def compile_jobs(plan: CompilePlan) -> list[ModelJob]:
+    """The models `kiln compile` runs through the pipeline: the recipe's, then its draft's."""
+    tps = exported_tps(plan.trtllm_path, {t.tp_size for t in plan.targets.values()})
+    model = ModelJob(role="", name=plan.recipe.name, source=plan.source, info=plan.info,
+                     scheme=plan.scheme, calibration=plan.calibration, report=plan.report,
+                     imported=plan.imported, tps=tps, recipe=plan.resolved)  # fmt: skip
+    spec = plan.speculative
+    draft = [draft_job(spec, plan.recipe, tps)] if spec and spec.method == "draft" else []
+    return [model, *draft]
+
+
+def disk_estimate(plan: CompilePlan, output: Path, *, force: bool = False) -> DiskEstimate:
+    """The disk compiling `plan` into `output` needs, stage by stage (`kiln plan`); `force`:
+    with every stage run again."""
+    jobs = compile_jobs(plan)
+    return estimate_disk(jobs, plan.targets, plan.trtllm_path, plan.resolved, output, force=force)
 
 
 def _memory_problems(recipe: Recipe, memory: dict[str, int]) -> list[str]:

@@ -21,41 +21,61 @@ err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
 
+OUTPUT_HELP = "Output root (default: the recipe's `output`)."
+
+
 @click.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--output", type=click.Path(path_type=Path), help=OUTPUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @handle_errors
-def validate(recipe: Path, as_json: bool) -> None:
-    """Check RECIPE completely (schema, model, scheme, data, targets, memory) without running it."""
-    from kiln.compiler.preflight import validate_recipe
+def validate(recipe: Path, output: Path | None, as_json: bool) -> None:
+    """Check RECIPE completely (schema, model, scheme, data, targets, memory, disk) without
+    running it."""
+    from kiln.compiler.cli.describe import disk_summary
+    from kiln.compiler.preflight import run_preflight
     from kiln.compiler.recipe.errors import RecipeError
+    from kiln.compiler.recipe.recipe import load_recipe
 
     try:
-        plan = validate_recipe(recipe)
+        plan = run_preflight(load_recipe(recipe), output=output)
     except RecipeError as exc:
         if as_json:
             click.echo(json.dumps({"valid": False, "problems": exc.problems}))
             sys.exit(exc.exit_code)
         raise
+    disk = plan.disk
+    assert disk is not None  # run_preflight estimates it when it checks memory
     if as_json:
-        click.echo(json.dumps({"valid": True, "recipe": plan.resolved}))
+        click.echo(json.dumps({"valid": True, "recipe": plan.resolved, "disk": disk.to_dict()}))
     else:
         spec = plan.recipe.quant_spec()  # as the recipe asked, whatever an import brings
         out.print(f"{recipe}: ok ({plan.recipe.name}: {spec.method}, backend {spec.backend})")
+        click.echo(disk_summary(disk))
 
 
 @click.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--target", "only", multiple=True, help="Plan only these targets (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--output", type=click.Path(path_type=Path), help=OUTPUT_HELP)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object on stdout: each target's plan by name, and `disk`.",
+)
 @handle_errors
-def plan(recipe: Path, only: tuple[str, ...], as_json: bool) -> None:
-    """Plan GPU memory, KV capacity, tensor parallelism and cost for RECIPE's targets."""
-    from kiln.compiler.cli.describe import format_plan
-    from kiln.compiler.preflight import validate_recipe_plans
+def plan(recipe: Path, only: tuple[str, ...], output: Path | None, as_json: bool) -> None:
+    """Plan GPU memory, KV capacity, tensor parallelism and cost for RECIPE's targets, and the
+    disk its compile needs."""
+    from kiln.compiler.cli.describe import format_disk, format_plan
+    from kiln.compiler.preflight import disk_estimate, run_preflight
+    from kiln.compiler.recipe.recipe import load_recipe
     from kiln.runtime.base.errors import UsageError
 
-    plans = validate_recipe_plans(recipe)
+    parsed = load_recipe(recipe)
+    pre = run_preflight(parsed, check_memory=False)
+    plans = pre.plans
     unknown = sorted(set(only) - set(plans))
     if unknown:
         raise UsageError(
@@ -68,22 +88,22 @@ def plan(recipe: Path, only: tuple[str, ...], as_json: bool) -> None:
             f"{recipe}: the recipe has no `targets:` to plan — add GPU names, "
             "e.g. targets: [h100-sxm]"
         )
+    disk = disk_estimate(pre, output or parsed.output_dir())
     if as_json:
-        click.echo(json.dumps({name: p.to_dict() for name, p in chosen.items()}))
+        targets = {name: p.to_dict() for name, p in chosen.items()}
+        click.echo(json.dumps({**targets, "disk": disk.to_dict()}))
         return
     for name, target_plan in chosen.items():
         out.print(f"[bold]{name}[/]")
         out.print(format_plan(target_plan), markup=False)
         out.print()
+    out.print("[bold]disk[/] (all targets: one compile)")
+    click.echo(format_disk(disk))
 
 
 @click.command(name="compile")
 @click.argument("recipe", type=click.Path(path_type=Path))
-@click.option(
-    "--output",
-    type=click.Path(path_type=Path),
-    help="Output root (default: the recipe's `output`).",
-)
+@click.option("--output", type=click.Path(path_type=Path), help=OUTPUT_HELP)
 @click.option("--force", is_flag=True, help="Recompute every stage even when cached.")
 @click.option(
     "--promote",
@@ -109,7 +129,12 @@ def compile_cmd(
     registry_spec: str | None,
     as_json: bool,
 ) -> None:
-    """Compile RECIPE into a content-addressed artifact, then gate it if the recipe says so."""
+    """Compile RECIPE into a content-addressed artifact, then gate it if the recipe says so.
+
+    Before anything loads, the disk the compile writes (`kiln plan` itemises it) is checked
+    against the free space of the output's filesystem; the estimate is an upper bound, and
+    KILN_NO_DISK_CHECK=1 skips the check.
+    """
     from kiln.compiler.cli.stdout_guard import stdout_to_stderr
     from kiln.compiler.compile import compile_recipe
     from kiln.compiler.gating import check_gate_options, gate_compiled

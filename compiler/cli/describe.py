@@ -1,5 +1,5 @@
-"""Human-readable views: an artifact's manifest (`kiln inspect`) and a target's capacity plan
-(`kiln plan`)."""
+"""Human-readable views: an artifact's manifest (`kiln inspect`), a target's capacity plan and
+the disk a compile needs (`kiln plan`, `kiln validate`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kiln.compiler.disk import MARGIN, DiskEstimate, human, needed
 from kiln.compiler.trtllm.capacity import GiB, Plan
 from kiln.runtime.formats.artifact import QUANT_REPORT, Manifest, SpeculativeRecord
 
@@ -144,4 +145,49 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"note: {n}" for n in plan.notes]
     lines += [f"suggestion: {s}" for s in plan.suggestions]
+    return "\n".join(lines)
+
+
+def _free(disk: DiskEstimate) -> str:
+    if disk.same_filesystem:
+        return f"{human(disk.free_output)} free on the filesystem of {disk.output}"
+    return (f"{human(disk.free_output)} free for the artifact in {disk.output}, "
+            f"{human(disk.free_cache)} for the stage cache in {disk.cache_dir}")  # fmt: skip
+
+
+def disk_summary(disk: DiskEstimate) -> str:
+    """One line: what the compile writes, where, and the room there (`kiln validate`)."""
+    cached = disk.cached
+    what = f"{len(cached)} cached stage(s) reused" if cached else "a fresh compile"
+    return (
+        f"disk: {what} keeps about {human(disk.total)} (stage cache {human(disk.cache_bytes)}, "
+        f"artifact {human(disk.artifact_bytes)}) and needs {human(needed(disk.peak))} at its "
+        f"peak ({MARGIN:.0%} margin included); {_free(disk)}"
+    )
+
+
+def format_disk(disk: DiskEstimate) -> str:
+    """A plain-text table of what each stage and the artifact write (`kiln plan`)."""
+    same = disk.same_filesystem
+    rows = [("", "", "keeps", "while running", "")]
+    for part in disk.parts:
+        size, note = human(part.bytes), part.note
+        if part.where == "link":
+            how = "no new bytes (same filesystem)" if same else "copied (another filesystem)"
+            size, note = (human(0) if same else size), f"{note} ({human(part.bytes)}): {how}"
+        where = "stage cache" if part.where == "cache" else "artifact"
+        scratch = f"+{human(part.scratch)}" if part.scratch and not part.cached else ""
+        rows.append((part.name, where, "cached" if part.cached else size, scratch, note))
+    rows.append(("total", "", human(disk.total), "", ""))
+    margin = f"{human(needed(disk.peak))} with the {MARGIN:.0%} margin"
+    rows.append(("peak", "", human(disk.peak), "", margin))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"stage cache {disk.cache_dir}; artifact under {disk.output}"]
+    for name, where, size, scratch, note in rows:
+        cells = f"{name.ljust(widths[0])}  {where.ljust(widths[1])}  {size.rjust(widths[2])}"
+        lines.append(f"{cells}  {scratch.rjust(widths[3])}  {note}".rstrip())
+    lines.append(f"free: {_free(disk)}")
+    if disk.reclaimable:
+        lines.append(f"note: {human(disk.reclaimable)} that killed runs left is removed first")
+    lines += [f"problem: {p}" for p in disk.problems()]
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -147,10 +148,16 @@ def compile_cmd(
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     failure: TargetFailure | None = None
     # With --json, stdout carries exactly one JSON object: library prints go to stderr.
-    with stdout_to_stderr(as_json), Progress(*columns, console=err, transient=True) as bar:
+    # On a terminal a spinner; in a CI log (stderr not a terminal) each step on a line of its
+    # own, timed, since a spinner leaves nothing in a log.
+    logged = not err.is_terminal
+    with stdout_to_stderr(as_json), Progress(*columns, console=err, transient=True,
+                                             disable=logged) as bar:  # fmt: skip
         task = bar.add_task("starting", total=None)
 
         def progress(text: str) -> None:
+            if logged:
+                click.echo(f"{time.strftime('%H:%M:%S')} {text}", err=True)
             bar.update(task, description=text)
 
         step = None

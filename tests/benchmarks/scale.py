@@ -54,7 +54,8 @@ QUANTIZATION: dict[str, dict[str, Any]] = {
         "backend": "modelopt",
     },
 }
-STAGE = re.compile(r"^(source|quantize|report|export|package)\b")
+# `kiln compile`'s progress in a log: "HH:MM:SS quantize: ...".
+STAGE = re.compile(r"^\d\d:\d\d:\d\d (?:draft: )?(source|quantize|report|export|package)\b")
 GB = 1e9
 
 
@@ -120,7 +121,7 @@ def measure(argv: list[str], env: dict[str, str]) -> tuple[dict[str, Any], str]:
     log = []
     for line in proc.stderr:
         log.append(line)
-        found = STAGE.match(line.strip().removeprefix("draft: "))
+        found = STAGE.match(line.strip())
         if found:
             sampler.stage = found.group(1)
     out = proc.stdout.read()
@@ -130,7 +131,7 @@ def measure(argv: list[str], env: dict[str, str]) -> tuple[dict[str, Any], str]:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}:\n{''.join(log[-30:])}")
     maxrss_kb = int(log[-1].strip())
-    return {"json": json.loads(out), "peaks": sampler.peaks, "maxrss": maxrss_kb * 1024,
+    return {"stdout": out, "peaks": sampler.peaks, "maxrss": maxrss_kb * 1024,
             "wall": wall}, "".join(log)  # fmt: skip
 
 
@@ -152,8 +153,9 @@ def compile_row(model: Path, scheme: str, work: Path) -> dict[str, Any]:
     env = {**os.environ, "XDG_CACHE_HOME": str(out / "cache"), "OMP_WAIT_POLICY": "PASSIVE"}
     kiln = [sys.executable, "-m", "kiln.compiler.cli", "compile", str(path), "--json"]
     result, _ = measure(kiln, env)
-    artifact = Path(result["json"]["artifact"])
-    stages = {k: v["seconds"] for k, v in result["json"]["stages"].items()}
+    compiled = json.loads(result["stdout"])
+    artifact = Path(compiled["artifact"])
+    stages = {k: v["seconds"] for k, v in compiled["stages"].items()}
     return {"model": model.name, "scheme": scheme, "stages": stages, "peaks": result["peaks"],
             "maxrss": result["maxrss"], "wall": result["wall"], "artifact": du(artifact),
             "model_dir": du(artifact / "model"), "out": str(out)}  # fmt: skip
@@ -184,7 +186,6 @@ with llmcompressor_on_cpu():
             max_seq_length=128, shuffle_calibration_samples=False,
             recipe=[QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])])
 model.save_pretrained(out, save_compressed=True, max_shard_size="5GB")
-print("{}")
 """
 
 

@@ -22,6 +22,7 @@ from kiln.runtime.base.errors import CalibrationDataError, PreflightError, Stage
 from kiln.runtime.base.heap import return_large_frees
 from kiln.runtime.base.versions import versions
 from kiln.runtime.formats.artifact import CalibrationRecord, SchemeRecord
+from kiln.runtime.formats.tokenizer_files import save_tokenizer
 
 if TYPE_CHECKING:
     from kiln.runtime.formats.model_info import ModelInfo
@@ -99,7 +100,7 @@ def quantize(
         _calibrate(model, tokenizer, info, scheme, calibration, backend, record, out_dir,
                    routing_out, say)  # fmt: skip
         del model
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     _spell_legacy_rope(out_dir / "config.json")
     source_generation = model_dir / "generation_config.json"
     if source_generation.is_file() and not (out_dir / "generation_config.json").exists():

@@ -120,3 +120,44 @@ def test_identical_files_are_stored_once(tmp_path: Path) -> None:
     assert len({p.stat().st_ino for p in copies}) == 1 and copies[0].stat().st_nlink == 3
     assert (staging.path / "model" / "config.json").stat().st_nlink == 1
     assert artifact.verify(staging.path) == []
+
+
+def _with_report(root: Path, figures: str) -> Path:
+    manifest = artifact.Manifest(name="reported", recipe={})
+    with artifact.assemble(root, manifest) as staging:
+        (staging.dir / "model").mkdir()
+        (staging.dir / "model" / "w.bin").write_bytes(b"weights")
+        (staging.dir / "reports").mkdir()
+        (staging.dir / "reports" / "quantization.json").write_text(figures)
+    assert staging.path is not None
+    return staging.path
+
+
+def test_the_digest_names_what_is_deployed_not_the_reports_figures(tmp_path: Path) -> None:
+    """Two hosts' compiles of the same weights differ in the report's last digits: one name."""
+    one = _with_report(tmp_path / "a", '{"kl_mean": 0.14878618717193604}')
+    two = _with_report(tmp_path / "b", '{"kl_mean": 0.14878618717193611}')
+    assert one.name == two.name
+    assert artifact.verify(one) == [] and artifact.verify(two) == []
+    (one / "reports" / "quantization.json").write_text('{"kl_mean": 0.0}')
+    assert artifact.verify(one) == ["reports/quantization.json: sha256 " + _short(one)]
+
+
+def _short(root: Path) -> str:
+    recorded = artifact.load_manifest(root).files["reports/quantization.json"].sha256
+    actual = artifact.sha256_file(root / "reports" / "quantization.json")
+    return f"{actual[:12]}… != recorded {recorded[:12]}…"
+
+
+def test_an_artifact_of_format_version_2_still_verifies_with_its_digest(tmp_path: Path) -> None:
+    """Before format_version 3 the digest covered the reports too."""
+    root = _with_report(tmp_path, "{}")
+    data = json.loads((root / "manifest.json").read_text())
+    files = {rel: artifact.FileEntry(**entry) for rel, entry in data["files"].items()}
+    data["format_version"] = 2
+    data["digest"] = artifact.content_digest(files)
+    (root / "manifest.json").write_text(json.dumps(data))
+    assert artifact.verify(root) == []
+    data["digest"] = artifact.artifact_digest(files)  # a v2 manifest with a v3 digest lies
+    (root / "manifest.json").write_text(json.dumps(data))
+    assert artifact.verify(root) == ["manifest digest does not match its file list"]

@@ -35,6 +35,7 @@ from kiln.quant.spec import CalibrationSpec
 from kiln.runtime.base.cache import cache_home
 from kiln.runtime.base.errors import SourceError, UsageError
 from kiln.runtime.formats.safetensors_writer import SHARD_BYTES
+from kiln.runtime.formats.tokenizer_files import save_tokenizer
 
 PROVENANCE = "kiln-draft.json"
 TOKENIZER_FILES = (
@@ -330,4 +331,4 @@ def _save(draft: Any, tokenizer: Any, model_dir: Path, out: Path) -> None:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out / name)
     if not (out / "tokenizer_config.json").is_file():  # a tokenizer without files of its own
-        tokenizer.save_pretrained(out)
+        save_tokenizer(tokenizer, out)

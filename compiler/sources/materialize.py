@@ -22,6 +22,7 @@ from kiln.compiler.sources.reference import BUILTIN, GGUF, HF_DIR, HUB_CACHE, So
 from kiln.quant.prequantized import detect as prequantized
 from kiln.runtime.base.errors import SourceError, StageFailure
 from kiln.runtime.formats.safetensors_writer import SHARD_BYTES
+from kiln.runtime.formats.tokenizer_files import save_tokenizer
 
 PROVENANCE_FILE = "kiln_source.json"
 
@@ -129,7 +130,7 @@ def _dequantise_gguf(ref: SourceRef, out: Path) -> None:
     # warning on every load; 4.x applies it).
     tokenizer.clean_up_tokenization_spaces = False
     model.save_pretrained(out, max_shard_size=SHARD_BYTES)  # transformers 5 defaults to 50 GB
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
 
 
 def _convert_to_safetensors(ref: SourceRef, out: Path) -> None:

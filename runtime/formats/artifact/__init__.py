@@ -44,6 +44,7 @@ from kiln.runtime.formats.artifact.manifest import (
     FORMAT,
     FORMAT_VERSION,
     READABLE_VERSIONS,
+    REPORTS_NOT_DIGESTED,
     BuildRecord,
     CalibrationRecord,
     ExportRecord,
@@ -156,6 +157,15 @@ def engine_file(rel: str) -> bool:
     return len(parts) > 3 and parts[0] == ENGINES_DIR and parts[2] == "engine"
 
 
+def artifact_digest(files: dict[str, FileEntry], format_version: int = FORMAT_VERSION) -> str:
+    """An artifact's digest: `content_digest` of its files but its reports (from format
+    version 3: a report's figures move with the CPU's kernels while what is deployed does
+    not), so the same weights and recipe give the same name on any machine."""
+    if format_version >= REPORTS_NOT_DIGESTED:
+        files = {rel: e for rel, e in files.items() if not rel.startswith(f"{REPORTS_DIR}/")}
+    return content_digest(files)
+
+
 def content_digest(files: dict[str, FileEntry] | dict[str, str]) -> str:
     """The artifact digest: sha256 over the sorted `sha256  path` lines of its files (given
     as file entries, or as their sha256s)."""
@@ -219,7 +229,7 @@ def verify(path: str | Path, outside: Callable[[str], bool] | None = None) -> li
         problems.append(f"{rel}: not recorded in the manifest{hint if engine_file(rel) else ''}")
     # What kiln never writes and no reader may open: a FIFO would hang it, a link point away.
     problems += irregular_entries(root, links=False)
-    if not problems and content_digest(manifest.files) != manifest.digest:
+    if not problems and artifact_digest(manifest.files, manifest.format_version) != manifest.digest:
         problems.append("manifest digest does not match its file list")
     return problems
 
@@ -373,7 +383,7 @@ def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> I
         yield handle
         manifest.files = file_digests(staging)
         link_duplicates(staging, manifest.files)
-        manifest.digest = content_digest(manifest.files)
+        manifest.digest = artifact_digest(manifest.files)
         if stamp:
             manifest.created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_manifest(staging, manifest)

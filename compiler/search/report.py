@@ -76,6 +76,12 @@ def markdown(answer: dict[str, Any]) -> str:
         lines += ["## Refused by kiln compile", ""]
         lines += [f"- {cid}: {why}" for cid, why in answer["refused"].items()]
         lines.append("")
+    if answer.get("failed"):
+        lines += ["## No verdict: the cluster could not run them", ""]
+        lines += [f"- {cid}: {why}" for cid, why in answer["failed"].items()]
+        lines.append("")
+    if answer.get("cluster"):
+        lines += where_they_ran(answer)
     early = answer["early_stop"]
     lines += [
         f"Early look: {early['screened_out']} candidate(s) failed on a quarter of the task "
@@ -85,6 +91,31 @@ def markdown(answer: dict[str, Any]) -> str:
     if answer["notes"]:
         lines += ["## Notes", "", *(f"- {n}" for n in answer["notes"]), ""]
     return "\n".join(lines)
+
+
+def where_they_ran(answer: dict[str, Any]) -> list[str]:
+    """The cluster's section: its nodes, and each candidate's node, start, length and
+    attempts."""
+    cluster = answer["cluster"]
+    need = ", ".join(f"{v:g} {r}" for r, v in cluster["per_candidate"].items() if v)
+    lines = [
+        "## Where each candidate ran",
+        "",
+        f"Ray cluster {cluster['address']}: {'; '.join(cluster['nodes'])}. Each candidate took "
+        f"{need}; {cluster['slots']} ran at once.",
+        "",
+        "| candidate | node | started (UTC) | seconds | attempts | outcome |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in answer["candidates"]:
+        q = c["quality"]
+        outcome = ("no verdict" if c.get("failed") else "refused" if c["refused"]
+                   else "pass" if q and q["passed"] else "fail")  # fmt: skip
+        lines.append(
+            f"| {c['id']} | {c.get('node') or 'a serial run'} | {c.get('started') or '—'} | "
+            f"{c['seconds']:.0f} | {c.get('attempts') or '—'} | {outcome} |"
+        )
+    return [*lines, ""]
 
 
 def plot_svg(data: dict[str, Any], width: int = 560, height: int = 320) -> str:

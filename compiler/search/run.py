@@ -9,10 +9,11 @@ from the candidates it finished; an early look (search/early.py) fails a bad can
 quarter of the task items. Mixed precision (after the uniform schemes): the cheapest failing
 uniform candidate's linear groups ranked by the weight error its quantisation report
 measured, the k most sensitive kept float, k grown 1, 2, 4, … until the gate passes, then
-bisected. Everything the search cannot run — no candidate kiln accepts, calibration data
-they need, a search directory that is a file — is refused before anything is written; a
-search that judged nothing removes what it wrote. No library runs such a search over
-TensorRT-LLM targets, so this is ours.
+bisected (search/probes.py). With `--ray`, the candidates run as tasks on a Ray cluster
+instead (search/cluster/), judged by the same code (search/judge.py). Everything the search
+cannot run — no candidate kiln accepts, calibration data they need, a search directory that
+is a file — is refused before anything is written; a search that judged nothing removes
+what it wrote. No library runs such a search over TensorRT-LLM targets, so this is ours.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ from typing import Any
 import yaml
 
 from kiln.compiler.compile import compile_recipe
-from kiln.compiler.gating import gate_compiled
 from kiln.compiler.preflight import run_preflight
 from kiln.compiler.recipe.errors import RecipeError
 from kiln.compiler.recipe.recipe import Recipe, load_recipe
 from kiln.compiler.recipe.schema import QuantizationSection
-from kiln.compiler.search.early import decided_fail, screen_recipe
-from kiln.compiler.search.pareto import closest, frontier, quality_of, winner
+from kiln.compiler.search.judge import judge_candidate
+from kiln.compiler.search.pareto import closest, frontier, winner
 from kiln.compiler.search.price import Price, price
+from kiln.compiler.search.probes import walk
 from kiln.compiler.search.settings import SearchSettings, check_settings, directory_problems
 from kiln.compiler.search.space import (
     Candidate,
@@ -55,9 +56,8 @@ from kiln.compiler.search.state import (
     write_state,
 )
 from kiln.compiler.trtllm.targets import PROFILES, get_profile
-from kiln.gates.releases import Registry
 from kiln.quant import calibration
-from kiln.runtime.base.errors import KilnError, UsageError
+from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.machine import describe_machine, machine_facts
 
 Progress = Callable[[str], None]
@@ -82,6 +82,7 @@ class Search:
         self.notes: list[str] = []
         pre = run_preflight(recipe, check_memory=False)
         self.info, self.deploy, self.path = pre.info, pre.deploy, pre.trtllm_path
+        self.source = pre.source  # the float checkpoint every candidate is quantised from
         self.targets = settings.targets or list(recipe.config.targets)
         # What decides a verdict besides the recipe and the tools; the budget does not.
         self.key = state_key(recipe, {
@@ -93,13 +94,15 @@ class Search:
         self.aside: Path | None = None  # where that state was moved
         self.before: set[Path] = set()  # what the search directory held (start())
         self.made: Path | None = None  # the directory start() created, if any
+        self.cluster: dict[str, Any] | None = None  # the cluster it ran on (search/cluster/)
 
     # ---- state ---------------------------------------------------------------------------
 
     def load_state(self) -> None:
         """Resume the candidates a state written under this search's key holds."""
         rows, self.stale = read_state(self.dir, self.recipe.path, self.key)
-        self.judged = {j.candidate.id: j for j in rows}
+        # A candidate whose workers died has no verdict to resume: it is judged again.
+        self.judged = {j.candidate.id: j for j in rows if j.failed is None}
         self.resumed = len(self.judged)
         if self.stale:
             self.say(f"not resuming {self.dir / STATE}: {self.stale}; judging every "
@@ -137,8 +140,9 @@ class Search:
 
     # ---- one candidate ---------------------------------------------------------------------
 
-    def write_recipe(self, cand: Candidate) -> Path:
-        """The candidate as a recipe of its own: the searched recipe, this quantization."""
+    def write_recipe(self, cand: Candidate, output: Path | None = None) -> Path:
+        """The candidate as a recipe of its own: the searched recipe, this quantization,
+        compiled into `output` (default: the search's `artifacts/`)."""
         path = self.dir / "candidates" / f"{cand.id}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         body = {
@@ -146,7 +150,7 @@ class Search:
             "name": f"{self.recipe.name}-{cand.id}"[:64].rstrip("-."),
             "quantization": cand.quantization,
             "targets": cand.targets or self.targets,
-            "output": os.path.relpath(self.dir / "artifacts", path.parent),
+            "output": os.path.relpath(output or self.dir / "artifacts", path.parent),
         }
         header = (
             f"# kiln search candidate {cand.id} ({cand.kind}) of {self.recipe.path}; "
@@ -161,38 +165,10 @@ class Search:
         began = time.monotonic()
         path = self.write_recipe(cand)
         judged = Judged(cand, str(path), prices=self.prices(cand))
-        try:
-            judged = self._compile_and_gate(judged, path)
-        except KilnError as exc:  # a recipe kiln refuses: recorded, the search goes on
-            judged.refused = " ".join(str(exc).split())[:600]
+        judged = judge_candidate(judged, self.settings, self.registry, self.say)
         judged.seconds = time.monotonic() - began
         self.judged[cand.id] = judged
         self.save_state()
-        return judged
-
-    def _compile_and_gate(self, judged: Judged, path: Path) -> Judged:
-        cand = judged.candidate
-        self.say(f"{cand.id}: compiling")
-        recipe = load_recipe(path)
-        result = compile_recipe(path, progress=lambda text: self.say(f"{cand.id}: {text}"))
-        judged.artifact = str(result.artifact)
-        with Registry(self.registry) as registry:
-            screen = screen_recipe(recipe) if self.settings.early_stop else None
-            if screen is not None:
-                self.say(f"{cand.id}: early look")
-                step = gate_compiled(result, screen, registry=registry)
-                assert step is not None
-                if decided_fail(step.verdict):
-                    judged.screen = {"failed": True, "checks": step.failed_checks}
-                    judged.quality = quality_of(step.verdict, screened_out=True)
-                    return judged
-                judged.screen = {"failed": False}
-            self.say(f"{cand.id}: gating")
-            step = gate_compiled(result, recipe, registry=registry)
-            assert step is not None
-            judged.quality = quality_of(step.verdict)
-        if self.settings.measure:
-            judged.measured_tokens_per_s = _measure_decode(result.artifact / "model")
         return judged
 
     def prices(self, cand: Candidate) -> dict[str, Price]:
@@ -271,11 +247,15 @@ class Search:
             return ""
         return f", ETA ~{remaining * sum(fresh) / len(fresh) / 60:.0f} min before mixed precision"
 
-    def run(self, candidates: list[Candidate]) -> None:
-        """Judge `candidates` (space()) in order, then the mixed-precision ones."""
-        for j in self.judged.values():  # a resumed candidate's recipe, deleted since
+    def restore_recipes(self) -> None:
+        """Write again the recipes of resumed candidates that were deleted since."""
+        for j in self.judged.values():
             if not Path(j.recipe).is_file():
                 j.recipe = str(self.write_recipe(j.candidate))
+
+    def run(self, candidates: list[Candidate]) -> None:
+        """Judge `candidates` (space()) in order, then the mixed-precision ones."""
+        self.restore_recipes()
         total = len(candidates)
         for n, cand in enumerate(candidates, 1):
             if (why := self.over_budget()) is not None:
@@ -287,6 +267,26 @@ class Search:
             self.run_mixed()
 
     def run_mixed(self) -> None:
+        """Judge the mixed-precision candidates one k at a time (search/probes.py)."""
+        found = self.mixed_parent()
+        if found is None:
+            return
+        parent, ranked = found
+        top = len(ranked) - 1
+        passed: dict[int, bool] = {}
+        while (need := walk(passed, top).need) is not None:
+            if (why := self.over_budget()) is not None:
+                self.notes.append(f"mixed search stopped at k={need}: {why}")
+                return
+            cid = parent.candidate.id
+            self.say(f"mixed: {cid} keeping the {need} most sensitive groups float")
+            passed[need] = self.judge(mixed_candidate(parent.candidate, ranked, need)).passed
+        self.note_mixed_answer(parent, ranked, passed)
+
+    def mixed_parent(self) -> tuple[Judged, list[tuple[float, list[str]]]] | None:
+        """The uniform candidate the mixed ones keep layers of float — the cheapest that
+        failed, cheaper than the cheapest that passed — and its groups ranked by measured
+        sensitivity; None (with a note saying why) when there is none to try."""
         uniform = [j for j in self.judged.values() if j.candidate.kind == "uniform"]
         passing = [j for j in uniform if j.passed]
         cheapest_pass = min((_cheapest(j.prices) for j in passing), default=math.inf)
@@ -311,45 +311,27 @@ class Search:
                     "keeping layers float could only cost more"
                 )
             )
-            return
+            return None
         parent = parents[0]
         if (why := self.over_budget()) is not None:  # before compiling a parent again
             self.notes.append(f"mixed search stopped at k=1: {why}")
-            return
+            return None
         ranked = sensitivities(self.parent_report(parent), self.info)
-        top = len(ranked) - 1  # keeping every group float quantises nothing
-        if top < 1:
+        if len(ranked) < 2:  # keeping every group float quantises nothing
             self.notes.append(f"no mixed-precision candidate: {parent.candidate.id} has one group")
-            return
+            return None
+        return parent, ranked
 
-        def probe(k: int) -> bool | None:
-            if (why := self.over_budget()) is not None:
-                self.notes.append(f"mixed search stopped at k={k}: {why}")
-                return None
-            self.say(f"mixed: {parent.candidate.id} keeping the {k} most sensitive groups float")
-            return self.judge(mixed_candidate(parent.candidate, ranked, k)).passed
-
-        k, low = 1, 0
-        while True:  # grow k 1, 2, 4, ... until a pass
-            ok = probe(min(k, top))
-            if ok is None:
-                return
-            if ok:
-                break
-            if k >= top:
-                self.notes.append(
-                    f"no mixed candidate of {parent.candidate.id} passed, even "
-                    f"with {top} of {len(ranked)} groups float"
-                )
-                return
-            low, k = min(k, top), min(2 * k, top)
-        high = min(k, top)
-        while high - low > 1:  # the smallest k that passes lies in (low, high]
-            mid = (low + high) // 2
-            ok = probe(mid)
-            if ok is None:
-                return
-            low, high = (low, mid) if ok else (mid, high)
+    def note_mixed_answer(
+        self, parent: Judged, ranked: list[tuple[float, list[str]]], passed: dict[int, bool]
+    ) -> None:
+        """Note a mixed search that ended with no k passing."""
+        top = len(ranked) - 1
+        if walk(passed, top).best is None:
+            self.notes.append(
+                f"no mixed candidate of {parent.candidate.id} passed, even "
+                f"with {top} of {len(ranked)} groups float"
+            )
 
     def parent_report(self, parent: Judged) -> dict[str, Any]:
         """The quantisation report of a mixed candidate's parent; its artifact compiled again
@@ -414,6 +396,8 @@ class Search:
             "machine": describe_machine(facts),
             "candidates": [j.to_dict() for j in self.judged.values()],
             "refused": {j.candidate.id: j.refused for j in self.judged.values() if j.refused},
+            "failed": {j.candidate.id: j.failed for j in self.judged.values() if j.failed},
+            "cluster": self.cluster,
             "early_stop": {
                 "screened_out": len(screened),
                 "candidates": [j.candidate.id for j in screened],
@@ -431,21 +415,15 @@ def _cheapest(prices: dict[str, Price]) -> float:
     return min(known) if known else math.inf
 
 
-def _measure_decode(model_dir: Path, tokens: int = 32) -> float:
-    """kiln's runtime decode tokens/s on this machine, one greedy sequence."""
-    from kiln.runtime import Engine, SamplingParams
-
-    engine = Engine.from_pretrained(model_dir)
-    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    began = time.perf_counter()
-    out = engine.generate([prompt], params)[0]
-    return len(out.token_ids) / (time.perf_counter() - began)
-
-
 def _children(path: Path) -> list[Path]:
     return list(path.iterdir()) if path.is_dir() and not path.is_symlink() else []
+
+
+def judge_here(search: Search, candidates: list[Candidate]) -> None:
+    """Judge the candidates one after another on this machine, resuming a saved state."""
+    search.load_state()
+    search.start()
+    search.run(candidates)
 
 
 def run_search(
@@ -454,9 +432,11 @@ def run_search(
     out_dir: Path,
     registry: str | None = None,
     progress: Progress | None = None,
+    fan_out: Callable[[Search, list[Candidate]], None] | None = None,
 ) -> dict[str, Any]:
     """Search, write search.json/.md/.html and each target's winning recipe into `out_dir`,
-    and return search.json's content."""
+    and return search.json's content. The candidates are judged one after another here, or
+    by `fan_out` (a Ray cluster's tasks: search/cluster.py)."""
     from kiln.compiler.search.report import write_reports
 
     recipe = load_recipe(recipe_path)
@@ -465,16 +445,16 @@ def run_search(
         raise UsageError("\n".join(problems))
     search = Search(recipe, settings, out_dir, registry, progress or (lambda _t: None))
     candidates = search.space()
-    search.load_state()
-    search.start()
-    search.run(candidates)
+    (fan_out or judge_here)(search, candidates)
     if not any(j.quality for j in search.judged.values()):
         search.undo()
         refused = [f"{j.candidate.id}: {j.refused}" for j in search.judged.values() if j.refused]
+        failed = [f"{j.candidate.id}: {j.failed}" for j in search.judged.values() if j.failed]
+        why = [f"kiln compile refused {'; '.join(refused)}"] if refused else []
+        why += [f"the cluster could not run {'; '.join(failed)}"] if failed else []
         raise UsageError(
-            "kiln search judged no candidate: kiln compile refused "
-            + "; ".join(refused)
-            + "; fix the recipe and rerun (nothing this run wrote was kept)"
+            f"kiln search judged no candidate: {'; '.join(why)}; fix the recipe and rerun "
+            "(nothing this run wrote was kept)"
         )
     answer = search.answer()
     write_reports(out_dir, answer)

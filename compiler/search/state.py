@@ -45,6 +45,12 @@ class Judged:
     seconds: float = 0.0
     measured_tokens_per_s: float | None = None
     screen: dict[str, Any] | None = None  # the early look's verdict summary
+    # On a cluster (search/cluster/): the node and UTC time its last attempt started, how
+    # many attempts it took, and why it has no verdict when its workers died.
+    node: str | None = None
+    started: str | None = None
+    attempts: int | None = None
+    failed: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         c = self.candidate
@@ -64,6 +70,10 @@ class Judged:
             "prices": {t: p.to_dict() for t, p in self.prices.items()},
             "measured_tokens_per_s": self.measured_tokens_per_s,
             "screen": self.screen,
+            "node": self.node,
+            "started": self.started,
+            "attempts": self.attempts,
+            "failed": self.failed,
         }
 
     @classmethod
@@ -92,6 +102,10 @@ class Judged:
             data.get("seconds", 0.0),
             data.get("measured_tokens_per_s"),
             data.get("screen"),
+            data.get("node"),
+            data.get("started"),
+            data.get("attempts"),
+            data.get("failed"),
         )
 
     @property

@@ -18,7 +18,7 @@ from kiln.compiler.search.pareto import quality_of
 from kiln.compiler.search.settings import SearchSettings
 from kiln.compiler.search.state import Judged
 from kiln.gates.releases import Registry
-from kiln.runtime.base.errors import KilnError
+from kiln.runtime.base.errors import KilnError, disk_full
 
 Progress = Callable[[str], None]
 
@@ -32,6 +32,8 @@ def judge_candidate(
     try:
         return _compile_and_gate(judged, Path(judged.recipe), settings, registry, say)
     except KilnError as exc:  # a recipe kiln refuses: recorded, the search goes on
+        if disk_full(exc) is not None:
+            raise  # every later candidate would fail the same way: the search stops, saying so
         judged.refused = " ".join(str(exc).split())[:600]
         return judged
 

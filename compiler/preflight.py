@@ -4,8 +4,10 @@ resolve it, once, into the frozen `CompilePlan` every later stage reads.
 Every problem found is collected and reported at once: the model source and its
 architecture, the scheme × backend × shapes, the calibration and report data, the target
 GPUs and their support matrix, a speculative draft (the same checks, and a tokenizer equal
-to the model's), whether calibration fits in this machine's memory, and whether what the
-compile writes fits the free space of its output's disk (compiler/disk/).
+to the model's), whether calibration fits in this machine's memory, whether the model's weights
+and tokenizer are there, and whether what the compile writes fits the free space of its
+output's disk (compiler/disk/). Planning reads config.json alone: it checks neither the host
+nor the weights and tokenizer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kiln.compiler.preflight_checks import (
     gate_problems,
     ignore_problems,
     length_problems,
+    missing_files,
     model_problems,
 )
 from kiln.compiler.recipe.errors import RecipeError
@@ -135,20 +138,30 @@ def _targets(
 
 
 def run_preflight(
-    recipe: Recipe, *, check_memory: bool = True, output: Path | None = None, force: bool = False
+    recipe: Recipe,
+    *,
+    check_memory: bool = True,
+    output: Path | None = None,
+    force: bool = False,
+    need_checkpoint: bool | None = None,
 ) -> CompilePlan:
     """Check everything that can be checked without loading weights; raise RecipeError.
 
     `check_memory=False` skips the checks of the calibration host, its memory, the output
     directory and its free disk (planning needs none); `output` is where the artifact goes when
-    not the recipe's own `output`; `force`: every stage will run again, cached or not. The disk
-    check is skipped where $KILN_NO_DISK_CHECK is set.
+    not the recipe's own `output`; `force`: every stage will run again, cached or not;
+    `need_checkpoint`: whether the model's weights and tokenizer must be there (by default
+    when `check_memory`: a plan reads config.json alone). The disk check is skipped where
+    $KILN_NO_DISK_CHECK is set.
     """
     problems: list[str] = []
     if check_memory and (problem := output_problem(output or recipe.output_dir())) is not None:
         problems.append(recipe.problem("output", problem, "a writable directory"))
     calib, resolved = recipe.calibration_spec(), recipe.resolved()
     ref, info = _source(recipe, problems)
+    need = check_memory if need_checkpoint is None else need_checkpoint
+    # Reported after the memory check: a config-only directory still gets every other answer.
+    absent = missing_files(recipe, ref) if need and ref is not None else []
     arch_problems = sources.check_architecture(info) if info is not None else []
     problems.extend(recipe.problem("model.source", p) for p in arch_problems)
     if ref is not None and info is not None and not arch_problems:
@@ -179,6 +192,7 @@ def run_preflight(
     if info is not None and scheme is not None and not problems and check_memory:
         memory = {} if quant.imported else estimate_calibration_bytes(info, scheme, calib)
         problems += _memory_problems(recipe, memory) if memory else []
+    problems += absent
 
     if problems:
         raise RecipeError(problems)

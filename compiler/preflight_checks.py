@@ -4,7 +4,8 @@ would fail on after calibrating.
 
 - every tensor the config's architecture reads present in every layer, with its shape, and no
   layer beyond it (checkpoint_checks.py, from the safetensors headers);
-- a tokenizer in a Hugging Face model directory;
+- weights and a tokenizer in a Hugging Face model directory (a compile reads both; `kiln plan`
+  reads config.json alone, so a config-only directory plans);
 - every `quantization.ignore` entry naming some linear, and some linear left to quantise;
 - the lengths asked for (deploy, calibration, report) within the model's positions;
 - every gate task known (kiln's own from its task files, lm-eval's from lm-eval's index).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from kiln.compiler.checkpoint_checks import completeness_problems
 from kiln.compiler.recipe.recipe import Recipe
-from kiln.compiler.sources import BUILTIN, GGUF, SourceRef
+from kiln.compiler.sources import BUILTIN, GGUF, HUB_CACHE, SourceRef
 from kiln.gates.measure.divergence_texts import resolve_path
 from kiln.gates.measure.tasks import BUILTIN_TASKS_DIR, task_problems
 from kiln.quant.selection import is_ignored, quantised_linears
@@ -24,26 +25,42 @@ from kiln.runtime.formats.model_info import ModelInfo
 
 # What a transformers tokenizer loads from: a fast tokenizer, SentencePiece, or BPE vocabularies.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+# What a compile loads weights from (sources/materialize.py converts a .bin checkpoint).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
 def model_problems(recipe: Recipe, ref: SourceRef, info: ModelInfo) -> list[str]:
-    """The model source's files against its config: every tensor and its shape, and a
-    tokenizer."""
+    """The model source's files against its config: every tensor and its shape."""
     if ref.kind in (GGUF, BUILTIN):
         return []  # one file holds config, tokenizer and tensors; its reader checked them
     unreadable = [f"{ref.path}/{line}" for line in irregular_entries(ref.path)]
     problems = [recipe.problem("model.source", p) for p in unreadable]
-    problems += [recipe.problem("model.source", p) for p in completeness_problems(ref.path, info)]
+    return problems + [
+        recipe.problem("model.source", p) for p in completeness_problems(ref.path, info)
+    ]
+
+
+def missing_files(recipe: Recipe, ref: SourceRef) -> list[str]:
+    """What a compile reads that the model directory lacks: weights, a tokenizer (one line)."""
+    if ref.kind in (GGUF, BUILTIN):
+        return []
+    missing = []
+    if not any(any(ref.path.glob(pattern)) for pattern in WEIGHT_FILES):
+        missing.append(f"no weights (no {' or '.join(WEIGHT_FILES)})")
     if not any((ref.path / name).exists() for name in TOKENIZER_FILES):
-        problems.append(
-            recipe.problem(
-                "model.source",
-                f"{ref.path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})",
-                "copy the model's tokenizer files into the directory (save_pretrained of its "
-                "tokenizer writes them)",
-            )
-        )
-    return problems
+        missing.append(f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if not missing:
+        return []
+    if ref.kind == HUB_CACHE:
+        repo = ref.spec.strip().removeprefix("hf:")
+        fix = (f"download the whole checkpoint on a machine with network (`hf download {repo}`) "
+               "and copy that hub cache here")  # fmt: skip
+    else:
+        fix = ("copy the complete checkpoint into the directory: its weight files and the "
+               "tokenizer files save_pretrained writes")  # fmt: skip
+    problem = (f"{ref.path} holds {' and '.join(missing)}, which a compile reads "
+               "(`kiln plan` needs config.json alone)")  # fmt: skip
+    return [recipe.problem("model.source", problem, fix)]
 
 
 def ignore_problems(recipe: Recipe, info: ModelInfo, spec: QuantSpec, key: str) -> list[str]:

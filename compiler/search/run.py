@@ -80,7 +80,7 @@ class Search:
         self.judged: dict[str, Judged] = {}
         self.resumed = 0
         self.notes: list[str] = []
-        pre = run_preflight(recipe, check_memory=False)
+        pre = run_preflight(recipe, check_memory=False, need_checkpoint=True)
         self.info, self.deploy, self.path = pre.info, pre.deploy, pre.trtllm_path
         self.source = pre.source  # the float checkpoint every candidate is quantised from
         self.targets = settings.targets or list(recipe.config.targets)

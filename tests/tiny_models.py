@@ -96,11 +96,15 @@ def make_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     head_dim: int | None = None,
+    partial_rotary_factor: float | None = None,
     **extra: object,
 ) -> Path:
     """Write a random `arch` checkpoint (float32) and its tokenizer to `path`; `extra`: more
-    config fields (a MoE model's experts)."""
+    config fields (a MoE model's experts). `partial_rotary_factor`: the share of each head
+    RoPE rotates (Phi-3's config reads it: 0.75 as Phi-4-mini); None leaves the key out."""
     tokenizer = train_tokenizer(vocab_size)
+    if partial_rotary_factor is not None:
+        extra = {**extra, "partial_rotary_factor": partial_rotary_factor}
     if arch == "mixtral":  # each expert as wide as intermediate_size
         extra = {**MOE, **extra}
     if arch == "qwen3_moe":

@@ -142,16 +142,33 @@ def attention_problems(
     return problems
 
 
+def rotary_problems(key: str, factor: Any, head_dim: int) -> list[str]:
+    """partial_rotary_factor (`factor`, spelled in config.json as `key`): RoPE rotates the first
+    int(head_dim * factor) channels of each head, in two halves, so they must be an even
+    number of at least 2."""
+    what = "the share of each head RoPE rotates"
+    if not _positive(factor) or factor > 1:
+        return [f"{key} {factor!r} ({what}: a number above 0, at most 1)"]
+    rotated = int(head_dim * factor)
+    if rotated < 2 or rotated % 2:
+        return [
+            f"{key} {factor!r} ({what}: {rotated} of head_dim {head_dim} channels, where RoPE "
+            "rotates pairs: a share that leaves an even number, at least 2)"
+        ]
+    return []
+
+
 def rope_problems(
     config: dict[str, Any],
     rope: dict[str, Any],
     where: str,
-    rotary_dim: int,
+    rotary_dim: int | None,
     bases: dict[str, Any],
 ) -> list[str]:
     """RoPE's bases (`bases`: each base's config.json key → value) and parameters (`rope`:
     the merged rope_scaling / rope_parameters, spelled in config.json as `where`) for the
-    scalings the runtime computes: linear, llama3 and LongRoPE."""
+    scalings the runtime computes: linear, llama3 and LongRoPE (`rotary_dim`: the channels of
+    a head it rotates, which LongRoPE's factor lists match; None where that is itself wrong)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     max_positions = _count(config.get("max_position_embeddings", 2048)) or 0  # transformers'
     problems = [
@@ -184,7 +201,8 @@ def rope_problems(
                 f"{where}.original_max_position_embeddings {original!r} (llama3 RoPE: the "
                 f"pre-training context, from 1 to max_position_embeddings {max_positions})"
             )
-    if kind == "longrope":
+    # LongRoPE's factor lists, one per rotated pair (unjudged where the rotary dim is wrong)
+    if kind == "longrope" and rotary_dim is not None:
         for key in ("short_factor", "long_factor"):
             factors = rope.get(key)
             if not isinstance(factors, list):
@@ -200,6 +218,7 @@ def rope_problems(
                 f"{where}.{shown} (LongRoPE: one factor per rotated pair of the {rotary_dim} "
                 f"rotary dimensions, {rotary_dim // 2} finite numbers above 0)"
             )
+    if kind == "longrope":
         for key in ("factor", "attention_factor"):
             if rope.get(key) is not None:
                 need(key, "a number above 0, or leave it out")

@@ -16,6 +16,7 @@ from kiln.runtime.formats.config_ranges import (
     attention_problems,
     moe_problems,
     rope_problems,
+    rotary_problems,
     size_problems,
 )
 
@@ -52,6 +53,10 @@ UNWINDOWED_ARCHITECTURES = ("LlamaForCausalLM",)
 # scores are scaled by query_pre_attn_scalar ** -0.5, and sliding-window layers (every one but
 # each sliding_window_pattern-th) rotate with their own base (rope_local_base_freq).
 GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# Families whose transformers model rotates only the first int(head_dim * partial_rotary_factor)
+# channels of each query and key head and passes the rest through (Phi-4-mini: 96 of 128); the
+# others' transformers models rotate whole heads whatever config.json says.
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -114,7 +119,7 @@ class ModelInfo:
     qkv_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
-    partial_rotary_factor: float = 1.0  # the share of head_dim RoPE rotates
+    partial_rotary_factor: float = 1.0  # the share of each head RoPE rotates (see rotary_dim)
     sliding_window: int | None = None
     # Each decoder layer's attention, "sliding_attention" or "full_attention", as transformers
     # reads config.json (every layer of Mistral slides; Gemma 3 all but every sixth).
@@ -145,6 +150,13 @@ class ModelInfo:
         )
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return linears + self.num_layers * norms + embeddings + self.hidden_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each query and key head RoPE rotates: the first
+        int(head_dim * partial_rotary_factor), as transformers' Phi3 counts them; the rest pass
+        through unrotated."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def moe(self) -> MoELayout | None:
@@ -228,10 +240,15 @@ class ModelInfo:
                 problems.append(f"{name} {self.config[name]} is not supported (Gemma 2's)")
         if self.config.get("use_bidirectional_attention"):
             problems.append("use_bidirectional_attention (an embedding model) is not supported")
-        if self.partial_rotary_factor != 1.0:
+        if (
+            self.partial_rotary_factor != 1.0
+            and self.architecture not in PARTIAL_ROTARY_ARCHITECTURES
+        ):
             problems.append(
-                f"partial_rotary_factor {self.partial_rotary_factor} is not supported; the "
-                "runtime rotates whole heads"
+                f"partial_rotary_factor {self.partial_rotary_factor} is not supported on "
+                f"{self.architecture}: its transformers model rotates whole heads (of the "
+                f"families kiln runs, {', '.join(PARTIAL_ROTARY_ARCHITECTURES)} rotates part of "
+                "each); remove the key, or set it to 1.0"
             )
         if self.rope_type not in ROPE_TYPES:
             problems.append(
@@ -284,7 +301,11 @@ class ModelInfo:
         rope = {**(config.get("rope_scaling") or {}), **params}
         theta_key = f"{where}.rope_theta" if "rope_theta" in rope else "rope_theta"
         theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-        partial = float(rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+        partial_key = (f"{where}.partial_rotary_factor" if "partial_rotary_factor" in rope
+                       else "partial_rotary_factor")  # fmt: skip
+        partial = rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        rotary = rotary_problems(partial_key, partial, head_dim)
+        rotary_dim = None if rotary else int(head_dim * partial)  # unknown: lengths unchecked
         rope_type = str(rope.get("rope_type", rope.get("type", "default")))
         window = None if arch in UNWINDOWED_ARCHITECTURES else config.get("sliding_window")
         if arch in OPT_IN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
@@ -300,7 +321,8 @@ class ModelInfo:
         problems = [
             *(moe_problems(config, layout.width_key, layers, layout.dense_keys) if layout else []),
             *attention_problems(config, layers, window, gemma),
-            *rope_problems(config, rope, where, int(head_dim * partial), bases),
+            *rotary,
+            *rope_problems(config, rope, where, rotary_dim, bases),
         ]
         if problems:
             raise ConfigValueError(problems)
@@ -331,7 +353,7 @@ class ModelInfo:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             fused_projections=arch in FUSED_ARCHITECTURES,
-            partial_rotary_factor=partial,
+            partial_rotary_factor=float(partial),
             num_experts=experts if layout else 0,
             num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if layout else 0,
             moe_intermediate_size=int(config[layout.width_key]) if layout else 0,

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
+from kiln.compiler.preflight import run_preflight
 from kiln.compiler.recipe.recipe import load_recipe
 
 ROOT = Path(__file__).parents[2]
@@ -112,18 +113,19 @@ def test_a_shipped_recipe_of_a_builtin_model_validates(
     assert code == 0, out
 
 
-def test_phi_4_mini_is_refused_for_its_partial_rotary_embedding(
-    offline: None, tmp_path: Path
+def test_phi_4_mini_plans_on_both_tensorrt_llm_paths_with_its_partial_rotary_embedding(
+    offline: None,
 ) -> None:
-    # Phi-4-mini rotates 96 of each head's 128 dimensions; kiln's runtime rotates whole heads.
-    path = tmp_path / "phi-4-mini.yaml"
-    path.write_text(
-        "name: phi-4-mini\nmodel:\n  source: microsoft/Phi-4-mini-instruct\n"
-        "quantization:\n  method: fp8\ntargets: [h100-sxm]\n"
-    )
-    code, out = kiln("plan", path)
-    assert code == 2
-    assert "partial_rotary_factor 0.75 is not supported" in out
+    """Phi-4-mini rotates 96 of each head's 128 channels: kiln's runtime rotates those alone,
+    and its recipe plans on both TensorRT-LLM paths (the 1.2 engine's rotary_pct, the
+    PyTorch backend's partial_rotary_factor) for every target."""
+    plan = run_preflight(load_recipe(ROOT / "recipes" / "phi-4-mini-fp8.yaml"), check_memory=False)
+    assert plan.info.architecture == "Phi3ForCausalLM" and plan.info.unsupported() == []
+    assert (plan.info.head_dim, plan.info.rotary_dim, plan.info.rope_type) == (128, 96, "longrope")
+    assert plan.targets and all(t.capacity.fits for t in plan.targets.values())
+    assert {n: (t.engine_problems, t.pytorch_problems) for n, t in plan.targets.items()} == {
+        n: ((), ()) for n in plan.targets
+    }
 
 
 def config_only(model: Path, into: Path) -> Path:

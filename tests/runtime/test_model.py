@@ -1,5 +1,5 @@
-"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3,
-Mixtral and Qwen3-MoE."""
+"""The runtime's forward pass matches transformers on Llama, Mistral, Qwen2, Qwen3, Phi-3 (its
+partial rotary too: Phi-4-mini), Gemma 3, Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -15,9 +15,21 @@ from kiln.runtime import Engine, SamplingParams
 from kiln.runtime.base.errors import ArtifactError, UsageError
 from tests.runtime.conftest import hf_greedy, hf_logprobs, hf_model, logprobs_of, prompt_ids
 
-ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_gemma3",
-         "tiny_mixtral", "tiny_qwen3_moe"]  # fmt: skip
+ARCHS = ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_phi3",
+         "tiny_phi3_partial_rotary", "tiny_gemma3", "tiny_mixtral", "tiny_qwen3_moe"]  # fmt: skip
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_partial_rotary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Phi-3 that rotates 24 of each head's 32 channels (partial_rotary_factor 0.75,
+    as Phi-4-mini rotates 96 of 128) and ties its LM head to the embedding, as Phi-4-mini."""
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-phi3-partial"), arch="phi3", partial_rotary_factor=0.75,
+        tie_word_embeddings=True,
+    )  # fmt: skip
 
 
 def prompt_logprob_matrix(engine: Engine, prompt: list[int]) -> torch.Tensor:
@@ -186,28 +198,42 @@ def test_a_gemma3_chat_renders_its_template_and_stops_at_its_generation_eos(
     assert out.finish_reason == "stop"
 
 
-@pytest.fixture(scope="module")
-def tiny_phi3_longrope(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Phi-3 with LongRoPE (as Phi-3-128k, Phi-3.5 and Phi-4-mini): short and long
-    factors of their own per frequency, pretrained on 16 positions, extended to 512."""
+def longrope_phi3(path: Path, rotated: int, **extra: object) -> Path:
+    """A 2-layer Phi-3 with LongRoPE: short and long factors of their own for each of the
+    `rotated` channels' pairs, pretrained on 16 positions, extended to 512."""
     from tests.tiny_models import make_tiny_model
 
-    half = 32 // 2  # head_dim 32
     rope = {
         "rope_type": "longrope",
-        "short_factor": [1.0 + 0.1 * i for i in range(half)],
-        "long_factor": [1.5 + 0.5 * i for i in range(half)],
+        "short_factor": [1.0 + 0.1 * i for i in range(rotated // 2)],
+        "long_factor": [1.5 + 0.5 * i for i in range(rotated // 2)],
         "original_max_position_embeddings": 16,
         "rope_theta": 10000.0,
     }
     return make_tiny_model(
-        tmp_path_factory.mktemp("tiny-phi3-longrope"), arch="phi3", rope_parameters=rope,
-        original_max_position_embeddings=16,
+        path, arch="phi3", rope_parameters=rope, original_max_position_embeddings=16, **extra
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_longrope(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LongRoPE over whole heads of 32, as Phi-3-128k and Phi-3.5."""
+    return longrope_phi3(tmp_path_factory.mktemp("tiny-phi3-longrope"), 32)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi4_mini(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-4-mini in small: LongRoPE over the 24 rotated channels of each head of 32
+    (partial_rotary_factor 0.75, so 12 factors a list), the LM head tied to the embedding."""
+    return longrope_phi3(
+        tmp_path_factory.mktemp("tiny-phi4-mini"), 24, partial_rotary_factor=0.75,
+        tie_word_embeddings=True,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("model", ["tiny_phi3_longrope", "tiny_phi4_mini"])
 def test_longrope_matches_transformers_on_both_sides_of_the_original_context(
-    tiny_phi3_longrope: Path,
+    model: str, request: pytest.FixtureRequest
 ) -> None:
     """Within the pretrained 16 positions the short factors rotate, for a context past them
     the long ones, both scaled by the attention factor: a continuation that stays within 16
@@ -215,9 +241,10 @@ def test_longrope_matches_transformers_on_both_sides_of_the_original_context(
     A sequence that grows past 16 rotates its later tokens with the long factors and keeps
     its cached keys (vLLM's rule, per sequence here, so batching changes nothing; transformers'
     generate instead drops its cache at the crossing and feeds the new token alone)."""
-    engine = Engine.from_pretrained(tiny_phi3_longrope, block_size=4, dtype="float32")
-    hf = hf_model(tiny_phi3_longrope)
-    prompt = prompt_ids(tiny_phi3_longrope, 1)[0]
+    model_dir = request.getfixturevalue(model)
+    engine = Engine.from_pretrained(model_dir, block_size=4, dtype="float32")
+    hf = hf_model(model_dir)
+    prompt = prompt_ids(model_dir, 1)[0]
     short = prompt[:6]
     within = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)  # 16 positions
     assert engine.generate([short], within)[0].token_ids == hf_greedy(hf, short, 10)
@@ -230,3 +257,39 @@ def test_longrope_matches_transformers_on_both_sides_of_the_original_context(
     # The long table is in use past the crossing: without it the continuation differs.
     engine.model.long_rope = (10**9, engine.model.long_rope[1])
     assert engine.generate([prompt], GREEDY)[0].token_ids != alone[1]
+
+
+def test_partial_rotary_off_the_fused_kernels_matches_transformers(
+    tiny_phi3_partial_rotary: Path,
+) -> None:
+    """The pure-torch forward (a GPU's, or a CPU's without kiln's native kernels) rotates the
+    first 24 channels of each head and passes the other 8 through, as transformers' Phi-3."""
+    engine = Engine.from_pretrained(tiny_phi3_partial_rotary, block_size=4, dtype="float32")
+    engine.model.fused = False
+    prompt = prompt_ids(tiny_phi3_partial_rotary, 1)[0]
+    reference = hf_logprobs(hf_model(tiny_phi3_partial_rotary), prompt)
+    expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(prompt_logprob_matrix(engine, prompt), expected, atol=1e-4, rtol=0)
+
+
+def test_partial_rotary_is_refused_where_transformers_rotates_whole_heads(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    model_dir = edited_copy(tiny_llama, tmp_path / "llama-partial", partial_rotary_factor=0.5)
+    with pytest.raises(
+        ArtifactError, match=r"partial_rotary_factor 0\.5 is not supported on Llama"
+    ):
+        Engine.from_pretrained(model_dir)
+
+
+def test_a_partial_rotary_factor_that_rotates_an_odd_count_is_refused_naming_it(
+    tiny_phi3_partial_rotary: Path, tmp_path: Path
+) -> None:
+    """0.72 of a head of 32 is 23 channels: RoPE rotates pairs, so the config is refused by its
+    key and value before anything runs."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.72}
+    model_dir = edited_copy(tiny_phi3_partial_rotary, tmp_path / "odd", rope_parameters=rope)
+    with pytest.raises(ArtifactError) as refused:
+        Engine.from_pretrained(model_dir)
+    assert "config.json has rope_parameters.partial_rotary_factor 0.72" in str(refused.value)
+    assert "23 of head_dim 32 channels" in str(refused.value)

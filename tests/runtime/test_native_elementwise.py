@@ -114,6 +114,40 @@ def test_rope_rotates_query_and_key_heads_in_place(dtype: torch.dtype, dim: int)
     assert torch.equal(qkv[:, rotated:], values)  # the value heads are not rotated
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "rotary"), [(32, 24), (128, 96), (40, 2)])
+def test_rope_with_narrower_tables_rotates_the_first_channels_of_each_head(
+    dtype: torch.dtype, dim: int, rotary: int
+) -> None:
+    """Partial rotary (Phi-4-mini's 96 of 128): tables as wide as the rotated channels turn
+    those of each head as transformers' Phi-3 does and leave the rest of the head as it was."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    heads, kv_heads = 3, 1
+    width = (heads + kv_heads) * dim  # the query and key heads; the value heads follow
+    generator = torch.Generator().manual_seed(dim + rotary)
+    qkv = torch.randn(5, width + kv_heads * dim, generator=generator).to(dtype)
+    angles = torch.outer(torch.arange(20).float(), torch.rand(rotary // 2, generator=generator))
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    positions = torch.tensor([0, 19, 3, 3, 11])
+    before = qkv.clone()
+    x = before[:, :width].unflatten(-1, (heads + kv_heads, dim)).transpose(0, 1)
+    q, k = apply_rotary_pos_emb(x[:heads], x[heads:], cos[positions], sin[positions], 0)
+    folded = torch.cat((-sin[:, : rotary // 2], sin[:, rotary // 2 :]), -1)  # kiln's sign
+    torch.ops.kiln.rope_(qkv, positions, cos, folded.contiguous(), heads + kv_heads, dim)
+    got = qkv[:, :width].unflatten(-1, (heads + kv_heads, dim)).transpose(0, 1)
+    torch.testing.assert_close(got, torch.cat((q, k)), **tolerance(dtype))
+    assert torch.equal(got[..., rotary:], x[..., rotary:])  # the unrotated channels
+    assert torch.equal(qkv[:, width:], before[:, width:])  # the value heads
+
+
+def test_rope_refuses_tables_wider_than_a_head() -> None:
+    table = torch.zeros(4, 16)
+    with pytest.raises(RuntimeError, match="rotary dim even and at most dim"):
+        torch.ops.kiln.rope_(torch.zeros(1, 16), torch.tensor([0]), table, table, 2, 8)
+
+
 def test_rope_refuses_a_position_past_its_tables() -> None:
     table = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="past the tables"):

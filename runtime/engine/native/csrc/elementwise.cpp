@@ -10,7 +10,9 @@
 //   add_rms_norm: residual += delta (rounded, as torch's add), then rms_norm of it;
 //   silu_mul:     silu(gate) rounded, times up, rounded (torch's two operators);
 //   rope_:        x * cos rounded, plus rotate_half(x) * sin rounded, in place on the query
-//                 and key heads of the fused qkv output, cos and sin picked by position;
+//                 and key heads of the fused qkv output, cos and sin picked by position; over
+//                 the first cos.size(1) channels of each head (all of them, or the rotary
+//                 share of partial rotary: Phi-4-mini's 96 of 128), the rest left as they are;
 //   argmax_rows:  each row's first maximum, or its first NaN (torch's max(dim=-1).indices),
 //                 read straight from bf16 logits: torch's max over 32 rows of a 49k
 //                 vocabulary takes 1.1-1.4 ms of a greedy decode step, this pass ~0.2.
@@ -229,28 +231,30 @@ inline void rope_head16(T* row, const T* c, const T* s, int64_t half) {
 }
 #endif
 
+// `heads` heads of `dim` channels each, side by side in every row of qkv; the first `rotary`
+// channels of each rotate (rotary == dim but under partial rotary).
 template <typename T>
 void rope_rows(at::Tensor& qkv, const int64_t* pos, const at::Tensor& cos, const at::Tensor& sin,
-               int64_t heads, int64_t dim) {
-  const int64_t tokens = qkv.size(0), stride = qkv.stride(0), half = dim / 2;
+               int64_t heads, int64_t dim, int64_t rotary) {
+  const int64_t tokens = qkv.size(0), stride = qkv.stride(0), half = rotary / 2;
   T* base = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
 #if !defined(KILN_AVX512)
-    std::vector<float> x(dim);  // the scalar loop's copy of a head
+    std::vector<float> x(rotary);  // the scalar loop's copy of a head's rotated channels
 #endif
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cp + pos[t] * dim;
-      const T* s = sp + pos[t] * dim;
+      const T* c = cp + pos[t] * rotary;
+      const T* s = sp + pos[t] * rotary;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = base + t * stride + h * dim;
 #if defined(KILN_AVX512)
         rope_head16<T>(row, c, s, half);
 #else
-        for (int64_t i = 0; i < dim; ++i) x[i] = widen(row[i]);
+        for (int64_t i = 0; i < rotary; ++i) x[i] = widen(row[i]);
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) {
+        for (int64_t i = 0; i < rotary; ++i) {
           const float swapped = i < half ? x[i + half] : x[i - half];
           const float scaled = widen(narrow<T>(x[i] * widen(c[i])));
           row[i] = narrow<T>(scaled + swapped * widen(s[i]));
@@ -267,9 +271,12 @@ void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                   qkv.size(1) >= heads * dim && dim % 2 == 0,
               "rope_: a CPU qkv [T, >= heads * dim] with unit column stride and an even dim");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
-                  cos.sizes() == sin.sizes() && cos.size(1) == dim &&
-                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
-              "rope_: cos and sin tables [positions, dim] in qkv's dtype");
+                  cos.sizes() == sin.sizes() && cos.size(1) >= 2 && cos.size(1) <= dim &&
+                  cos.size(1) % 2 == 0 && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "rope_: cos and sin tables [positions, rotary dim] in qkv's dtype, the rotary dim "
+              "even and at most dim");
+  const int64_t rotary = cos.size(1);
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
                   positions.size(0) == qkv.size(0),
               "rope_: one int64 position per token");
@@ -279,10 +286,10 @@ void rope_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_: position past the tables");
   }
   if (qkv.scalar_type() == at::kBFloat16) {
-    rope_rows<c10::BFloat16>(qkv, pos, cos, sin, heads, dim);
+    rope_rows<c10::BFloat16>(qkv, pos, cos, sin, heads, dim, rotary);
   } else {
     TORCH_CHECK(qkv.scalar_type() == at::kFloat, "rope_: float32 or bfloat16 only");
-    rope_rows<float>(qkv, pos, cos, sin, heads, dim);
+    rope_rows<float>(qkv, pos, cos, sin, heads, dim, rotary);
   }
 }
 

@@ -154,11 +154,13 @@ def restore_expert_names(out_dir: Path) -> None:
     no library renames them back. A family whose names are the linearised ones (Qwen3-MoE)
     is left as saved."""
     import json
+    import os
     import re
+    import shutil
 
-    from safetensors.torch import load_file, save_file
-
+    from kiln.runtime.formats.checkpoint.files import open_tensors
     from kiln.runtime.formats.model_info import ModelInfo
+    from kiln.runtime.formats.safetensors_writer import write_files
 
     info = ModelInfo.from_hf_config(json.loads((out_dir / "config.json").read_text()))
     moe = info.moe
@@ -171,9 +173,20 @@ def restore_expert_names(out_dir: Path) -> None:
         return pattern.sub(lambda m: f"{m.group(1)}{names[m.group(2)]}.", key)
 
     for path in sorted(out_dir.glob("*.safetensors")):
-        tensors = load_file(path)
-        if any(pattern.search(k) for k in tensors):
-            save_file({rename(k): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+        handle = open_tensors(path)
+        stored = list(handle.keys())
+        if not any(pattern.search(k) for k in stored):
+            continue
+        renamed = path.parent / f".{path.name}.renamed"  # one tensor in memory at a time
+        renamed.mkdir()
+
+        def produce(handle: Any = handle, stored: list[str] = stored, file: str = path.name) -> Any:
+            for key in stored:
+                yield file, rename(key), handle.get_tensor(key)
+
+        write_files(renamed, produce, {"format": "pt"})
+        os.replace(renamed / path.name, path)
+        shutil.rmtree(renamed)
     index = out_dir / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())

@@ -36,6 +36,8 @@ from kiln.runtime.formats.artifact import (
 )
 from kiln.runtime.formats.model_info import ModelInfo
 
+# A step ("quantize: ..."), or a count of its work ending in "(done/total)" (compiler/cli/
+# progress.py shows both).
 Progress = Callable[[str], None]
 REPORT_FILE = "quantization.json"
 
@@ -260,7 +262,7 @@ def _report(
         smoothing = job.scheme.spec.method in SMOOTHING_METHODS
         report = quantization_report(build.source_model, build.model, texts,
                                      max_seq_len=spec.max_seq_len, smoothing=smoothing,
-                                     scratch=out)  # fmt: skip
+                                     scratch=out, progress=progress)  # fmt: skip
         for key, name in (("coverage", COVERAGE_FILE), ("moe_routing", ROUTING_FILE)):
             if (build.quantized.path / name).is_file():
                 report[key] = json.loads((build.quantized.path / name).read_text())

@@ -102,11 +102,19 @@ def require_run(
         )
 
 
-def rollback_step(db: sqlite3.Connection, channel: str) -> tuple[str, str]:
+def unknown_channel(db: sqlite3.Connection, channel: str, where: Path, fix: str) -> UsageError:
+    """The error for a channel the registry at `where` does not hold, naming those it does."""
+    names = [row["name"] for row in db.execute("SELECT name FROM channels ORDER BY name")]
+    known = f"it has {', '.join(names)}" if names else "it has no channels yet"
+    return UsageError(f"channel {channel}: no such channel in {where} ({known})"
+                      + (f"; {fix}" if fix else ""))  # fmt: skip
+
+
+def rollback_step(db: sqlite3.Connection, channel: str, where: Path) -> tuple[str, str]:
     """(the digest a rollback moves `channel` to, the one it serves now)."""
     state = db.execute("SELECT * FROM channels WHERE name = ?", (channel,)).fetchone()
     if state is None:
-        raise UsageError(f"channel {channel}: no such channel; `kiln registry ls` lists them")
+        raise unknown_channel(db, channel, where, "`kiln registry ls` lists them")
     stack: list[str] = []
     for event in db.execute(
         "SELECT action, digest FROM promotion_events WHERE channel = ? ORDER BY id",

@@ -38,7 +38,7 @@ from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kiln.gates.channel_rules import require_passing_run, rollback_step
+from kiln.gates.channel_rules import require_passing_run, rollback_step, unknown_channel
 from kiln.runtime.base.errors import ArtifactError, KilnError, UsageError
 from kiln.runtime.base.files import regular_problem
 from kiln.runtime.formats.artifact import json_dumps, load_manifest
@@ -337,6 +337,15 @@ class Registry:
         return None if row is None else _channel_state(row)
 
     @_names_damage
+    def require_channel(self, name: str, fix: str) -> ChannelState:
+        """The channel `name`; UsageError naming the channels there are, and `fix`, where the
+        registry holds none of that name."""
+        state = self.channel(check_channel(name))
+        if state is None:
+            raise unknown_channel(self._db, name, self.path, fix)
+        return state
+
+    @_names_damage
     def ls(self) -> list[ChannelState]:
         """Every channel with what it serves now."""
         rows = self._db.execute(
@@ -408,7 +417,7 @@ class Registry:
         artifact verifies against the digest the channel recorded for it."""
         check_channel(channel)
         actor = actor or default_actor()
-        target, _ = rollback_step(self._db, channel)
+        target, _ = rollback_step(self._db, channel, self.path)
         row = self._db.execute("SELECT path FROM artifacts WHERE digest = ?", (target,)).fetchone()
         where = Path(row["path"]) if row else None
         if where is None or not where.is_dir():
@@ -420,7 +429,7 @@ class Registry:
         action = f"roll {channel} back to it"
         verify_artifact(where, mode=verify, expect_digest=target, action=action)
         with self._write() as db:
-            now_target, current = rollback_step(db, channel)
+            now_target, current = rollback_step(db, channel, self.path)
             if now_target != target:
                 raise UsageError(
                     f"channel {channel}: it changed while {target[:12]} was being verified; "

@@ -22,9 +22,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
 
 SMOOTHED_BY_NORM = {
     "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -115,10 +122,15 @@ def weight_errors(
 
 
 def layer_weight_errors(
-    float_dir: Path, quant_dir: Path, names: list[str], smoothing: bool = True
+    float_dir: Path,
+    quant_dir: Path,
+    names: list[str],
+    smoothing: bool = True,
+    progress: Progress = _quiet,
 ) -> list[dict[str, Any]]:
     """`weight_errors` of the quantised linears `names` (in the model's order), a decoder layer
-    at a time: only that layer's float and dequantised weights are ever held, in float32."""
+    at a time: only that layer's float and dequantised weights are ever held, in float32.
+    `progress` hears "layers' weights compared (done/total)" after each."""
     import torch
 
     from kiln.runtime.formats.checkpoint import TensorFiles, open_checkpoint
@@ -126,7 +138,9 @@ def layer_weight_errors(
 
     floats, ckpt = TensorFiles(Path(float_dir)), open_checkpoint(Path(quant_dir))
     out: list[dict[str, Any]] = []
-    for group in _by_layer(names):
+    groups = _by_layer(names)
+    progress(f"layers' weights compared (0/{len(groups)})")
+    for done, group in enumerate(groups, 1):
         prefix = group[0][: len(group[0]) - len(_local(group[0]))]
         float_state, quant_state = {}, {}
         for norm in SMOOTHED_BY_NORM if smoothing and prefix else ():
@@ -138,6 +152,7 @@ def layer_weight_errors(
             float_state[f"{name}.weight"] = floats.get(f"{name}.weight").to(torch.float32)
         weights = {n: effective_weight(ckpt.served_linear(n), torch.float32) for n in group}
         out += weight_errors(float_state, quant_state, weights, smoothing)
+        progress(f"layers' weights compared ({done}/{len(groups)})")
     return out
 
 
@@ -183,37 +198,41 @@ def next_token_agreement(
     samples: list[list[int]],
     scratch: Path,
     device: Any = "cpu",
+    progress: Progress = _quiet,
 ) -> dict[str, Any]:
     """KL(float ‖ quantised) per next-token position, top-1 agreement and both perplexities:
     the float model's log-probabilities are computed first and written to a file under
     `scratch`, then the quantised model's are compared with them, one model running at a time
-    and ROWS positions of log-probabilities in memory at once."""
+    and ROWS positions of log-probabilities in memory at once. `progress` hears each model's
+    "... batches run (done/total)"."""
     import numpy as np
     import torch
 
     vocab = int(float_model.config.vocab_size)
     batches = _batches(samples, vocab, float_model.dtype.itemsize)
 
-    def chunks(model: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def chunks(model: Any, which: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(log-probabilities [rows, vocab] in float32, the next tokens) ROWS at a time."""
-        for batch in batches:
+        progress(f"{which} model batches run (0/{len(batches)})")
+        for done, batch in enumerate(batches, 1):
             x = torch.tensor([samples[i] for i in batch], device=device)
             logits = model(x).logits[:, :-1].reshape(-1, vocab)
             targets = x[:, 1:].reshape(-1, 1).cpu()
             for start in range(0, len(logits), ROWS):
                 rows = logits[start : start + ROWS].float().log_softmax(-1).cpu()
                 yield rows, targets[start : start + ROWS]
+            progress(f"{which} model batches run ({done}/{len(batches)})")
 
     path = Path(scratch) / "float-logprobs.f32"
     nll_f, nll_q, count, agree, kls = 0.0, 0.0, 0, 0, []
     with torch.no_grad():
         with path.open("wb") as sink:  # written, not mapped: the pages are not ours to hold
-            for lf, target in chunks(float_model):
+            for lf, target in chunks(float_model, "float"):
                 sink.write(lf.numpy().tobytes())
                 nll_f -= float(lf.gather(-1, target).sum())
                 count += len(lf)
         with path.open("rb") as source:
-            for lq, target in chunks(quant_model):
+            for lq, target in chunks(quant_model, "quantised"):
                 lf = torch.from_numpy(np.fromfile(source, np.float32, lq.numel()))
                 lf = lf.view(lq.shape)
                 kls.append((lf.exp() * (lf - lq)).sum(-1).clamp_min(0))
@@ -248,13 +267,15 @@ def quantization_report(
     max_seq_len: int = 256,
     smoothing: bool = True,
     scratch: Path | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Per-layer weight error and next-token KL, top-1 agreement and perplexity on `texts`
     (`smoothing`: whether the method moved scales between layers, see weight_errors). Both
     models stream their weights a module at a time (quant/streamed_model.py), one runs at a
     time, in the float checkpoint's dtype (as it was calibrated and is deployed), and the
     weights are compared a decoder layer at a time in float32: memory is bounded by a layer,
-    not by the model. `scratch` holds the float model's log-probabilities meanwhile."""
+    not by the model. `scratch` holds the float model's log-probabilities meanwhile; `progress`
+    hears the layers compared and the batches run, counted ("... (done/total)")."""
     import tempfile
 
     import torch
@@ -279,9 +300,10 @@ def quantization_report(
         from kiln.runtime.formats.checkpoint import open_checkpoint
 
         names = quantised_linears(quant_model, open_checkpoint(quant_dir))
-    layers = layer_weight_errors(float_dir, quant_dir, names, smoothing)
+    say = progress or _quiet
+    layers = layer_weight_errors(float_dir, quant_dir, names, smoothing, say)
     with tempfile.TemporaryDirectory(dir=scratch, prefix="kiln-report-") as tmp:
-        agreement = next_token_agreement(reference, quant_model, samples, Path(tmp), device)
+        agreement = next_token_agreement(reference, quant_model, samples, Path(tmp), device, say)
     worst = max(layers, key=lambda layer: layer["rel_mse"], default=None)
     return {
         "format": checkpoint_format(quant_dir),

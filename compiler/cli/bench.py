@@ -6,16 +6,19 @@ report, not fatal), 2 usage error (bad options, or no server at URL), 3 every re
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 
+from kiln.compiler.cli.consoles import console
 from kiln.compiler.cli.exits import handle_errors
+from kiln.compiler.cli.options import JSON_OPTION
 
 if TYPE_CHECKING:
     from kiln.runtime.client.bench_report import BenchReport, Distribution
@@ -30,7 +33,13 @@ if TYPE_CHECKING:
     type=click.Path(path_type=Path),
     help="Traffic JSON lines (as `kiln serve --record` writes) or one prompt per line.",
 )
-@click.option("--input-len", type=int, default=128, show_default=True, help="Synthetic prompts.")
+@click.option(
+    "--input-len",
+    type=int,
+    default=128,
+    show_default=True,
+    help="Length of each synthetic prompt (tokens with --tokenizer, else words).",
+)
 @click.option("--output-len", type=int, help="Output tokens per request [synthetic: 128].")
 @click.option(
     "--tokenizer",
@@ -56,10 +65,24 @@ if TYPE_CHECKING:
     "--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per request (s)."
 )
 @click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token [$KILN_API_KEY].")
-@click.option("--json", "json_file", type=click.Path(path_type=Path), help="Write the report.")
+@click.option(
+    "--json-file",
+    type=click.Path(path_type=Path),
+    help="Also write the report, every request included, as JSON to this file.",
+)
+@JSON_OPTION
 @handle_errors
 def bench(**given: Any) -> None:
-    """Benchmark the OpenAI-compatible server at URL (kiln, vLLM, llama-server, trtllm-serve)."""
+    """Benchmark the OpenAI-compatible server at URL (kiln, vLLM, llama-server, trtllm-serve).
+
+    URL is the server's root or its /v1 base URL; --json prints the report on stdout (the
+    table then goes to stderr).
+
+    \b
+    Example:
+      kiln bench http://127.0.0.1:8000/v1 --concurrency 32 --num-requests 256
+      kiln bench URL --prompts traffic.jsonl --slo ttft_ms=500,tpot_ms=50 --json-file r.json
+    """
     run_bench_command(BenchOptions(**given))
 
 
@@ -83,10 +106,11 @@ class BenchOptions:
     timeout_s: float
     api_key: str | None
     json_file: Path | None
+    as_json: bool
 
 
 def run_bench_command(opts: BenchOptions) -> None:
-    """Build the requests, send them, print the report (and write it with --json)."""
+    """Build the requests, send them, print the report (and write it with --json-file)."""
     from kiln.runtime.base.errors import StageFailure, UsageError
     from kiln.runtime.client import bench as b
     from kiln.runtime.client.bench_report import parse_slo, write_json
@@ -123,9 +147,11 @@ def run_bench_command(opts: BenchOptions) -> None:
         timeout_s=opts.timeout_s,
         api_key=opts.api_key,
     )
-    Console(highlight=False).print(report_table(report))
+    console(stderr=opts.as_json).print(report_table(report))
     if opts.json_file is not None:
         write_json(report, opts.json_file)
+    if opts.as_json:
+        click.echo(json.dumps(report.to_dict()))
     if report.completed == 0:
         first = next(iter(report.errors), "no answer")
         raise StageFailure(f"{opts.url}: all {report.num_requests} requests failed; first: {first}")

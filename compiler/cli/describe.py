@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -191,3 +192,47 @@ def format_disk(disk: DiskEstimate) -> str:
         lines.append(f"note: {human(disk.reclaimable)} that killed runs left is removed first")
     lines += [f"problem: {p}" for p in disk.problems()]
     return "\n".join(lines)
+
+
+def stage_plan(disk: DiskEstimate, draft: bool, auto_k: bool, force: bool) -> list[dict[str, Any]]:
+    """What `kiln compile` would do, stage by stage (`kiln compile --dry-run`): each stage's
+    status (`runs`, `cached`, or `unknown` where its key needs what the draft's stages
+    produce), the bytes it keeps and those it writes only while running (the disk estimate's).
+    """
+    later = "runs" if force else "unknown"
+    why = "keyed by what the draft's stages produce: known once they have run"
+
+    def row(stage: str, status: str, nbytes: int, scratch: int, note: str) -> dict[str, Any]:
+        cached = status == "cached"
+        return {"stage": stage, "status": status, "bytes": 0 if cached else nbytes,
+                "scratch_bytes": 0 if cached else scratch, "note": note}  # fmt: skip
+
+    rows = []
+    for part in disk.parts:
+        if part.where != "cache":
+            continue
+        nested = draft and part.name.endswith("-package")  # its key is not looked up
+        status = "cached" if part.cached else later if nested else "runs"
+        rows.append(row(part.name, status, part.bytes, part.scratch, part.note))
+    if auto_k:
+        rows.append(row("acceptance", later, 0, 0, f"measures the draft's K; {why}"))
+    published = any(p.cached for p in disk.parts if p.where != "cache")
+    status = "cached" if published else later if draft else "runs"
+    note = why if status == "unknown" else "the artifact: stage outputs linked, manifest, reports"
+    rows.append(row("package", status, disk.artifact_bytes, 0, note))
+    return rows
+
+
+def format_stage_plan(rows: list[dict[str, Any]]) -> str:
+    """`stage_plan` as plain-text lines, one a stage."""
+    table = [("stage", "status", "writes", "scratch", "")]
+    for row in rows:
+        writes = human(row["bytes"]) if row["status"] != "cached" else "-"
+        scratch = f"+{human(row['scratch_bytes'])}" if row["scratch_bytes"] else ""
+        table.append((row["stage"], row["status"], writes, scratch, row["note"]))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    return "\n".join(
+        f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c.rjust(widths[2])}  "
+        f"{d.rjust(widths[3])}  {note}".rstrip()
+        for a, b, c, d, note in table
+    )

@@ -9,8 +9,9 @@ from typing import Any
 
 import click
 
+from kiln.compiler.cli.consoles import console
 from kiln.compiler.cli.exits import handle_errors
-from kiln.compiler.cli.options import JSON_OPTION
+from kiln.compiler.cli.options import JSON_OPTION, old_spellings
 from kiln.compiler.draft.make import DraftOptions, DraftReport, make_draft
 
 
@@ -54,7 +55,9 @@ def format_report(report: DraftReport) -> list[tuple[str, str]]:
     return rows
 
 
-@click.command(name="draft")
+# Old spellings keep working, unlisted: --prompts (now --num-prompts), --out (--output).
+@click.command(name="draft", context_settings=old_spellings({"prompts": "num-prompts",
+                                                            "out": "output"}))  # fmt: skip
 @click.argument("target")
 @click.option(
     "--layers",
@@ -75,28 +78,53 @@ def format_report(report: DraftReport) -> list[tuple[str, str]]:
     help="Distillation and measurement text (a calibration dataset).",
 )
 @click.option(
-    "--seq-len", type=click.IntRange(min=16), default=DraftOptions.seq_len, show_default=True
+    "--seq-len",
+    type=click.IntRange(min=16),
+    default=DraftOptions.seq_len,
+    show_default=True,
+    help="Tokens per distillation and measurement sequence.",
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Sequences per distillation step.",
+)
 @click.option(
     "--lr",
     "learning_rate",
     type=click.FloatRange(min=0, min_open=True),
     default=DraftOptions.learning_rate,
     show_default=True,
+    help="Distillation learning rate (AdamW).",
 )
 @click.option(
-    "--prompts",
+    "--num-prompts",
+    "prompts",
     type=click.IntRange(min=1),
     default=8,
     show_default=True,
-    help="Held-out prompts to measure acceptance on.",
+    help="How many held-out prompts to measure acceptance on.",
 )
-@click.option("--max-tokens", type=click.IntRange(min=4), default=32, show_default=True)
-@click.option("--max-k", type=click.IntRange(1, 16), default=8, show_default=True)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=4),
+    default=32,
+    show_default=True,
+    help="Tokens generated per prompt while measuring acceptance.",
+)
+@click.option(
+    "--max-k",
+    type=click.IntRange(1, 16),
+    default=8,
+    show_default=True,
+    help="Largest number of draft tokens per step (K) the measurement tries.",
+)
 @click.option("--no-measure", is_flag=True, help="Skip the acceptance measurement.")
 @click.option(
-    "--out",
+    "--output",
+    "out",
     type=click.Path(path_type=Path),
     help="Output directory (default: ./<target name>-draft[-<N>l]).",
 )
@@ -110,11 +138,14 @@ def draft_command(
     The draft keeps TARGET's first layers, final norm and head (so its tokenizer), is
     optionally distilled on TARGET's outputs, and is written as a Hugging Face directory to
     use as `speculative.draft` in a recipe.
+
+    \b
+    Example:
+      kiln draft builtin:smollm2-135m-instruct --layers 6 --output smollm2-draft
     """
-    from rich.console import Console
     from rich.table import Table
 
-    err = Console(stderr=True, highlight=False)
+    err = console(stderr=True)
     settings = DraftOptions(**options, measure=not no_measure)
     if out is None:
         name = Path(target.removeprefix("builtin:")).name.removesuffix(".gguf") or "model"
@@ -129,4 +160,4 @@ def draft_command(
     table.add_column()
     for label, value in format_report(report):
         table.add_row(label, value)
-    Console(highlight=False).print(table)
+    console().print(table)

@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kiln.compiler.cli.exits import handle_errors
-from kiln.compiler.cli.options import JSON_OPTION, REGISTRY_OPTION, VERIFY_OPTION
-from kiln.runtime.base.errors import VerdictFailure
+from kiln.compiler.cli.options import (
+    JSON_OPTION,
+    REGISTRY_OPTION,
+    VERIFY_OPTION,
+    KilnCommand,
+    artifact_dir,
+    old_spellings,
+)
+from kiln.runtime.base.errors import UsageError, VerdictFailure
 
 if TYPE_CHECKING:
     from kiln.runtime.formats.artifact.verified import Mode
@@ -33,12 +40,11 @@ def _open_registry(spec: str | None) -> Any:
     return Registry(spec)
 
 
-def _old_spelling(name: str) -> str:
-    # --mirror-log was once spelled --shadow-log; old scripts keep working, unlisted.
-    return "mirror-log" if name == "shadow-log" else name
-
-
-@click.command("gate", context_settings={"token_normalize_func": _old_spelling})
+# Old spellings keep working, unlisted: --shadow-log (now --mirror-log), --out (--output).
+@click.command(
+    "gate", cls=KilnCommand, context_settings=old_spellings({"shadow-log": "mirror-log",
+                                                            "out": "output"})
+)  # fmt: skip
 @click.argument("candidate")
 @click.option(
     "--baseline",
@@ -56,7 +62,12 @@ def _old_spelling(name: str) -> str:
     type=click.Path(path_type=Path),
     help="Judge the mirror log of `kiln serve --mirror` (no tasks, no replay).",
 )
-@click.option("--out", type=click.Path(path_type=Path), help="Report directory.")
+@click.option(
+    "--output",
+    "out",
+    type=click.Path(path_type=Path),
+    help="Report directory (default: gate-reports/<candidate>-<digest>).",
+)
 @click.option("--limit", type=int, help="Items per task (overrides the gate settings).")
 @click.option(
     "--engine",
@@ -82,7 +93,13 @@ def _old_spelling(name: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print gate.json on stdout.")
 @handle_errors
 def gate(**given: Any) -> None:
-    """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide."""
+    """Compare CANDIDATE with --baseline on lm-eval tasks, KL and shadow traffic; decide.
+
+    \b
+    Example:
+      kiln gate artifacts/m-0c7038bf902e --baseline models/SmolLM2-135M-Instruct
+      kiln gate http://10.0.0.5:8000/v1 --baseline http://10.0.0.6:8000 --traffic t.jsonl
+    """
     run_gate_command(GateOptions(**given))
 
 
@@ -177,35 +194,61 @@ def run_gate_command(opts: GateOptions) -> None:
         )
 
 
-@click.command("promote")
+@click.command("promote", cls=KilnCommand)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--channel", required=True, help="Release channel, e.g. prod or staging.")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @REGISTRY_OPTION
 @VERIFY_OPTION
+@JSON_OPTION
 @handle_errors
 def promote(
-    artifact: Path, channel: str, reason: str, registry_spec: str | None, verify: Mode
+    artifact: Path,
+    channel: str,
+    reason: str,
+    registry_spec: str | None,
+    verify: Mode,
+    as_json: bool,
 ) -> None:
     """Point CHANNEL at ARTIFACT; it must verify and have a passing gate run against the
-    channel's baseline."""
+    channel's baseline.
+
+    \b
+    Example:
+      kiln promote artifacts/m-0c7038bf902e --channel prod --reason "passed the gate"
+    """
+    artifact_dir(artifact)
     with _open_registry(registry_spec) as registry:
         event = registry.promote(artifact, channel, reason, verify=verify)
+    if as_json:
+        click.echo(json.dumps(event))
+        return
     previous = (event["previous_digest"] or "nothing")[:12]
     click.echo(f"{channel}: {event['digest'][:12]} (was {previous})")
 
 
-@click.command("rollback")
+@click.command("rollback", cls=KilnCommand)
 @click.argument("channel")
 @click.option("--reason", default="", help="Why (kept in the promotion history).")
 @REGISTRY_OPTION
 @VERIFY_OPTION
+@JSON_OPTION
 @handle_errors
-def rollback(channel: str, reason: str, registry_spec: str | None, verify: Mode) -> None:
+def rollback(
+    channel: str, reason: str, registry_spec: str | None, verify: Mode, as_json: bool
+) -> None:
     """Move CHANNEL back to the artifact it served before its current one, once that artifact
-    verifies against the digest CHANNEL recorded."""
+    verifies against the digest CHANNEL recorded.
+
+    \b
+    Example:
+      kiln rollback prod --reason "p99 latency regression"
+    """
     with _open_registry(registry_spec) as registry:
         event = registry.rollback(channel, reason, verify=verify)
+    if as_json:
+        click.echo(json.dumps(event))
+        return
     click.echo(
         f"{channel}: {event['digest'][:12]} (rolled back from {event['previous_digest'][:12]})"
     )
@@ -213,7 +256,13 @@ def rollback(channel: str, reason: str, registry_spec: str | None, verify: Mode)
 
 @click.group("registry")
 def registry() -> None:
-    """Inspect and configure the artifact registry."""
+    """Inspect and configure the artifact registry.
+
+    \b
+    Example:
+      kiln registry ls
+      kiln registry history prod --json
+    """
 
 
 @registry.command("ls")
@@ -221,7 +270,12 @@ def registry() -> None:
 @JSON_OPTION
 @handle_errors
 def registry_ls(registry_spec: str | None, as_json: bool) -> None:
-    """Channels with what they serve, and the latest gate runs."""
+    """Channels with what they serve, and the latest gate runs.
+
+    \b
+    Example:
+      kiln registry ls --registry sqlite:////srv/kiln/registry.db
+    """
     from dataclasses import asdict
 
     with _open_registry(registry_spec) as reg:
@@ -246,11 +300,23 @@ def registry_ls(registry_spec: str | None, as_json: bool) -> None:
 @registry.command("history")
 @click.argument("channel")
 @REGISTRY_OPTION
+@JSON_OPTION
 @handle_errors
-def registry_history(channel: str, registry_spec: str | None) -> None:
-    """The promotion and rollback events of CHANNEL, oldest first."""
+def registry_history(channel: str, registry_spec: str | None, as_json: bool) -> None:
+    """The promotion and rollback events of CHANNEL, oldest first.
+
+    \b
+    Example:
+      kiln registry history prod
+    """
     with _open_registry(registry_spec) as reg:
+        reg.require_channel(channel, "`kiln registry ls` lists them")
         events = reg.history(channel)
+    if as_json:
+        click.echo(json.dumps({"channel": channel, "events": events}))
+        return
+    if not events:
+        click.echo(f"{channel}: no promotions yet")
     for e in events:
         click.echo(
             f"{e['created_at']}  {e['action']:<8} {(e['digest'] or '')[:12]}  "
@@ -260,14 +326,56 @@ def registry_history(channel: str, registry_spec: str | None) -> None:
 
 @registry.command("channel")
 @click.argument("name")
-@click.option("--rule", type=click.Choice(["current", "fixed"]), default="current")
-@click.option("--baseline", "baseline_digest", help="Baseline digest for --rule fixed.")
+@click.option(
+    "--rule",
+    type=click.Choice(["current", "fixed"]),
+    help="What candidates are gated against: `current`, what the channel serves (the float "
+    "source while it serves nothing); `fixed`, the --baseline digest. Given, it creates or "
+    "changes the channel; without --rule or --baseline the channel is shown.",
+)
+@click.option(
+    "--baseline",
+    "baseline_digest",
+    metavar="DIGEST",
+    help="The digest every candidate must be gated against (implies --rule fixed).",
+)
 @REGISTRY_OPTION
+@JSON_OPTION
 @handle_errors
 def registry_channel(
-    name: str, rule: str, baseline_digest: str | None, registry_spec: str | None
+    name: str,
+    rule: str | None,
+    baseline_digest: str | None,
+    registry_spec: str | None,
+    as_json: bool,
 ) -> None:
-    """Create or configure channel NAME: which baseline its candidates must be gated against."""
+    """Show channel NAME, or create or configure it with --rule: which baseline its candidates
+    must be gated against.
+
+    \b
+    Example:
+      kiln registry channel prod
+      kiln registry channel staging --rule current
+      kiln registry channel prod --rule fixed --baseline 2459fc69cb20...
+    """
+    from dataclasses import asdict
+
+    if baseline_digest and rule == "current":
+        raise UsageError(
+            f"channel {name}: --baseline is the digest of rule `fixed`; rule `current` gates "
+            "against what the channel serves: drop --baseline, or use --rule fixed"
+        )
     with _open_registry(registry_spec) as reg:
-        reg.configure_channel(name, rule, baseline_digest)
-    click.echo(f"{name}: baseline rule {rule}" + (f" {baseline_digest}" if baseline_digest else ""))
+        if rule is None and baseline_digest is None:
+            create = f"create it with `kiln registry channel {name} --rule current` (or "
+            state = reg.require_channel(name, create + "--rule fixed --baseline DIGEST)")
+        else:
+            rule = rule or "fixed"
+            reg.configure_channel(name, rule, baseline_digest)
+            state = reg.require_channel(name, "")
+    if as_json:
+        click.echo(json.dumps(asdict(state)))
+        return
+    serving = f"{state.current_name} {state.current_digest[:12]}" if state.current_digest else ""
+    rule_text = state.baseline_rule + (f" {state.baseline_digest}" if state.baseline_digest else "")
+    click.echo(f"{state.name}: baseline rule {rule_text}; serves {serving or 'nothing'}")

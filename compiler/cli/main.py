@@ -44,7 +44,15 @@ def _accept_debug(command: click.Command) -> None:
 def main() -> None:
     """kiln: compile, gate and serve quantised LLMs for NVIDIA GPUs.
 
-    `--debug` goes before the command (`kiln --debug compile R`) or after its name.
+    `--debug` goes before the command (`kiln --debug compile R`) or after its name. Every
+    command takes `--json` (one JSON object on stdout) and `--help`; exit codes: 0 ok, 1
+    verdict failure, 2 usage or recipe error, 3 runtime failure.
+
+    \b
+    Example:
+      kiln validate recipes/demo.yaml
+      kiln compile recipes/demo.yaml
+      kiln serve artifacts/<name>-<digest>
     """
 
 

@@ -11,18 +11,18 @@ import time
 from pathlib import Path
 
 import click
-from rich.console import Console
 
+from kiln.compiler.cli.consoles import console
 from kiln.compiler.cli.exits import handle_errors
 from kiln.compiler.cli.options import JSON_OPTION, REGISTRY_OPTION
-
-err = Console(stderr=True, highlight=False)
 
 
 @click.command("search")
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--target", "targets", multiple=True, help="Price on this GPU (repeatable).")
-@click.option("--schemes", help="Comma-separated: fp8,fp8_dynamic,w8a8,w8a16,w4a16,w4a16_awq,...")
+@click.option(
+    "--schemes", help="Schemes to try, comma-separated: fp8,fp8_dynamic,w8a8,w8a16,w4a16,..."
+)
 @click.option("--kv-cache", help="Comma-separated KV cache variants: none,fp8.")
 @click.option("--no-mixed", is_flag=True, help="Skip the mixed-precision candidates.")
 @click.option("--no-early-stop", is_flag=True, help="Gate every candidate in full.")
@@ -72,7 +72,14 @@ def search(
     registry_spec: str | None,
     as_json: bool,
 ) -> None:
-    """Compile and gate each candidate deployment of RECIPE; print the Pareto table."""
+    """Compile and gate each candidate deployment of RECIPE; print the Pareto table.
+
+    \b
+    Example:
+      kiln search recipes/demo.yaml --target l40s --schemes w4a16,w8a16,fp8
+      kiln search recipes/demo.yaml --ray auto --gpus-per-candidate 1 --json
+    """
+    from kiln.compiler.cli.progress import StepLog
     from kiln.compiler.cli.stdout_guard import stdout_to_stderr
     from kiln.compiler.recipe.recipe import load_recipe
     from kiln.compiler.search.cluster.connect import ClusterSettings
@@ -101,9 +108,13 @@ def search(
     )  # fmt: skip
     out_dir = output or parsed.output_dir() / f"search-{parsed.name}"
     began = time.monotonic()
+    err = console(stderr=True)
 
-    def progress(text: str) -> None:
-        err.print(f"[{time.monotonic() - began:6.0f}s] {text}")
+    def elapsed() -> str:
+        return f"[{time.monotonic() - began:6.0f}s]"
+
+    # every step; a compile's per-layer counts at most every 10 s
+    progress = StepLog(lambda line: err.print(line, markup=False), stamp=elapsed)
 
     with stdout_to_stderr(as_json):
         answer = run_search(recipe, settings, out_dir.resolve(), registry_spec, progress,

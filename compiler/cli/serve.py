@@ -5,6 +5,7 @@ over what compiler/serving.py resolves, on the backend it picks. The command lin
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kiln.compiler.cli.exits import handle_errors
-from kiln.compiler.cli.options import REGISTRY_OPTION, VERIFY_OPTION
+from kiln.compiler.cli.options import (
+    JSON_OPTION,
+    REGISTRY_OPTION,
+    VERIFY_OPTION,
+    KilnCommand,
+    old_spellings,
+)
 from kiln.compiler.serving import (
     SERVE_CPU_BATCHED_TOKENS,
     ServedModel,
@@ -41,16 +48,22 @@ _OLD_SPELLINGS = {
 }
 
 
-def _old_spelling(name: str) -> str:
-    return _OLD_SPELLINGS.get(name, name)
-
-
-@click.command("serve", context_settings={"token_normalize_func": _old_spelling})
+@click.command("serve", cls=KilnCommand, context_settings=old_spellings(_OLD_SPELLINGS))
 @click.argument("artifact")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
 @click.option(
-    "--backend", type=click.Choice(["auto", "native", "trtllm"]), default="auto", show_default=True
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0: every interface).",
+)
+@click.option("--port", default=8000, show_default=True, type=int, help="Port to listen on.")
+@click.option(
+    "--backend",
+    type=click.Choice(["auto", "native", "trtllm"]),
+    default="auto",
+    show_default=True,
+    help="What runs the model: kiln's native engine, or TensorRT-LLM on an engine built for "
+    "this GPU; auto takes TensorRT-LLM where such an engine is there.",
 )
 @click.option("--served-model-name", help="Model id clients send (default: the artifact name).")
 @click.option(
@@ -85,8 +98,20 @@ def _old_spelling(name: str) -> str:
     "--max-num-seqs if more: smaller steps give a burst of prompts its first tokens sooner; "
     "the engine's 2048 on GPU).",
 )
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Native engine: the torch device to run on (cpu, cuda, cuda:1, ...).",
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    help="Native engine: the compute dtype (auto, bfloat16, float16, float32); auto is the "
+    "checkpoint's on a GPU and bfloat16 on a CPU that computes it fast, else float32 "
+    "($KILN_DTYPE overrides auto).",
+)
 @click.option("--num-threads", type=int, help="torch CPU threads.")
 @click.option(
     "--record",
@@ -94,7 +119,13 @@ def _old_spelling(name: str) -> str:
     type=click.Path(path_type=Path),
     help="Append each request as a traffic line (runtime/formats/traffic.py format).",
 )
-@click.option("--record-sample-rate", default=1.0, show_default=True, type=float)
+@click.option(
+    "--record-sample-rate",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="Share of requests --record keeps, in [0, 1].",
+)
 @click.option("--record-prompts", is_flag=True, help="Store prompt text (default: hash + count).")
 @click.option("--record-responses", is_flag=True, help="Store responses too.")
 @click.option(
@@ -146,10 +177,25 @@ def _old_spelling(name: str) -> str:
 )
 @REGISTRY_OPTION
 @VERIFY_OPTION
-@click.option("--log-level", default="info", show_default=True)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    help="Least severe log messages shown: debug, info, warning, error.",
+)
+@JSON_OPTION
 @handle_errors
 def serve(**given: Any) -> None:
-    """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API."""
+    """Serve ARTIFACT (or registry://CHANNEL) with an OpenAI-compatible API.
+
+    With --json, one JSON object on stdout says what is served where (url, model, digest,
+    backend) once the model is loaded; logs go to stderr.
+
+    \b
+    Example:
+      kiln serve artifacts/m-0c7038bf902e --port 8000
+      kiln serve registry://prod --host 0.0.0.0 --device cuda --api-key "$KEY"
+    """
     run_server(ServeOptions(**given))
 
 
@@ -186,6 +232,7 @@ class ServeOptions:
     registry_spec: str | None
     verify: Mode
     log_level: str
+    as_json: bool
 
 
 def run_server(opts: ServeOptions) -> None:
@@ -201,7 +248,7 @@ def run_server(opts: ServeOptions) -> None:
     recorder = _recorder(opts)
     options = _engine_options(opts)
     model = resolve_model(opts.artifact, opts.registry_spec, verify=opts.verify)
-    served, max_running = _backend(opts, model, options)
+    served, max_running, kind = _backend(opts, model, options)
     mirror = _mirror(opts, options)
     config = ServerConfig(
         model_name=opts.served_model_name or model.name,
@@ -214,7 +261,12 @@ def run_server(opts: ServeOptions) -> None:
         body_timeout_s=opts.body_timeout_s,
     )
     app = create_app(served, config, recorder, mirror, opts.drain_timeout, digest=model.digest)
-    click.echo(f"serving {config.model_name} on http://{opts.host}:{opts.port}/v1", err=True)
+    url = f"http://{opts.host}:{opts.port}/v1"
+    click.echo(f"serving {config.model_name} on {url}", err=True)
+    if opts.as_json:
+        served_as = {"url": url, "model": config.model_name, "digest": model.digest or None,
+                     "path": str(model.path), "backend": kind}  # fmt: skip
+        click.echo(json.dumps(served_as))
     run(app, opts.host, opts.port, opts.drain_timeout, opts.log_level)
 
 
@@ -243,8 +295,10 @@ def _engine_options(opts: ServeOptions) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def _backend(opts: ServeOptions, model: ServedModel, options: dict[str, Any]) -> tuple[Any, int]:
-    """The backend serving `model` and how many requests it runs at once."""
+def _backend(
+    opts: ServeOptions, model: ServedModel, options: dict[str, Any]
+) -> tuple[Any, int, str]:
+    """The backend serving `model`, how many requests it runs at once, and its kind."""
     kind, engine_dir, why = choose_backend(opts.backend, model)
     click.echo(f"backend: {kind} ({why})", err=True)
     if kind == "trtllm":
@@ -252,14 +306,14 @@ def _backend(opts: ServeOptions, model: ServedModel, options: dict[str, Any]) ->
 
         assert engine_dir is not None
         limit = opts.max_model_len or config_len(model.model_dir)
-        return TrtllmBackend(engine_dir, model.model_dir, limit), opts.max_num_seqs or 64
+        return TrtllmBackend(engine_dir, model.model_dir, limit), opts.max_num_seqs or 64, kind
     from kiln.runtime.engine.core import Engine
     from kiln.runtime.server.backends.native import NativeBackend
 
     engine = Engine.load(model.path, **options)
     click.echo(f"dtype: {engine.model.dtype} ({engine.model.dtype_reason})", err=True)
     click.echo(f"step budget: {engine.config.max_num_batched_tokens} tokens", err=True)
-    return NativeBackend(engine), engine.config.max_num_seqs
+    return NativeBackend(engine), engine.config.max_num_seqs, kind
 
 
 def _recorder(opts: ServeOptions) -> TrafficRecorder | None:

@@ -174,7 +174,8 @@ def _format_error(error: Any) -> tuple[Key, str, str]:
     message = str(error["msg"])
     if kind == "kiln_rule":  # a rule of the quantisation registry, raised by _refuse
         context = error["ctx"]
-        return (*loc, context["key"]), context["problem"], context["fix"]
+        key = (context["key"],) if context["key"] else ()
+        return (*loc, *key), context["problem"], context["fix"]
     if kind == "literal_error":
         allowed = message.replace("Input should be", "use")
         return loc, f"{_shown(error['input'])} is not allowed", allowed

@@ -5,15 +5,17 @@ values and per-method defaults taken from quant/registry.py (recipe.py loads a f
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 
 from pydantic import (
+    AfterValidator,
     Field,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from kiln.compiler.trtllm.targets import PROFILES
 from kiln.gates.settings import GatesSection
 from kiln.quant.backends import BACKENDS
 from kiln.quant.registry import (
@@ -51,10 +53,22 @@ else:
 
 
 def _refuse(key: str, problem: str, fix: str) -> NoReturn:
-    """Raise a problem with the section's `key` as a schema error (see _format_error)."""
+    """Raise a problem with the section's `key` (none: the value's own) as a schema error
+    (see _format_error)."""
     raise PydanticCustomError(
         "kiln_rule", "{problem}", {"key": key, "problem": problem, "fix": fix}
     )
+
+
+def _known_target(name: str) -> str:
+    """A GPU target name kiln has a profile for. Checked with the schema, so a recipe with
+    other schema problems still hears about its targets."""
+    if name not in PROFILES:
+        _refuse("", f"unknown GPU target {name!r}", "known targets: " + ", ".join(sorted(PROFILES)))
+    return name
+
+
+TargetName = Annotated[str, AfterValidator(_known_target)]
 
 
 def _or(values: tuple[int, ...]) -> str:
@@ -201,7 +215,7 @@ class RecipeModel(StrictModel):
     quantization: QuantizationSection = QuantizationSection()
     calibration: CalibrationSection = CalibrationSection()
     report: ReportSection = ReportSection()
-    targets: list[str] = Field(default_factory=list)
+    targets: list[TargetName] = Field(default_factory=list)
     deploy: DeploySection = DeploySection()
     output: str = Field("artifacts", min_length=1)
     gates: GatesSection | None = None  # what `kiln gate` measures and its thresholds

@@ -8,6 +8,9 @@ followed by a QuantizationModifier; SmoothQuant is followed by GPTQ.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +127,7 @@ def run(job: QuantJob) -> None:
         dataset = Dataset.from_dict(
             {"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}
         )
-    with llmcompressor_on_cpu():
+    with llmcompressor_on_cpu(), counted_subgraphs(job.progress):
         oneshot(
             model=job.model,
             tokenizer=job.tokenizer,
@@ -138,6 +141,39 @@ def run(job: QuantJob) -> None:
     job.progress(f"saving compressed-tensors checkpoint to {job.out_dir}")
     job.model.save_pretrained(job.out_dir, save_compressed=True, max_shard_size=SHARD_SIZE)
     restore_expert_names(Path(job.out_dir))
+
+
+# The bars llm-compressor's sequential pipeline (pipelines/sequential/pipeline.py) shows for
+# each subgraph (a decoder layer, then what follows the last): "(3/33): Calibrating".
+SUBGRAPH_BAR = re.compile(r"^\((?P<index>\d+)/(?P<total>\d+)\): Calibrating$")
+
+
+@contextmanager
+def counted_subgraphs(progress: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, report each subgraph the sequential pipeline starts to calibrate as
+    "subgraphs calibrated (done/total)" (then the last as done), in place of its tqdm bars.
+
+    The pipeline names its bars by subgraph and has no callback of its own (its lifecycle
+    events do not say how many subgraphs there are), so the module's `tqdm` is wrapped for
+    the block, never the library's files."""
+    from llmcompressor.pipelines.sequential import pipeline as sequential
+
+    library_bar = sequential.tqdm
+    seen = [0]
+
+    def counted(*args: Any, desc: str = "", **kwargs: Any) -> Any:
+        if (found := SUBGRAPH_BAR.match(desc)) is not None:
+            seen[0] = int(found["total"])
+            progress(f"subgraphs calibrated ({int(found['index']) - 1}/{seen[0]})")
+        return library_bar(*args, desc=desc, **{**kwargs, "disable": True})
+
+    sequential.tqdm = counted
+    try:
+        yield
+    finally:
+        sequential.tqdm = library_bar
+    if seen[0]:
+        progress(f"subgraphs calibrated ({seen[0]}/{seen[0]})")
 
 
 # The names llm-compressor gives each expert's projections when it splits transformers 5's

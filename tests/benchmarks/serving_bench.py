@@ -70,7 +70,7 @@ def run_bench(
         cmd = kiln(
             "bench", url, "--tokenizer", str(args.tokenizer), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--concurrency", str(concurrency),
-            "--num-requests", str(requests), "--seed", str(concurrency), "--json", str(out),
+            "--num-requests", str(requests), "--seed", str(concurrency), "--json-file", str(out),
         )  # fmt: skip
         shown = " ".join(cmd[2:]).replace("kiln.compiler.cli", "kiln")
         print(f"$ {shown}", flush=True)

@@ -128,7 +128,7 @@ def test_inspect_verify_catches_a_changed_file(compiled: tuple[Path, dict], tmp_
 
 def test_inspect_of_a_non_artifact_is_a_clear_error(tmp_path: Path) -> None:
     code, _, stderr = kiln("inspect", str(tmp_path))
-    assert code == 3
+    assert code == 2  # a path that names no artifact is a usage error, as for serve and gate
     assert "not a kiln artifact" in stderr
 
 

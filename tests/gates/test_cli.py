@@ -43,7 +43,7 @@ def test_a_passing_shadow_gate_exits_0_and_writes_reports(
             base.url,
             "--traffic",
             str(traffic),
-            "--out",
+            "--output",
             str(tmp_path / "out"),
             "--registry",
             str(db),
@@ -74,7 +74,7 @@ def test_a_failing_gate_exits_1_naming_the_failed_checks(
             base.url,
             "--traffic",
             str(write_traffic(tmp_path / "t.jsonl")),
-            "--out",
+            "--output",
             str(tmp_path / "out"),
             "--no-record",
             "--json",
@@ -108,7 +108,7 @@ def test_a_mirror_log_gate_writes_reports_and_records_like_any_gate(tmp_path: Pa
                             SideAnswer(primary, [1]), SideAnswer(candidate, [1]))  # fmt: skip
         append_entry(log, entry)
     args = ["http://cand:1", "--baseline", "http://base:1", "--mirror-log", str(log)]
-    code, out_text, err = run(gate, [*args, "--registry", str(db), "--out", str(out)])
+    code, out_text, err = run(gate, [*args, "--registry", str(db), "--output", str(out)])
     assert code == 0, err
     assert "## kiln gate: PASS" in out_text and "recorded as gate run 1" in out_text
     data = json.loads((out / "gate.json").read_text())

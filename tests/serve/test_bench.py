@@ -199,7 +199,7 @@ def test_cli_writes_the_json_report(kiln_server: str, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = [
         "bench", kiln_server, "--num-requests", "4", "--concurrency", "2", "--input-len", "8",
-        "--output-len", "3", "--slo", "ttft_ms=60000,tpot_ms=60000", "--json", str(out),
+        "--output-len", "3", "--slo", "ttft_ms=60000,tpot_ms=60000", "--json-file", str(out),
     ]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -213,6 +213,16 @@ def test_cli_writes_the_json_report(kiln_server: str, tmp_path: Path) -> None:
     assert len(report["requests"]) == 4 and report["requests"][0]["output_tokens"] == 3
     for key in ("request_throughput", "output_throughput", "total_token_throughput"):
         assert report[key] > 0
+
+
+def test_cli_json_prints_the_report_as_one_document_on_stdout(kiln_server: str) -> None:
+    args = ["bench", f"{kiln_server}/v1", "--num-requests", "2", "--input-len", "8",
+            "--output-len", "2", "--json"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # the table went to stderr
+    assert report["completed"] == 2 and report["total_output_tokens"] == 4
+    assert "TTFT (ms)" in result.stderr
 
 
 def test_cli_dead_url_is_a_usage_error(tmp_path: Path) -> None:

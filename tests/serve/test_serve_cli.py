@@ -151,6 +151,27 @@ def test_trtllm_backend_is_chosen_for_an_engine_built_for_this_gpu(tmp_path: Pat
     assert kind == "trtllm" and engine_dir is not None
 
 
+def test_json_says_what_is_served_where(tiny_llama: Path) -> None:
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kiln.compiler.cli", "serve", str(tiny_llama), "--json",
+           "--port", str(port), "--max-model-len", "64", "--num-threads", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        served = json.loads(proc.stdout.readline())  # one line, before it serves
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=120)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert served["url"] == f"http://127.0.0.1:{port}/v1"
+    assert (served["model"], served["backend"]) == (tiny_llama.name, "native")
+    assert served["path"] == str(tiny_llama.resolve()) and served["digest"] is None
+
+
 def test_sigterm_drains_in_flight_requests(tiny_llama: Path, tmp_path: Path) -> None:
     sock = free_socket()
     port = sock.getsockname()[1]

@@ -228,7 +228,7 @@ def make_draft(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out}: exists and is not empty; choose a new directory")
+        raise UsageError(f"--output {out}: exists and is not empty; choose a new directory")
     progress(f"loading {target}")
     model_dir, spec = target_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -55,11 +55,12 @@ def checkpoint_format(path: Path) -> str:
 
 
 def load_quantised(
-    path: Path, device: Any = "cpu", dtype: Any = None
+    path: Path, device: Any = "cpu", dtype: Any = None, seen: Any = None
 ) -> tuple[Any, Mapping[str, Any]]:
     """(model, {linear name: dequantised effective weight}) read from a saved checkpoint: a
     streamed model (quant/streamed_model.py) that computes as the checkpoint ships, in `dtype`
-    (float32 when None)."""
+    (float32 when None); `seen(name, weight)` hears each quantised linear's effective weight as
+    the forward decodes it."""
     import torch
 
     from kiln.quant.streamed_model import float_model, quantised_model
@@ -67,7 +68,7 @@ def load_quantised(
     dtype = dtype or torch.float32
     if checkpoint_format(path) == "float":
         return float_model(Path(path), device, dtype), {}
-    return quantised_model(Path(path), device, dtype)
+    return quantised_model(Path(path), device, dtype, seen)
 
 
 def weight_errors(
@@ -283,8 +284,9 @@ def quantization_report(
 
     from kiln.quant.calibration import tokenize
     from kiln.quant.spec import calibration_dtype
-    from kiln.quant.streamed_model import float_model, quantised_linears
+    from kiln.quant.streamed_model import float_model
     from kiln.runtime.base.heap import return_large_frees
+    from kiln.runtime.formats.checkpoint import TensorFiles
 
     return_large_frees()  # modules are loaded and freed one after another
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
@@ -294,16 +296,25 @@ def quantization_report(
     config = json.loads((float_dir / "config.json").read_text())
     dtype = getattr(torch, calibration_dtype(str(config.get("torch_dtype") or config.get("dtype"))))
     reference = float_model(float_dir, device, dtype)
-    quant_model, weights = load_quantised(quant_dir, device, dtype)
-    names = list(weights)
-    if checkpoint_format(quant_dir) != "float":
-        from kiln.runtime.formats.checkpoint import open_checkpoint
+    # Without smoothing each linear is compared alone: as the quantised model's forward decodes
+    # it, rather than decoding every weight a second time.
+    floats = TensorFiles(float_dir)
+    compared: dict[str, dict[str, Any]] = {}
 
-        names = quantised_linears(quant_model, open_checkpoint(quant_dir))
+    def seen(name: str, weight: Any) -> None:
+        if not smoothing and name in wanted and name not in compared:
+            ref = {f"{name}.weight": floats.get(f"{name}.weight").to(torch.float32)}
+            compared[name] = weight_errors(ref, {}, {name: weight}, smoothing=False)[0]
+
+    quant_model, weights = load_quantised(quant_dir, device, dtype, seen)
+    wanted = set(weights)
     say = progress or _quiet
-    layers = layer_weight_errors(float_dir, quant_dir, names, smoothing, say)
     with tempfile.TemporaryDirectory(dir=scratch, prefix="kiln-report-") as tmp:
         agreement = next_token_agreement(reference, quant_model, samples, Path(tmp), device, say)
+    missed = [name for name in weights if name not in compared]
+    found = layer_weight_errors(float_dir, quant_dir, missed, smoothing, say)
+    compared |= {row["name"]: row for row in found}
+    layers = [compared[name] for name in weights]
     worst = max(layers, key=lambda layer: layer["rel_mse"], default=None)
     return {
         "format": checkpoint_format(quant_dir),

@@ -78,15 +78,26 @@ def float_provider(model_dir: Path, info: ModelInfo, tied: bool) -> Provider:
     return checkpoint_provider(files.__contains__, files.get, info, tied)
 
 
-def quantised_provider(ckpt: Checkpoint, info: ModelInfo, tied: bool) -> Provider:
+# Hears each quantised linear's effective float32 weight as the forward decodes it.
+WeightSeen = Callable[[str, torch.Tensor], None]
+
+
+def quantised_provider(
+    ckpt: Checkpoint, info: ModelInfo, tied: bool, seen: WeightSeen | None = None
+) -> Provider:
     """A quantised checkpoint's parameters: each quantised linear's weight decoded in float32
     as its kernel computes with it (its pre-quant scale is applied to the input by a hook),
-    the rest as stored."""
+    the rest as stored; `seen` hears each decoded linear's effective weight."""
 
     def read(name: str) -> torch.Tensor:
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and ckpt.is_quantised(module):
-            return dequantize(ckpt.served_linear(module), F32)
+            linear = ckpt.served_linear(module)
+            weight = dequantize(linear, F32)
+            if seen is not None:
+                pqs = linear.pre_quant_scale
+                seen(module, weight if pqs is None else weight * pqs.to(F32)[None, :])
+            return weight
         return ckpt.tensor(name)
 
     def present(name: str) -> bool:
@@ -265,15 +276,16 @@ def float_model(model_dir: Path, device: Any = "cpu", dtype: Any = F32) -> Any:
 
 
 def quantised_model(
-    model_dir: Path, device: Any = "cpu", dtype: Any = F32
+    model_dir: Path, device: Any = "cpu", dtype: Any = F32, seen: WeightSeen | None = None
 ) -> tuple[Any, EffectiveWeights]:
     """A quantised checkpoint (compressed-tensors or ModelOpt) as a streamed model that computes
     as it ships, in `dtype` (its weights decoded in float32 first), and its quantised linears'
-    effective weights."""
+    effective weights; `seen` hears each as the forward decodes it."""
     ckpt = open_checkpoint(Path(model_dir))
     info = ModelInfo.from_hf_config(ckpt.config)
     tied = bool(ckpt.config.get("tie_word_embeddings", False))
-    model = streamed_model(ckpt.config, quantised_provider(ckpt, info, tied), device, dtype)
+    provider = quantised_provider(ckpt, info, tied, seen)
+    model = streamed_model(ckpt.config, provider, device, dtype)
     names = quantised_linears(model, ckpt)
     for name in names:
         quantise = input_quantiser(_scales_only(ckpt, name))

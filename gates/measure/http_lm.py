@@ -40,6 +40,9 @@ __all__ = ["HttpLM", "NotMeasured"]
 BATCH = 8  # prompts per scoring request
 CONCURRENCY = 4  # requests in flight
 TIMEOUT_S = 600.0
+# The mean |Δ log-probability| one engine may show between a prompt scored with top-k and
+# without (batching rounds bf16 differently; a model's scores do not move further).
+CONSISTENT = 0.05
 
 
 class HttpLM(ScoringLM):
@@ -53,24 +56,36 @@ class HttpLM(ScoringLM):
         batch_size: int = BATCH,
         concurrency: int = CONCURRENCY,
         vocab_size: int | None = None,
+        timeout_s: float = TIMEOUT_S,
     ) -> None:
         limit = (served.max_model_len or DEFAULT_MAX_LENGTH) - 2
         super().__init__(tokenizer, min(int(max_length or DEFAULT_MAX_LENGTH), limit), batch_size)
         self.served = served
-        self.concurrency = concurrency
+        self.concurrency, self.timeout_s = concurrency, timeout_s
         # Token ids an answer may name: the model's rows (a padded vocabulary holds more
         # than the tokenizer's).
         self.vocab_size = max(len(tokenizer), vocab_size or 0)
         headers = {"Authorization": f"Bearer {served.api_key}"} if served.api_key else {}
-        self._client = httpx.Client(base_url=served.url, headers=headers, timeout=TIMEOUT_S)
+        self._client = httpx.Client(base_url=served.url, headers=headers, timeout=self.timeout_s)
+        # Set once a request went unanswered for timeout_s: the engine has stalled, and every
+        # later request is not measured at once instead of waiting as long again.
+        self._stalled: str | None = None
 
     def close(self) -> None:
         self._client.close()
 
     def _post(self, body: dict[str, Any], count: int) -> list[dict[str, Any]]:
         """The `count` choices of a completion request, in prompt order."""
+        if self._stalled is not None:
+            raise NotMeasured(self._stalled)
         try:
             resp = self._client.post("/v1/completions", json={"model": self.served.model, **body})
+        except httpx.TimeoutException as exc:
+            self._stalled = (
+                f"the server stopped answering: a request got no answer in {self.timeout_s:g} s "
+                f"({exc.__class__.__name__}), so kiln asked it nothing more"
+            )
+            raise NotMeasured(self._stalled) from None
         except httpx.HTTPError as exc:
             raise NotMeasured(
                 f"the server did not answer ({exc.__class__.__name__}: {exc})"
@@ -129,6 +144,35 @@ class HttpLM(ScoringLM):
             ]
 
         return self._parallel(batches, one)
+
+    def checked_topk(
+        self, token_ids: Sequence[list[int]], k: int
+    ) -> tuple[list[list[dict[int, float]]], str | None]:
+        """`topk_logprobs`, and why the engine's scores cannot be trusted, or None: the same
+        prompts are scored again without top-k, and each prompt token must get the same
+        log-probability both ways (an engine whose tasks' scores and top-k answers disagree
+        is not measuring one model)."""
+        with_top = self._prompt_logprobs(token_ids, top_k=k)
+        plain = self._prompt_logprobs(token_ids, top_k=0)
+        gaps = [
+            abs(a[pos][token].logprob - b[pos][token].logprob)
+            for ids, a, b in zip(token_ids, with_top, plain, strict=True)
+            for pos, token in enumerate(ids)
+            if pos >= 1
+        ]
+        mean = sum(gaps) / len(gaps) if gaps else 0.0
+        problem = None
+        if mean > CONSISTENT:
+            problem = (
+                f"it gave the divergence texts' tokens log-probabilities {mean:.3g} apart on "
+                f"average (at most {max(gaps):.3g}) when asked with top-{k} and without: its "
+                "scores are not one model's"
+            )
+        top = [
+            [{t: e.logprob for t, e in entry.items() if e.rank <= k} for entry in row[1:]]
+            for row in with_top
+        ]
+        return top, problem
 
     def _generate(self, requests: Sequence[Generation]) -> list[str]:
         def one(request: Generation) -> list[str]:

@@ -43,6 +43,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from kiln.gates.measure.openai_answers import NotMeasured
 from kiln.runtime.base.errors import UsageError
 
 DEFAULT_MAX_LENGTH = 2048
@@ -119,6 +120,11 @@ class ScoringLM(TemplateLM):
         for _key, context, continuation in requests:
             prompts.append((context + continuation)[-(self.max_length + 1) :])
             lengths.append(len(continuation))
+        if max(lengths, default=0) > self.max_length:
+            raise NotMeasured(
+                f"an item's continuation is {max(lengths)} tokens, more than the "
+                f"{self.max_length} the model's context leaves to score it"
+            )
         starts = [len(p) - n for p, n in zip(prompts, lengths, strict=True)]
         results = []
         for prompt, n, logprobs in zip(

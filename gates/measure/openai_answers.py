@@ -19,6 +19,9 @@ from typing import Any
 # JSON written from float32 can put a log-probability of ~1 a hair above 0, and a bf16 model's
 # top-k probabilities a hair above 1 in sum; anything further is not a distribution.
 LOGPROB_SLACK = 1e-4
+# Below this no float model's log-softmax goes (float32 logits spread that far are no model's),
+# and sums of such values overflow a perplexity.
+LOGPROB_FLOOR = -1e4
 MASS_SLACK = 1e-3
 UNRANKED = 10**9  # a token the server gave no rank: never counted as the top-1
 
@@ -45,12 +48,21 @@ def _is_int(value: Any) -> bool:
 
 
 def logprob(value: Any, where: str) -> float:
-    """`value` as a log-probability: a finite number at most 0 (rounding above it is 0)."""
+    """`value` as a log-probability: a finite number at most 0 (rounding above it is 0) and
+    above LOGPROB_FLOOR."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise NotMeasured(f"{where} is {value!r}, not a number")
-    if not math.isfinite(value) or value > LOGPROB_SLACK:
-        raise NotMeasured(f"{where} is {value!r}, not a log-probability (finite, at most 0)")
-    return min(float(value), 0.0)
+        raise NotMeasured(f"{where} is {str(value)[:40]!r}, not a number")
+    try:
+        number = float(value)  # a JSON integer of 400 digits is no float
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number > LOGPROB_SLACK or number < LOGPROB_FLOOR:
+        shown = str(value)[:40]
+        raise NotMeasured(
+            f"{where} is {shown}, not a log-probability (finite, at most 0, above "
+            f"{LOGPROB_FLOOR:g})"
+        )
+    return min(number, 0.0)
 
 
 def completion_choices(data: Any, count: int, model: str) -> list[dict[str, Any]]:

@@ -457,8 +457,10 @@ def _model_cards(url: str, api_key: str | None) -> list[dict[str, Any]]:
 
 
 def _context(card: dict[str, Any]) -> int | None:
+    """The context a model card states, where it states a usable one (a positive integer)."""
     length = card.get("max_model_len")
-    return length if isinstance(length, int) and not isinstance(length, bool) else None
+    usable = isinstance(length, int) and not isinstance(length, bool) and length > 0
+    return length if usable else None
 
 
 def _started_model(url: str, side: SideSpec, what: str) -> tuple[str, int | None]:

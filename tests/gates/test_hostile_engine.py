@@ -32,6 +32,7 @@ from kiln.gates.decide.rules import default_policy
 from kiln.gates.decide.verdict import build_verdict
 from kiln.gates.measure.divergence import kl_dense, kl_topk
 from kiln.gates.measure.http_lm import HttpLM, NotMeasured
+from kiln.gates.measure.openai_answers import logprob
 from kiln.gates.measure.served import Capabilities, Served, parse_engine, settings_for
 from kiln.gates.measure.sides import resolve_side
 from kiln.gates.releases import Registry
@@ -180,7 +181,7 @@ def test_an_infinite_log_probability_is_named_with_the_item(
     gates = load_gates({**GATES, "engine": engine.url, "engine_model": "stub"}, "test")
     verdict = run_gate(str(noisy_artifact), str(tiny_llama), gates, tmp_path / "out").verdict
     detail = next(c.detail for c in verdict.checks if c.name == "kiln_mc: not measured")
-    assert "is inf, not a log-probability (finite, at most 0)" in detail
+    assert "is inf, not a log-probability (finite, at most 0," in detail
     assert "-token prompt starting" in detail  # which item it was
 
 
@@ -314,6 +315,33 @@ def test_the_scorer_gives_log_probabilities_or_names_the_fault_never_anything_el
         lm.close()
 
 
+def test_an_engine_that_stops_answering_costs_one_timeout_not_one_per_request(
+    tiny_tokenizer: Any, stub
+) -> None:
+    good = answer_every_logprob(-0.5)
+
+    def stalls(body: dict[str, Any]) -> Any:
+        time.sleep(2.0)
+        return good(body)
+
+    engine = stub(stalls)
+    caps = Capabilities(prompt_logprobs=True, echo_logprobs=True)
+    served = Served("url", engine.url, "stub", "1", None, {}, None, 64, caps)
+    lm = HttpLM(served, tiny_tokenizer, max_length=32, batch_size=1, concurrency=1,
+                vocab_size=VOCAB, timeout_s=0.5)  # fmt: skip
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            NotMeasured, match=r"stopped answering: a request got no answer in 0\.5 s"
+        ):
+            lm._loglikelihood_tokens([(None, PROMPT[:2], PROMPT[2:])] * 6)
+        with pytest.raises(NotMeasured, match="so kiln asked it nothing more"):
+            lm.topk_logprobs([PROMPT] * 6, 3)
+    finally:
+        lm.close()
+    assert time.monotonic() - started < 5.0  # one timeout (0.5 s), not twelve
+
+
 # --- the divergence and the checks ------------------------------------------------------------
 
 
@@ -324,6 +352,43 @@ def test_top_k_sets_that_share_no_token_are_a_divergence_not_agreement() -> None
     # P puts 0.9 on tokens Q gives at most 0.3 each: at least 0.9 log(0.9/0.6) + 0.1 log(0.1/0.4)
     assert kl[0] >= 0.9 * math.log(0.9 / 0.6) + 0.1 * math.log(0.1 / 0.4) - 1e-12
     assert not agree[0]
+
+
+def test_mass_q_lists_elsewhere_is_not_lent_to_tokens_it_leaves_out() -> None:
+    """Q lists 0.95 of its mass (0.35 on P's top token, 0.6 on one P barely holds), so P's
+    second token gets at most 0.05 from Q, however large Q's smallest listed probability."""
+    p = [{1: math.log(0.5), 2: math.log(0.4)}]
+    q = [{3: math.log(0.6), 1: math.log(0.35)}]
+    kl, _ = kl_topk(p, q)
+    least = 0.5 * math.log(0.5 / 0.35) + 0.4 * math.log(0.4 / 0.05) + 0.1 * math.log(0.1 / 0.6)
+    assert kl[0] >= least - 1e-9
+    # and it is still a lower bound: one full Q consistent with that top-2
+    full_p = {1: 0.5, 2: 0.4, 4: 0.1}
+    full_q = {1: 0.35, 3: 0.6, 2: 0.04, 4: 0.01}
+    true = sum(v * math.log(v / full_q[t]) for t, v in full_p.items())
+    assert kl[0] <= true + 1e-9
+
+
+@pytest.mark.parametrize("value", [-(10**400), -1e5, -1e300])
+def test_a_number_no_model_gives_is_not_a_log_probability(value: Any) -> None:
+    with pytest.raises(NotMeasured, match="not a log-probability"):
+        logprob(value, "position 3")
+
+
+def test_an_engine_whose_scores_and_top_k_disagree_measures_nothing(
+    noisy_artifact: Path, tiny_llama: Path, tmp_path: Path, stub
+) -> None:
+    """An engine that scores the tasks one way and answers top-k requests (the divergence)
+    as a model certain of every token: neither is trusted."""
+    scores, certain = answer_every_logprob(-0.5), answer_every_logprob(-0.001)
+    engine = stub(lambda body: (certain if body.get("prompt_logprobs") else scores)(body))
+    gates = load_gates({**GATES, "engine": engine.url, "engine_model": "stub"}, "test")
+    verdict = run_gate(str(noisy_artifact), str(tiny_llama), gates, tmp_path / "out").verdict
+    assert not verdict.passed
+    assert {c.name for c in verdict.failed_checks} == {
+        "kiln_ppl: not measured", "kiln_mc: not measured", "KL divergence: not measured"
+    }  # fmt: skip
+    assert all("its scores are not one model's" in c.detail for c in verdict.failed_checks)
 
 
 @pytest.mark.parametrize(

@@ -139,16 +139,30 @@ def detect(config: dict[str, Any]) -> PreQuantized | None:
     return None
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; SourceError naming it otherwise."""
+    try:
+        data = json.loads(read_text(path, SourceError))
+    except json.JSONDecodeError as exc:
+        raise SourceError(f"{path}: not valid JSON ({exc}); restore the model's own file") from None
+    if not isinstance(data, dict):
+        raise SourceError(
+            f"{path}: holds {json.dumps(data)[:40]}, not a JSON object of settings; restore "
+            "the model's own file"
+        )
+    return data
+
+
 def read_config(model_dir: Path) -> dict[str, Any]:
     """config.json, with `quantization_config` taken from quantize_config.json or
     quant_config.json when config.json has none (AutoGPTQ and early AutoAWQ wrote only those)."""
-    config: dict[str, Any] = json.loads(read_text(Path(model_dir) / "config.json", SourceError))
+    config = _json_object(Path(model_dir) / "config.json")
     if config.get("quantization_config"):
         return config
     for name in SIDECAR_CONFIGS:
         path = Path(model_dir) / name
         if path.is_file():
-            sidecar = json.loads(read_text(path, SourceError))
+            sidecar = _json_object(path)
             if name == "quant_config.json" and "quant_method" not in sidecar:
                 sidecar = {"quant_method": "awq", **sidecar}  # AutoAWQ's own file
             elif "quant_method" not in sidecar:

@@ -7,6 +7,7 @@ planner and quantisers; GGUF metadata is mapped to the same config fields
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,12 +266,14 @@ class ModelInfo:
         (configs of other families name them differently: GPT-2's n_embd, n_layer), and
         config_ranges.ConfigValueError naming each value out of its range.
         """
+        if not isinstance(config, dict):
+            raise ValueError(f"a {type(config).__name__} where a JSON object belongs")
         arch = _architecture(config)
         try:
             return cls._parse(config, arch)
         except ConfigValueError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"no usable {exc} for architecture {arch}; {SUPPORTED}") from None
 
     @classmethod
@@ -294,6 +297,12 @@ class ModelInfo:
         head_dim = int(config.get("head_dim") or hidden // heads)
         max_positions = int(config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
         params = config.get("rope_parameters") or {}
+        for key, value in (
+            ("rope_parameters", params),
+            ("rope_scaling", config.get("rope_scaling")),
+        ):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigValueError([f"{key} is {json.dumps(value)[:60]}, not an object"])
         local = params.get("sliding_attention") or {}
         where = "rope_parameters" if params else "rope_scaling"
         if "full_attention" in params:  # one set per layer type (Gemma 3, transformers 5)
@@ -391,8 +400,11 @@ def _layer_types(config: dict[str, Any], arch: str, layers: int, window: bool) -
 
 def _architecture(config: dict[str, Any]) -> str:
     """The class a config names; from its model_type where it names none, as transformers does."""
-    if config.get("architectures"):
-        return str(config["architectures"][0])
+    names = config.get("architectures")
+    if isinstance(names, str):  # a list of class names, written as one name
+        return names
+    if names and isinstance(names, list):
+        return str(names[0])
     if config.get("model_type"):
         model_type = str(config["model_type"])
         return ARCHITECTURES.get(model_type, f"{model_type} (model_type)")

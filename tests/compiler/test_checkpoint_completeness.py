@@ -193,6 +193,10 @@ CONFIGS = {
         "tiny_llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
         "rope_parameters.rope_theta 0",
     ),
+    "RoPE settings a list": ("tiny_llama", {"rope_parameters": [1, 2]},
+                             "rope_parameters is [1, 2], not an object"),
+    "RoPE scaling a string": ("tiny_qwen2", {"rope_scaling": "yarn"},
+                              'rope_scaling is "yarn", not an object'),
 }  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
@@ -230,3 +234,16 @@ def test_config_values_out_of_range_are_refused_naming_the_key(
     assert code == 2, out
     assert f"{model / 'config.json'} has" in out and shown in out
     assert "internal error" not in out
+
+
+@pytest.mark.parametrize(("text", "shown"), [("[1, 2]", "holds [1, 2]"), ("null", "holds null"),
+                                             ("{", "not valid JSON")])  # fmt: skip
+def test_a_config_that_is_no_json_object_is_refused_naming_the_file(
+    text: str, shown: str, tiny_llama: Path, tmp_path: Path
+) -> None:
+    model = edited(tiny_llama, tmp_path / "m")
+    (model / "config.json").write_text(text)
+    code, out = validate(tmp_path, model)
+    assert code == 2, out
+    assert str(model / "config.json") in out and shown in out
+    assert "internal error" not in out and "Traceback" not in out

@@ -5,8 +5,10 @@ rules), and the digest a rollback moves a channel back to.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from kiln.runtime.base.errors import UsageError, VerdictFailure
 
@@ -27,11 +29,14 @@ def require_passing_run(
     refusal = f"{path}: refusing to promote {name} ({digest[:12]}) to {channel}"
     if run_id is not None:
         require_run(db, run_id, refusal, digest, channel, required, why)
-    gated = db.execute(
-        "SELECT baseline, baseline_kind, passed FROM gate_runs WHERE candidate_digest = ? "
-        "AND baseline != candidate_digest",
-        (digest,),
-    ).fetchall()
+    gated = [
+        {**dict(r), "passed": passed_run(r, _file(db))}
+        for r in db.execute(
+            "SELECT id, candidate_digest, baseline, baseline_kind, passed, verdict FROM gate_runs "
+            "WHERE candidate_digest = ? AND baseline != candidate_digest",
+            (digest,),
+        )
+    ]
     # An empty channel: only a run against the float source opens it.
     runs = [r for r in gated if required is not None or r["baseline_kind"] == "source"]
     if any(r["passed"] and (required is None or r["baseline"] == required) for r in runs):
@@ -63,6 +68,37 @@ def require_passing_run(
     )
 
 
+def passed_run(run: sqlite3.Row | dict[str, Any], where: str | Path) -> bool:
+    """Whether gate run `run` passed: its `passed` column, which a promotion may trust only
+    where the verdict stored with it says the same of the same candidate and baseline. A
+    disagreement is a registry edited or damaged past what SQLite's checks find: an error,
+    never a pass."""
+    if not run["passed"]:
+        return False
+    why = None
+    try:
+        verdict = json.loads(run["verdict"])
+        candidate, baseline = verdict["candidate"]["digest"], verdict["baseline"]["digest"]
+        said = (verdict.get("passed"), candidate, baseline)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        why = f"cannot be read ({type(exc).__name__})"
+    else:
+        if said != (True, run["candidate_digest"], run["baseline"]):
+            why = f"says passed={said[0]!r} of {str(said[1])[:12]} against {str(said[2])[:12]}"
+    if why is None:
+        return True
+    raise UsageError(
+        f"registry {where}: its gate run {run['id']} is marked passed, but the verdict stored "
+        f"with it {why}: the registry file was edited or damaged; restore it from a backup, "
+        "or gate the artifact again (a fresh registry: move the file away)"
+    )
+
+
+def _file(db: sqlite3.Connection) -> str:
+    """The file `db` is opened on."""
+    return str(db.execute("PRAGMA database_list").fetchone()[2])
+
+
 def require_run(
     db: sqlite3.Connection,
     run_id: int,
@@ -76,7 +112,8 @@ def require_run(
     candidate against what `channel` requires now (`required`, because `why`): read inside
     the write transaction, so a promotion since the gate started shows here."""
     run = db.execute(
-        "SELECT candidate_digest, baseline, baseline_kind, passed FROM gate_runs WHERE id = ?",
+        "SELECT id, candidate_digest, baseline, baseline_kind, passed, verdict FROM gate_runs "
+        "WHERE id = ?",
         (run_id,),
     ).fetchone()
     if run is None or run["candidate_digest"] != digest:
@@ -85,7 +122,7 @@ def require_run(
             "promote then"
         )
     judged = f"{run['baseline_kind']} {run['baseline'][:12]}"
-    if not run["passed"]:
+    if not passed_run(run, _file(db)):
         raise VerdictFailure(f"{refusal}: gate run {run_id} against {judged} failed")
     if required is None and run["baseline_kind"] != "source":
         raise UsageError(

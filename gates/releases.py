@@ -38,7 +38,12 @@ from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kiln.gates.channel_rules import require_passing_run, rollback_step, unknown_channel
+from kiln.gates.channel_rules import (
+    passed_run,
+    require_passing_run,
+    rollback_step,
+    unknown_channel,
+)
 from kiln.runtime.base.errors import ArtifactError, KilnError, UsageError
 from kiln.runtime.base.files import regular_problem
 from kiln.runtime.formats.artifact import json_dumps, load_manifest
@@ -137,18 +142,30 @@ def _names_damage(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except sqlite3.DatabaseError as exc:
-            if _sqlite_code(exc) not in _DAMAGE:
+            if not _is_damage(exc):
                 raise
-            raise UsageError(
-                f"registry {self.path}: the file is damaged ({exc}); nothing was changed. The "
-                "artifacts are not in this file and are unaffected: it records gate runs, "
-                "channels and promotions. Restore it from a backup, or salvage what is readable "
-                f"with `sqlite3 {self.path} .recover | sqlite3 recovered.db`, or move it away "
-                "and kiln starts a fresh registry there on its next command (gate and promote "
-                "the artifacts again)"
-            ) from None
+            raise damaged(self.path, str(exc)) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _is_damage(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite found a damaged page, or a text column holds bytes no UTF-8 text is (a page
+    overwritten with other bytes that SQLite's structure checks pass)."""
+    return _sqlite_code(exc) in _DAMAGE or "Could not decode to UTF-8" in str(exc)
+
+
+def damaged(path: Path, what: str) -> UsageError:
+    """The error for a registry file found damaged: what was found, that nothing changed,
+    and the ways back."""
+    return UsageError(
+        f"registry {path}: the file is damaged ({what}); nothing was changed. The "
+        "artifacts are not in this file and are unaffected: it records gate runs, "
+        "channels and promotions. Restore it from a backup, or salvage what is readable "
+        f"with `sqlite3 {path} .recover | sqlite3 recovered.db`, or move it away "
+        "and kiln starts a fresh registry there on its next command (gate and promote "
+        "the artifacts again)"
+    )
 
 
 @dataclass(slots=True)
@@ -171,13 +188,31 @@ class Registry:
         self.lock_wait_s = lock_wait_s
         if self.path.exists() and (why := regular_problem(self.path)) is not None:
             raise UsageError(f"registry {self.path}: {why}; point --registry at a registry file")
+        fresh = not os.path.lexists(self.path)
+        try:
+            self._open()
+        except BaseException:
+            if (db := getattr(self, "_db", None)) is not None:
+                db.close()
+            if fresh:  # a registry this call began and could not finish (a full disk)
+                for leftover in ("", "-wal", "-shm", "-journal"):
+                    Path(f"{self.path}{leftover}").unlink(missing_ok=True)
+            raise
+
+    def _open(self) -> None:
+        """Connect, check every page, and create the tables a fresh file lacks."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, timeout=lock_wait_s, isolation_level=None)
+            self._db = sqlite3.connect(self.path, timeout=self.lock_wait_s, isolation_level=None)
             self._db.row_factory = sqlite3.Row
-            self._db.execute(f"PRAGMA busy_timeout = {int(lock_wait_s * 1000)}")
+            self._db.execute(f"PRAGMA busy_timeout = {int(self.lock_wait_s * 1000)}")
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA foreign_keys = ON")
+            # A page overwritten in place reads back as an empty table, or not at all only
+            # when a query reaches it: every page is checked once, here (a registry is small).
+            found = [r[0] for r in self._db.execute("PRAGMA quick_check(5)")]
+            if found != ["ok"]:
+                raise damaged(self.path, "; ".join(map(str, found))[:300])
             with self._write() as db:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
@@ -281,8 +316,8 @@ class Registry:
     @_names_damage
     def gate_runs(self, candidate_digest: str | None = None) -> list[dict[str, Any]]:
         """Gate runs, newest first (of one candidate digest when given)."""
-        sql = "SELECT id, candidate_digest, baseline, baseline_kind, passed, created_at "
-        sql += "FROM gate_runs"
+        sql = "SELECT id, candidate_digest, baseline, baseline_kind, passed, created_at, "
+        sql += "verdict FROM gate_runs"
         rows = (
             self._db.execute(
                 sql + " WHERE candidate_digest = ? ORDER BY id DESC", (candidate_digest,)
@@ -290,7 +325,8 @@ class Registry:
             if candidate_digest
             else self._db.execute(sql + " ORDER BY id DESC")
         )
-        return [dict(r) for r in rows]
+        runs = [{**dict(r), "passed": int(passed_run(r, self.path))} for r in rows]
+        return [{k: v for k, v in r.items() if k != "verdict"} for r in runs]
 
     @_names_damage
     def verdict(self, run_id: int) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.leftovers import holding
+from kiln.runtime.base.atomic import replace_text
 from kiln.runtime.base.cache import cache_home
 
 
@@ -55,9 +56,7 @@ class FileFacts:
         live = {k: v for k, v in self.entries.items() if os.path.exists(k)}
         try:
             with holding(self.path.parent):  # a concurrent start's sweep leaves our temp alone
-                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(live, indent=1, sort_keys=True))
-                os.replace(tmp, self.path)
+                replace_text(self.path, json.dumps(live, indent=1, sort_keys=True))
         except OSError:
             pass  # a read-only cache folder only costs recomputing next time
         self.changed = False

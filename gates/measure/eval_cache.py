@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kiln.gates.measure.tasks import TaskResult
+from kiln.runtime.base.atomic import replace_text
 
 CACHE_FORMAT = 1
 
@@ -99,7 +99,5 @@ class EvaluationCache:
         """Write atomically (a killed gate never leaves half a file)."""
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"{key}.json"
-        with tempfile.NamedTemporaryFile("w", dir=self.root, suffix=".tmp", delete=False) as f:
-            json.dump(data, f)
-        os.replace(f.name, path)
+        replace_text(path, json.dumps(data))
         return path

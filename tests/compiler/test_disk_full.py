@@ -227,3 +227,55 @@ def test_a_compile_onto_a_full_disk_exits_3_saying_so(tmp_path: Path, tiny_llama
     done = on_full_disk(out, *compile_, f"{out}/artifacts")
     assert done.returncode == 3, done.stderr
     assert f"error: {FULL}" in done.stderr and "internal error" not in done.stderr
+
+
+# What each small-file writer leaves on a full disk: its error, then the directory's names.
+SMALL_WRITERS = """
+import json, os, sys
+from pathlib import Path
+from kiln.runtime.base.atomic import replace_text
+from kiln.gates.measure.eval_cache import EvaluationCache
+from kiln.runtime.formats.artifact.verified import _write_stamp
+from kiln.gates.releases import Registry
+
+target = Path(os.environ["TARGET"])
+big = "x" * 1_000_000
+writers = {
+    "replace_text": lambda: replace_text(target / "state.json", big),
+    "eval cache": lambda: EvaluationCache(target / "cache").put("k", {"text": big}),
+    "verify stamp": lambda: _write_stamp(target / "stamp.json", "d", {"f": [big]}),
+    "registry": lambda: Registry(target / "registry.db"),
+}
+for name, write in writers.items():
+    try:
+        write()
+        raised = None
+    except OSError as exc:
+        raised = exc.strerror
+    except Exception as exc:  # SQLite's own
+        raised = str(exc)
+    left = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.name != "filler")
+    print(json.dumps([name, raised, left]))
+    if name == "verify stamp":  # the registry's first pages are small: fill the disk first
+        try:
+            with open(target / "filler", "ab") as file:
+                file.write(b"x" * 10_000_000)
+        except OSError:
+            pass
+"""
+
+
+@needs_tmpfs
+def test_a_small_file_that_does_not_fit_leaves_no_temporary(tmp_path: Path) -> None:
+    """A state, an eval-cache entry or a verification stamp that the disk cannot hold is not
+    written, and the temporary it was written through is gone too (a full disk stays no
+    fuller than it was)."""
+    done = on_full_disk(tmp_path, sys.executable, "-c", SMALL_WRITERS)
+    assert done.returncode == 0, done.stderr
+    rows = {
+        name: (raised, left) for name, raised, left in map(json.loads, done.stdout.split("\n")[:-1])
+    }
+    assert rows["replace_text"] == ("No space left on device", [])
+    assert rows["eval cache"] == ("No space left on device", ["cache"])
+    assert rows["verify stamp"] == (None, ["cache"])  # a stamp is only a cache: no error
+    assert rows["registry"] == ("database or disk is full", ["cache"])  # no empty registry.db

@@ -27,7 +27,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import stat
 import tempfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.base.atomic import replace_text
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.base.files import irregular_entries, open_regular
 from kiln.runtime.formats.artifact.manifest import (
@@ -242,17 +242,7 @@ def json_dumps(data: Any) -> str:
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Write manifest.json atomically: a temporary of this writer's own, then one rename.
     A published artifact's manifest is rewritten under `manifest_lock` (update_manifest)."""
-    tmp = root / f".{MANIFEST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        with os.fdopen(os.open(tmp, flags, 0o644), "w") as handle:
-            handle.write(json_dumps(manifest.to_dict()))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, root / MANIFEST)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_text(root / MANIFEST, json_dumps(manifest.to_dict()), fsync=True)
 
 
 @contextmanager

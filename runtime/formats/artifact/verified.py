@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kiln.runtime.base.atomic import replace_text
 from kiln.runtime.base.cache import cache_home
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.base.files import irregular_entries
@@ -143,8 +143,6 @@ def _write_stamp(stamp: Path, digest: str, facts: Facts) -> None:
             stamp.unlink(missing_ok=True)
             return
         stamp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"digest": digest, "files": facts}))
-        os.replace(tmp, stamp)
+        replace_text(stamp, json.dumps({"digest": digest, "files": facts}))
     except OSError:
         pass  # a read-only cache only costs a full pass next time

@@ -59,6 +59,7 @@ from kiln.compiler.trtllm.targets import PROFILES, get_profile
 from kiln.quant import calibration
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.machine import describe_machine, machine_facts
+from kiln.runtime.formats.artifact import MANIFEST
 
 Progress = Callable[[str], None]
 
@@ -248,10 +249,34 @@ class Search:
         return f", ETA ~{remaining * sum(fresh) / len(fresh) / 60:.0f} min before mixed precision"
 
     def restore_recipes(self) -> None:
-        """Write again the recipes of resumed candidates that were deleted since."""
+        """Write again the recipes of resumed candidates that were deleted since, and make
+        again the artifacts of resumed candidates that passed and were deleted since (one of
+        them may be the answer, which must name an artifact that exists); a failed one's
+        deleted artifact is no longer named (the mixed search makes its parent's again)."""
         for j in self.judged.values():
             if not Path(j.recipe).is_file():
                 j.recipe = str(self.write_recipe(j.candidate))
+            if j.artifact is None or (Path(j.artifact) / MANIFEST).is_file():
+                continue
+            if j.passed:
+                self.compile_again(j, "it passed its gate, so it may be the answer")
+            else:
+                self.say(f"{j.candidate.id}: its artifact {j.artifact} is gone; its verdict "
+                         "stands, without an artifact")  # fmt: skip
+                j.artifact = None
+                self.save_state()
+
+    def compile_again(self, judged: Judged, why: str) -> Path:
+        """Compile a resumed candidate whose artifact was deleted since it was judged (the
+        same recipe and tools: the same artifact, its verdict still valid)."""
+        cid = judged.candidate.id
+        gone = judged.artifact or "(deleted)"
+        self.say(f"{cid}: its artifact {gone} is gone; compiling it again ({why})")
+        path = self.write_recipe(judged.candidate)
+        result = compile_recipe(path, progress=lambda text: self.say(f"{cid}: {text}"))
+        judged.recipe, judged.artifact = str(path), str(result.artifact)
+        self.save_state()
+        return Path(result.artifact)
 
     def run(self, candidates: list[Candidate]) -> None:
         """Judge `candidates` (space()) in order, then the mixed-precision ones."""
@@ -297,7 +322,6 @@ class Search:
                 if j.quality is not None
                 and not j.passed
                 and _cheapest(j.prices) < cheapest_pass
-                and j.artifact is not None
             ),
             key=lambda j: _cheapest(j.prices),
         )
@@ -338,15 +362,9 @@ class Search:
         (the same recipe and tools: the same artifact, its verdict still valid) when it was
         deleted since it was judged."""
         report = Path(str(parent.artifact)) / "reports" / "quantization.json"
-        if not report.is_file():
-            cid = parent.candidate.id
-            self.say(f"{cid}: its artifact {parent.artifact} is gone; compiling it again for "
-                     "its per-layer report")  # fmt: skip
-            path = self.write_recipe(parent.candidate)
-            result = compile_recipe(path, progress=lambda text: self.say(f"{cid}: {text}"))
-            parent.recipe, parent.artifact = str(path), str(result.artifact)
-            self.save_state()
-            report = result.artifact / "reports" / "quantization.json"
+        if parent.artifact is None or not report.is_file():
+            made = self.compile_again(parent, "for its per-layer report")
+            report = made / "reports" / "quantization.json"
         return dict(json.loads(report.read_text()))
 
     # ---- the answer ---------------------------------------------------------------------------

@@ -111,13 +111,16 @@ def check_settings(recipe: Recipe, settings: SearchSettings) -> list[str]:
         )
     unknown = [t for t in targets if t not in PROFILES]
     if unknown:
-        problems.append(f"unknown GPU targets {unknown}: use {', '.join(PROFILES)}")
+        problems.append(f"unknown GPU targets {unknown} (--target, or the recipe's targets:): "
+                        f"use {', '.join(PROFILES)}")  # fmt: skip
     bad = unknown_schemes(settings.schemes)
     if bad:
-        problems.append(f"unknown schemes {bad}: use {', '.join(SCHEMES)}")
+        problems.append(f"unknown schemes {bad} (--schemes, or the recipe's search.schemes): "
+                        f"use {', '.join(SCHEMES)}")  # fmt: skip
     bad_kv = [k for k in settings.kv_cache if k not in KV_VARIANTS]
     if bad_kv:
-        problems.append(f"unknown KV cache variants {bad_kv}: use {', '.join(KV_VARIANTS)}")
+        problems.append(f"unknown KV cache variants {bad_kv} (--kv-cache, or the recipe's "
+                        f"search.kv_cache): use {', '.join(KV_VARIANTS)}")  # fmt: skip
     for key, names, allowed in (("schemes", settings.schemes, SCHEMES),
                                 ("kv_cache", settings.kv_cache, KV_VARIANTS)):  # fmt: skip
         if not names:

@@ -11,8 +11,10 @@ a search must never do. Ours: no library keeps a search's state.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ from kiln.compiler.recipe.recipe import Recipe
 from kiln.compiler.search.pareto import Quality
 from kiln.compiler.search.price import Price
 from kiln.compiler.search.space import Candidate
+from kiln.runtime.base.atomic import replace_text
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.versions import COMPILE_TOOLS, GATE_TOOLS, versions
 
@@ -92,6 +95,9 @@ class Judged:
             t: Price(**{k: v for k, v in p.items() if k != "source"})
             for t, p in data.get("prices", {}).items()
         }
+        for name, value in (("quality", Quality(**q) if q else None), *prices.items()):
+            if value is not None:
+                _typed(value, f"{data['id']}'s {name}")
         return cls(
             cand,
             data["recipe"],
@@ -111,6 +117,32 @@ class Judged:
     @property
     def passed(self) -> bool:
         return self.quality is not None and self.quality.passed
+
+
+def _typed(record: Any, where: str) -> None:
+    """ValueError naming the field of `record` (a Quality or Price read back from a state)
+    that does not hold its declared kind: a verdict resumed from a number that is NaN, or a
+    string where a flag belongs, would be a verdict no gate gave."""
+    for f in dataclasses.fields(record):
+        value, kinds = getattr(record, f.name), str(f.type).replace(" ", "").split("|")
+        ok = (
+            (value is None and "None" in kinds)
+            or (isinstance(value, bool) and "bool" in kinds)
+            or (isinstance(value, str) and "str" in kinds)
+            or (
+                isinstance(value, list)
+                and "list[str]" in kinds
+                and all(isinstance(v, str) for v in value)
+            )
+            or (
+                not isinstance(value, bool)
+                and isinstance(value, int | float)
+                and ("float" in kinds or ("int" in kinds and isinstance(value, int)))
+                and math.isfinite(value)
+            )
+        )
+        if not ok:
+            raise ValueError(f"{where}.{f.name} is {value!r}, not a {f.type} a gate gives")
 
 
 def state_key(recipe: Recipe, search: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +187,8 @@ def read_state(out_dir: Path, recipe: Path, key: dict[str, Any]) -> tuple[list[J
         raise UsageError(f"{path}: cannot be read as a kiln search state ({why}); {fix}") from None
     if owner != str(recipe):
         raise UsageError(
-            f"{out_dir}: holds a search of {owner}; give another --output for this recipe"
+            f"{path}: is the state of a search of {owner}, not of {recipe}; give another "
+            "--output for this recipe"
         )
     changed = what_changed(data.get("key"), key)
     return ([] if changed else rows), changed
@@ -172,6 +205,4 @@ def set_aside(out_dir: Path) -> Path:
 def write_state(out_dir: Path, recipe: Path, key: dict[str, Any], judged: list[Judged]) -> None:
     """Write the state at once, never half-written."""
     data = {"recipe": str(recipe), "key": key, "candidates": [j.to_dict() for j in judged]}
-    tmp = out_dir / f".{STATE}.tmp"
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, out_dir / STATE)
+    replace_text(out_dir / STATE, json.dumps(data, indent=2) + "\n")

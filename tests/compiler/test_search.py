@@ -235,5 +235,7 @@ def test_a_search_directory_of_another_recipe_is_not_mixed_in(tiny_llama, tmp_pa
     out.mkdir()
     (out / "state.json").write_text(json.dumps({"recipe": "/elsewhere.yaml", "candidates": []}))
     code, _, stderr = kiln("search", str(recipe), "--output", str(out))
-    assert code == 2 and "holds a search of /elsewhere.yaml" in stderr
+    said = " ".join(stderr.split())
+    assert code == 2
+    assert f"{out / 'state.json'}: is the state of a search of /elsewhere.yaml" in said
     shutil.rmtree(out)

@@ -7,6 +7,7 @@ and a search that judged nothing leaves nothing of its own behind."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -213,6 +214,39 @@ def test_a_damaged_state_is_named_with_the_fix(tiny_llama: Path, tmp_path: Path,
     assert f"{out / 'state.json'}: cannot be read as a kiln search state" in stderr
     assert f"delete {out / 'state.json'} to search afresh" in stderr
     assert [p.name for p in out.iterdir()] == ["state.json"]  # nothing compiled
+
+
+def test_a_resumed_verdict_is_one_a_gate_gave_and_names_an_artifact_that_exists(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A state whose quality is NaN is not resumed as a verdict (exit 2 naming the file and
+    the field); a passing candidate whose artifact was deleted since is compiled again, so the
+    answer never names an artifact that is gone."""
+    recipe = search_recipe(tmp_path, tiny_llama, kl_max=1.0)
+    code, first, stderr = search(recipe, *QUICK)
+    assert code == 0, stderr
+    out = tmp_path / "out" / "search-planted"
+    good = (out / "state.json").read_text()
+    state = json.loads(good)
+    state["candidates"][0]["quality"]["kl_mean"] = math.nan
+    (out / "state.json").write_text(json.dumps(state))  # written as the literal NaN
+    code, _, stderr = search(recipe, *QUICK)
+    assert code == 2
+    said = one_line(stderr)
+    assert f"{out / 'state.json'}: cannot be read as a kiln search state" in said
+    assert "w8a16's quality.kl_mean is nan" in said
+    (out / "state.json").write_text(good)
+    artifact = Path(first["candidates"][0]["artifact"])
+    (artifact / "manifest.json").unlink()
+    code, second, stderr = search(recipe, *QUICK)
+    assert code == 0, stderr
+    assert "its artifact" in stderr and "compiling it again" in one_line(stderr)
+    assert second["resumed"] == 1
+    again = Path(second["candidates"][0]["artifact"])
+    assert (again / "manifest.json").is_file()
+    assert second["targets"]["h100-sxm"]["winner"] == "w8a16"
+    (row,) = second["targets"]["h100-sxm"]["rows"]
+    assert row["artifact"] == str(again)
 
 
 def test_a_deleted_parent_artifact_is_compiled_again_for_the_mixed_search(

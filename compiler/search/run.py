@@ -319,9 +319,7 @@ class Search:
             (
                 j
                 for j in uniform
-                if j.quality is not None
-                and not j.passed
-                and _cheapest(j.prices) < cheapest_pass
+                if j.quality is not None and not j.passed and _cheapest(j.prices) < cheapest_pass
             ),
             key=lambda j: _cheapest(j.prices),
         )

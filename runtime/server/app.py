@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import PurePath
@@ -52,6 +53,26 @@ def _error(status: int, message: str, kind: str, param: str | None = None,
     return _ErrorResponse(error_body(message, kind, status, param), status, headers=headers)
 
 
+# How pydantic names the member of a union it tried, inside an error's location.
+_VARIANT = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-(]")
+
+
+def _field(loc: Any) -> str:
+    """An error's location as clients write the field: `messages[0].content`, with the
+    union member pydantic tried at the end (`(as list[TextPart])`)."""
+    path, tried = "", []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _VARIANT.search(str(part)):
+            tried.append(str(part))
+        else:
+            path += f".{part}" if path else str(part)
+    return path + (f" (as {', '.join(tried)})" if tried else "")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable line per problem; the first offending field as `param` (a check of the
     whole body names its field in its context's `param`)."""
@@ -62,7 +83,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return f"malformed JSON body: {error.get('msg')}", None
         named = (error.get("ctx") or {}).get("param")
         param = param or (loc[0] if loc else named if named != "body" else None)
-        where = ".".join(loc) or "body"
+        where = _field(error.get("loc", ())) or "body"
         lines.append(f"{where}: {error.get('msg')}" if named is None else str(error.get("msg")))
     return "invalid request: " + "; ".join(lines), param
 

@@ -141,3 +141,20 @@ def test_a_tool_call_in_the_chat_is_400_naming_it_not_dropped(
     error = _keep_alive_pair(shared_server, CHAT, json.dumps({"messages": messages}))
     assert error["param"] == f"messages[1].{field}"
     assert "tool calls (function calling) are not supported" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("messages", "where"),
+    [
+        ([{"role": "user", "content": [{"type": "text", "text": None}]}],
+         "messages[0].content[0].text (as list[TextPart])"),
+        ([None], "messages[0]:"),
+        ([{"role": "user", "content": 7}], "messages[0].content (as str)"),
+    ],
+)  # fmt: skip
+def test_a_wrongly_typed_message_is_400_naming_the_field_as_clients_write_it(
+    shared_server: LiveServer, messages: list[Any], where: str
+) -> None:
+    error = _keep_alive_pair(shared_server, CHAT, json.dumps({"messages": messages}))
+    assert error["code"] == 400 and error["param"] == "messages"
+    assert where in error["message"], error["message"]

@@ -57,6 +57,8 @@ ENGINES = ("kiln", "kiln-serve", "vllm", "trtllm")
 URL_ENGINE = "url"
 HOST = "127.0.0.1"
 STOP_WAIT_S = 30.0
+# The shortest context an engine card may state: a prompt and the tokens scored after it.
+MIN_CONTEXT = 16
 VLLM_PYTHON = "KILN_VLLM_PYTHON"
 TRTLLM_SERVE = "KILN_TRTLLM_SERVE"
 API_KEY = "KILN_ENGINE_API_KEY"  # sent as a bearer token to a URL engine
@@ -456,11 +458,20 @@ def _model_cards(url: str, api_key: str | None) -> list[dict[str, Any]]:
     return cards
 
 
-def _context(card: dict[str, Any]) -> int | None:
-    """The context a model card states, where it states a usable one (a positive integer)."""
+def _context(card: dict[str, Any], url: str) -> int | None:
+    """The context a model card states (None where it states none); UsageError naming the
+    engine where it states one no request can be sized by: not an integer, or too short to
+    hold a prompt and the token scored after it (MIN_CONTEXT)."""
     length = card.get("max_model_len")
-    usable = isinstance(length, int) and not isinstance(length, bool) and length > 0
-    return length if usable else None
+    if length is None:
+        return None
+    if isinstance(length, bool) or not isinstance(length, int) or length < MIN_CONTEXT:
+        raise UsageError(
+            f"the engine at {url} states max_model_len {str(length)[:40]} for {card.get('id')!r}"
+            f" in its /v1/models card, not a context of at least {MIN_CONTEXT} tokens the gate "
+            "can size its requests by: check the engine's --max-model-len"
+        )
+    return length
 
 
 def _started_model(url: str, side: SideSpec, what: str) -> tuple[str, int | None]:
@@ -473,7 +484,7 @@ def _started_model(url: str, side: SideSpec, what: str) -> tuple[str, int | None
             f"{what} answers at {url} as {ids}, not as {side.name!r}, the name kiln started it "
             "with: another server holds the port, or the engine ignores --served-model-name"
         )
-    return side.name, _context(card)
+    return side.name, _context(card, url)
 
 
 def _candidate_card(
@@ -572,7 +583,7 @@ def _describe_url(choice: EngineChoice, side: SideSpec, role: str, prompt: list[
     model = str(card["id"])
     caps = probe(choice.url, model, prompt, key)
     return Served(URL_ENGINE, choice.url, model, _version(choice.url, "unknown"), None, {},
-                  None, _context(card), caps, key, identity)  # fmt: skip
+                  None, _context(card, choice.url), caps, key, identity)  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -198,6 +198,16 @@ def test_a_server_serving_another_model_is_not_gated_as_the_candidate(
                  tmp_path / "out")  # fmt: skip
 
 
+@pytest.mark.parametrize("length", [-5, 0, 3, "4096", 1.5])
+def test_a_card_stating_no_usable_context_is_named_before_any_request(
+    length: Any, noisy_artifact: Path, tiny_llama: Path, tmp_path: Path, stub
+) -> None:
+    engine = stub(answer_every_logprob(-0.5), models=[{"id": "cand", "max_model_len": length}])
+    gates = load_gates({**GATES, "engine": engine.url, "engine_model": "cand"}, "test")
+    with pytest.raises(UsageError, match=r"states max_model_len .* not a context of at least 16"):
+        run_gate(str(noisy_artifact), str(tiny_llama), gates, tmp_path / "out")
+
+
 def test_a_model_named_by_the_user_is_recorded_as_named_not_checked(
     noisy_artifact: Path, tiny_llama: Path, tmp_path: Path, stub
 ) -> None:

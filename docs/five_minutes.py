@@ -135,6 +135,12 @@ def short_form(t: Transcript, host: str, date: str) -> str:
     return "\n".join(lines)
 
 
+def _portable(text: str, work: Path) -> str:
+    """`text` without this machine's paths: the scratch directory as $WORK, the clone's
+    own paths relative to it (as a newcomer runs the commands from the clone)."""
+    return text.replace(str(work), "$WORK").replace(f"{REPO}/", "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", type=Path, help="Work here and keep it (default: a temp dir).")
@@ -164,9 +170,9 @@ def main() -> None:
     full = (f"# Five minutes, the whole transcript\n\n{date}, {host}; produced by "
             f"`docs/five_minutes.py` (scratch directory, registry and caches).\n\n```\n"
             f"{t.markdown()}\n```\n")  # fmt: skip
-    (REPO / "docs" / "five-minutes.md").write_text(full.replace(str(work), "$WORK"))
+    (REPO / "docs" / "five-minutes.md").write_text(_portable(full, work))
     readme = (REPO / "README.md").read_text()
-    block = short_form(t, host, date).replace(str(work), "$WORK")
+    block = _portable(short_form(t, host, date), work)
     readme = re.sub(f"{re.escape(START)}.*{re.escape(END)}", f"{START}\n{block}\n{END}", readme,
                     flags=re.S)  # fmt: skip
     (REPO / "README.md").write_text(readme)

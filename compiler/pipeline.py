@@ -24,6 +24,8 @@ from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for
 from kiln.quant import calibration
 from kiln.quant.prequantized import convert as prequantized
 from kiln.quant.prequantized.detect import PreQuantized
+from kiln.quant.report_html import REPORT_HTML
+from kiln.quant.report_html import render as render_report
 from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.formats import artifact
@@ -280,6 +282,8 @@ def fill_artifact(build: ModelBuild, staging: Path) -> None:
         reports = staging / artifact.REPORTS_DIR
         reports.mkdir()
         shutil.copy2(build.report.path / REPORT_FILE, reports / REPORT_FILE)
+        report = json.loads((reports / REPORT_FILE).read_text())
+        (reports / REPORT_HTML).write_text(render_report(report, build.job.name))
     for tp, exported in build.exports.items():
         if (exported.path / "checkpoint").is_dir():
             link_tree(exported.path / "checkpoint", staging / checkpoint_dir(tp))

@@ -168,6 +168,8 @@ def test_a_moe_model_compiles_with_every_expert_quantised_and_a_float_router(
         "expert": {"quantised": 24}, "router": {"float": 2}, "lm_head": {"float": 1},
     }  # fmt: skip
     assert report["coverage"]["unexpected_float"] == []
+    page = (artifact / "reports" / "quantization.html").read_text()  # the report as a page
+    assert "expert: 24 quantised" in page and page.count("<rect ") == len(report["layers"])
 
 
 @pytest.mark.parametrize("fixture", ["tiny_mixtral", "tiny_qwen3_moe"])

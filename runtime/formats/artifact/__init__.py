@@ -8,6 +8,7 @@ An artifact is one directory named `<name>-<digest12>` holding:
     model/                    the quantised Hugging Face checkpoint (compressed-tensors or
                               ModelOpt HF export) with its tokenizer
     reports/quantization.json per-layer weight error, KL divergence and top-1 agreement
+    reports/quantization.html the same as a page, with a per-linear error plot
 
 The digest is the sha256 over the digests of every file but the manifest, so two artifacts
 with the same content have the same name. An artifact is assembled in a hidden temporary

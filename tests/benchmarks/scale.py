@@ -55,6 +55,9 @@ QUANTIZATION: dict[str, dict[str, Any]] = {
     },
 }
 # `kiln compile`'s progress in a log: "HH:MM:SS quantize: ...".
+# TensorRT-LLM runs INT8 SmoothQuant in 1.2 engines only, not on its PyTorch path.
+DEPLOY: dict[str, dict[str, Any]] = {"w8a8": {"trtllm_path": "engine"},
+                                     "modelopt-w8a8": {"trtllm_path": "engine"}}  # fmt: skip
 STAGE = re.compile(r"^\d\d:\d\d:\d\d (?:draft: )?(source|quantize|report|export|package)\b")
 GB = 1e9
 
@@ -70,6 +73,8 @@ def recipe(model: Path, name: str, scheme: str, out: Path) -> Path:
         "targets": ["h100-sxm"],
         "output": str(out),
     }
+    if scheme in DEPLOY:
+        data["deploy"] = DEPLOY[scheme]
     path = out / f"{name}.yaml"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))

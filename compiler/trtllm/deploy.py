@@ -136,29 +136,33 @@ def pytorch_checkpoint(root: Path, ctx: TargetContext) -> TargetContext:
         fmt = scheme.format if scheme else "float"
         algo = (scheme.trtllm_quant_algo if scheme else None) or "NO_QUANT"
         src = root / draft.draft_dir / MODEL_DIR
-        served, why = _convert(fmt, algo, src, root / PYTORCH_DRAFT_DIR)
+        served, why = _convert(fmt, algo, src, root / PYTORCH_DRAFT_DIR, root)
         if served is None and why is None:  # served as it is, where that backend loads it
             why = pytorch_problem(fmt, algo)
         dir_ = PYTORCH_DRAFT_DIR if served else None
         ctx = replace(ctx, speculative=replace(draft, served_dir=dir_, served_problem=why))
     served, why = _convert(ctx.model_format, ctx.quant_algo, root / MODEL_DIR,
-                           root / PYTORCH_HF_DIR)  # fmt: skip
+                           root / PYTORCH_HF_DIR, root)  # fmt: skip
     if served is None:
         return replace(ctx, served_problem=why)
     return replace(ctx, model_format="modelopt", quant_algo=served, served_dir=PYTORCH_HF_DIR)
 
 
-def _convert(fmt: str, algo: str, src: Path, out: Path) -> tuple[str | None, str | None]:
+def _convert(
+    fmt: str, algo: str, src: Path, out: Path, root: Path
+) -> tuple[str | None, str | None]:
     """(the quant_algo of `src`'s ModelOpt HF conversion written to `out`, None) where the
     PyTorch backend cannot load `src` itself but its conversion is exact; (None, why not)
-    where neither; (None, None) where `src` loads as it is."""
+    where neither, naming paths inside the artifact `root` relative to it (`root` is the
+    staging directory, gone once the artifact is published); (None, None) where `src` loads
+    as it is."""
     if pytorch_problem(fmt, algo) is None or fmt != "compressed-tensors":
         return None, None
     try:
         return convert_to_modelopt_hf(src, out)["quant_algo"], None
     except KilnError as exc:
         shutil.rmtree(out, ignore_errors=True)
-        return None, exc.message
+        return None, exc.message.replace(f"{root}/", "")
 
 
 class TargetFailure(StageFailure):

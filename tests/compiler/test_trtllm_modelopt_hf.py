@@ -411,3 +411,26 @@ def test_a_conversion_larger_than_a_shard_is_sharded_with_an_index(converted, tm
     assert held.keys() == single.keys()
     assert all(torch.equal(held[name], single[name]) for name in single)
     assert check_hf_checkpoint(tmp_path, 1) == []
+
+
+def test_a_path_the_scheme_cannot_take_is_named_inside_the_artifact_not_its_staging(
+    tmp_path, tiny_llama
+):
+    """W8A16 has no exact ModelOpt HF form: the PyTorch path's status names `model/` of the
+    artifact, never the hidden staging directory it was judged in (gone once published)."""
+    from kiln.runtime.formats import artifact
+    from tests.compiler.test_compile import kiln
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"name: tiny-w8a16\nmodel:\n  source: {tiny_llama}\nquantization:\n  method: gptq\n"
+        "  weight_bits: 8\n  group_size: null\ncalibration:\n  dataset: builtin:licenses\n"
+        "  num_samples: 4\n  max_seq_len: 32\nreport:\n  num_samples: 2\n  max_seq_len: 32\n"
+        f"targets: [l40s]\noutput: {tmp_path / 'out'}\n"
+    )
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    status = json.loads(stdout)["targets"]["l40s"]["pytorch"]
+    assert status.startswith("unsupported: model: W8A16 from compressed-tensors"), status
+    manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
+    assert ".partial" not in json.dumps(manifest.to_dict()["targets"])

@@ -401,9 +401,18 @@ def _layer_types(config: dict[str, Any], arch: str, layers: int, window: bool) -
 def _architecture(config: dict[str, Any]) -> str:
     """The class a config names; from its model_type where it names none, as transformers does."""
     names = config.get("architectures")
-    if isinstance(names, str):  # a list of class names, written as one name
-        return names
-    if names and isinstance(names, list):
+    if names is not None and not (
+        isinstance(names, list) and all(isinstance(n, str) for n in names)
+    ):
+        # vLLM and TensorRT-LLM read a list of class names; a string reads as its letters.
+        shown = json.dumps(names)[:60]
+        raise ConfigValueError(
+            [
+                f"architectures {shown}, not a list of class names: write "
+                f"[{json.dumps(names) if isinstance(names, str) else '...'}]"
+            ]
+        )
+    if names:
         return str(names[0])
     if config.get("model_type"):
         model_type = str(config["model_type"])

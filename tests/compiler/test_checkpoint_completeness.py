@@ -197,6 +197,9 @@ CONFIGS = {
                              "rope_parameters is [1, 2], not an object"),
     "RoPE scaling a string": ("tiny_qwen2", {"rope_scaling": "yarn"},
                               'rope_scaling is "yarn", not an object'),
+    "architectures a string": ("tiny_llama", {"architectures": "LlamaForCausalLM"},
+                               'architectures "LlamaForCausalLM", not a list of class names: '
+                               'write ["LlamaForCausalLM"]'),
 }  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip

@@ -25,11 +25,12 @@ def estimate_calibration_bytes(
 
     Basis (llm-compressor's sequential pipeline on CPU; ModelOpt is no larger for the
     schemes it does, since it calibrates batch by batch):
-    - weights: for a backend that calibrates an offloaded model (llm-compressor), one decoder
-      layer onloaded in the checkpoint's float dtype and its compressed copy, the embeddings,
-      or one saved shard (5 GB at most), whichever is larger; for one that needs the model in
-      memory (ModelOpt), every parameter in that dtype; plus one fp32 copy of the largest
-      linear's weight for quantise/compress scratch;
+    - weights: for a scheme its backend calibrates offloaded (llm-compressor's; ModelOpt's
+      FP8 and NVFP4), one decoder layer onloaded in the checkpoint's float dtype and its
+      compressed copy, the embeddings, or one saved shard (5 GB at most), whichever is
+      larger; for one that needs the model in memory (ModelOpt's AWQ and SmoothQuant), every
+      parameter in that dtype; plus one fp32 copy of the largest linear's weight for
+      quantise/compress scratch;
     - activations: the layer-input cache the sequential pipeline keeps for all samples
       (num_samples × max_seq_len × hidden, held twice: inputs and outputs of the layer being
       calibrated), plus one sample's pass through a layer (q/k/v, attention scores per head,
@@ -51,7 +52,7 @@ def estimate_calibration_bytes(
     largest = max((o * i for o, i in linears.values()), default=0)
     weight_bytes = DTYPE_BYTES[calibration_dtype(info.torch_dtype)]
     weights = info.num_parameters * weight_bytes + largest * FP32
-    if BACKENDS[spec.backend].offloads:
+    if BACKENDS[spec.backend].offloads_for(scheme.name):
         layer = max((sum(o * i for o, i in info.layer_linears(n).values())
                      for n in range(info.num_layers)), default=0)  # fmt: skip
         embeddings = info.vocab_size * info.hidden_size * (1 if info.tie_word_embeddings else 2)

@@ -251,7 +251,7 @@ def _stage_parts(
         out = [part("source", float_bytes(info, width) + small, note)]
     # method none copies the float checkpoint without loading it
     offloads = job.imported is None and scheme.name != "NO_QUANT"
-    offloads = offloads and BACKENDS[scheme.spec.backend].offloads
+    offloads = offloads and BACKENDS[scheme.spec.backend].offloads_for(scheme.name)
     offload = offload_bytes(info, scheme, width) if offloads else 0
     note = f"{scheme.label} checkpoint" + (", offloading while calibrating" if offload else "")
     out.append(part("quantize", _quantised_bytes(job), note, offload))

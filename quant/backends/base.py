@@ -59,9 +59,14 @@ class Backend:
     packages: tuple[str, ...]  # distributions whose versions the manifest records
     run: RunFn
     load: LoadFn = load_whole
-    # Its `load` leaves the weights on disk until a layer needs them (for every scheme, or
-    # some): the calibration holds a layer, not the model.
+    # Its `load` leaves the weights on disk until a layer needs them, but for the schemes in
+    # `loads_whole`: the calibration holds a layer, not the model.
     offloads: bool = False
+    loads_whole: frozenset[str] = frozenset()
+
+    def offloads_for(self, scheme: str) -> bool:
+        """Whether calibrating `scheme` (a scheme name) holds a layer rather than the model."""
+        return self.offloads and scheme not in self.loads_whole
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -78,6 +83,7 @@ def register_backend(
     per_channel: set[str] = frozenset(),  # type: ignore[assignment]
     packages: tuple[str, ...] = (),
     load: LoadFn | None = None,
+    loads_whole: frozenset[str] = frozenset(),
 ) -> Callable[[RunFn], RunFn]:
     """Decorator: register `fn` as the run function of backend `name`."""
 
@@ -94,6 +100,7 @@ def register_backend(
             run=fn,
             load=load or load_whole,
             offloads=load is not None,
+            loads_whole=frozenset(loads_whole),
         )
         return fn
 

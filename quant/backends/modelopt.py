@@ -39,6 +39,10 @@ PRESETS = {
     "NVFP4": "NVFP4_DEFAULT_CFG",
 }
 
+# The presets whose calibration reads weights outside the forward (AWQ's search, SmoothQuant's
+# smoothing): `load_offloaded` gives them the whole model. The others calibrate by max alone.
+WHOLE = frozenset({"W4A16_AWQ", "W8A8_SQ", "W4A8_AWQ"})
+
 
 def build_config(model: Any, scheme: Scheme, spec: QuantSpec) -> dict[str, Any]:
     """The mtq.quantize config for `scheme`, from ModelOpt's preset."""
@@ -78,10 +82,11 @@ def calibrate(model: Any, scheme: Scheme, spec: QuantSpec, samples: list[list[in
 def load_offloaded(model_dir: Path, dtype: Any, offload: Path, scheme: Scheme) -> Any:
     """For a scheme ModelOpt calibrates by max alone (FP8, NVFP4), the float model with its
     decoder layers left on disk (accelerate's offloading, which ModelOpt's calibration hooks
-    run through and its export streams a layer at a time from), the embeddings, final norm and
-    head in memory where the layers run: on the GPU where there is one. (ModelOpt's export
-    makes its dummy inputs on the model's device, which must hold data: the embeddings', never
-    "disk".) AWQ and SmoothQuant read the weights outside the forward: the whole model."""
+    run through and its export streams a layer at a time from; `_WrittenBack` keeps them there
+    through the calibration), the embeddings, final norm and head in memory where the layers
+    run: on the GPU where there is one. (ModelOpt's export makes its dummy inputs on the
+    model's device, which must hold data: the embeddings', never "disk".) AWQ and SmoothQuant
+    read the weights outside the forward: the whole model."""
     import json
 
     import modelopt.torch.quantization as mtq
@@ -100,7 +105,50 @@ def load_offloaded(model_dir: Path, dtype: Any, offload: Path, scheme: Scheme) -
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, device_map={**kept, **layers}, offload_folder=str(offload)
     )
+    _keep_on_disk(model)
     return model.eval()
+
+
+class _WrittenBack(dict[str, Any]):
+    """What accelerate's offloaded-weights loader reads before its disk index: the weights
+    written back into it, less those written back unchanged.
+
+    ModelOpt's max calibration first reads every weight in a window that writes it back on
+    exit (max_calibrate → weight_only_quantize → _writeback_params_to_weights_map in
+    modelopt/torch/quantization/plugins/accelerate.py), and a weight accelerate keeps on disk
+    is written back here, in memory, for the rest of the run: the whole model a second time
+    (on a CPU, views of the mapped source checkpoint that RSS counts; with a GPU, host copies),
+    2.0× the bf16 bytes at the peak for a 1B Llama, 1.0× without. Calibrating by max reads the
+    weights and never changes them, so one equal to its disk copy is left there (each weight
+    read once more to compare); one a calibration did change is kept, as ModelOpt means it."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader.state_dict)
+        self.loader = loader
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        import torch
+
+        if key not in self and key in self.loader.index:
+            on_disk = self.loader[key]
+            if on_disk.dtype == value.dtype and torch.equal(on_disk, value.to(on_disk.device)):
+                return
+        super().__setitem__(key, value)
+
+
+def _keep_on_disk(model: Any) -> None:
+    """Give the loaders of `model`'s disk-offloaded weights a `_WrittenBack` state dict."""
+    from accelerate.utils.offload import OffloadedWeightsLoader, PrefixedDataset
+
+    for module in model.modules():
+        weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+        if not isinstance(weights, PrefixedDataset):
+            continue
+        loader = weights.dataset
+        if isinstance(loader, OffloadedWeightsLoader) and not isinstance(
+            loader.state_dict, _WrittenBack
+        ):
+            loader.state_dict = _WrittenBack(loader)
 
 
 @register_backend(
@@ -111,6 +159,7 @@ def load_offloaded(model_dir: Path, dtype: Any, offload: Path, scheme: Scheme) -
     kv_cache={"none", "fp8"},
     packages=("nvidia-modelopt",),
     load=load_offloaded,
+    loads_whole=WHOLE,
 )
 def run(job: QuantJob) -> None:
     """Calibrate the model with ModelOpt and export the HF checkpoint into job.out_dir.

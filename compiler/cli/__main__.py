@@ -1,5 +1,5 @@
 """`python -m kiln.compiler.cli ...` runs the `kiln` command."""
 
-from kiln.compiler.cli.main import main
+from kiln.compiler.cli.console import run
 
-main()
+run()

@@ -1,0 +1,59 @@
+"""The `kiln` entry point asks glibc for transparent huge pages by executing itself once more
+with GLIBC_TUNABLES set (compiler/cli/console.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from kiln.compiler.cli.console import TUNABLE, thp_mode, tunables_with_huge_pages
+
+SHOW = (
+    "import os; from kiln.compiler.cli.console import with_huge_pages; with_huge_pages(); "
+    "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'))"
+)
+
+
+def test_the_tunable_is_added_to_what_the_user_set() -> None:
+    assert tunables_with_huge_pages({}, "madvise") == f"{TUNABLE}=1"
+    assert tunables_with_huge_pages({}, "always") == f"{TUNABLE}=1"
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert tunables_with_huge_pages(mine, "madvise") == f"glibc.malloc.arena_max=2:{TUNABLE}=1"
+
+
+def test_nothing_changes_where_it_would_not_help_or_was_decided() -> None:
+    assert tunables_with_huge_pages({}, "never") is None
+    assert tunables_with_huge_pages({}, None) is None  # no THP file: not Linux's THP
+    assert tunables_with_huge_pages({"GLIBC_TUNABLES": f"{TUNABLE}=0"}, "madvise") is None
+    assert tunables_with_huge_pages({"KILN_HUGE_PAGES": "0"}, "madvise") is None
+
+
+def _run(env: dict[str, str]) -> tuple[int, str, str]:
+    proc = subprocess.Popen([sys.executable, "-c", SHOW], env=env, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    pid, tunables = out.split()
+    return proc.pid, pid, tunables
+
+
+def test_the_program_runs_on_in_the_same_process_with_the_tunable() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "KILN_HUGE_PAGES")}
+    started, pid, tunables = _run(env)
+    assert int(pid) == started  # executed again in place: the same process id
+    expected = f"{TUNABLE}=1" if thp_mode() in ("always", "madvise") else "None"
+    assert tunables == expected
+
+
+def test_opting_out_leaves_the_environment_alone() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    _, _, tunables = _run({**env, "KILN_HUGE_PAGES": "0"})
+    assert tunables == "None"
+
+
+def test_the_command_line_runs_through_the_entry_point() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-m", "kiln.compiler.cli", "--version"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "version" in done.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,18 @@ def test_an_artifact_of_format_version_2_still_verifies_with_its_digest(tmp_path
     data["digest"] = artifact.artifact_digest(files)  # a v2 manifest with a v3 digest lies
     (root / "manifest.json").write_text(json.dumps(data))
     assert artifact.verify(root) == ["manifest digest does not match its file list"]
+
+
+def test_files_are_hashed_together_each_as_alone(tmp_path: Path) -> None:
+    """sha256_each gives every path its own file's sha256, in order, hard links and repeats
+    included (a file reached twice is read once)."""
+    from kiln.runtime.formats.artifact import sha256_each, sha256_file
+
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"f{i}.bin")
+        paths[-1].write_bytes(bytes([i]) * (3 << 20 if i % 2 else 17))
+    os.link(paths[1], tmp_path / "linked.bin")
+    asked = [paths[3], tmp_path / "linked.bin", *paths, paths[0]]
+    assert sha256_each(asked) == [sha256_file(p) for p in asked]
+    assert sha256_each([]) == []

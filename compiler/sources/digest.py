@@ -12,7 +12,7 @@ from pathlib import Path
 from kiln.compiler.sources.reference import BUILTIN, GGUF, SourceRef
 from kiln.compiler.sources.sidecar import FileFacts
 from kiln.runtime.base.errors import SourceError
-from kiln.runtime.formats.artifact import content_digest, sha256_file
+from kiln.runtime.formats.artifact import content_digest, sha256_each
 
 DIGEST_SIDECAR = "file-digests.json"
 
@@ -60,14 +60,13 @@ def checkpoint_files(root: Path) -> list[str]:
 
 
 def sha256_files(paths: list[Path]) -> dict[Path, str]:
-    """sha256 of each file, from the sidecar while the file is unchanged."""
+    """sha256 of each file, from the sidecar while the file is unchanged (the others hashed
+    several at once)."""
     known = FileFacts(DIGEST_SIDECAR)
-    out: dict[Path, str] = {}
-    for path in paths:
-        digest = known.get(path)
-        if digest is None:
-            digest = sha256_file(path)
-            known.put(path, digest)
-        out[path] = str(digest)
+    out = {path: known.get(path) for path in paths}
+    missing = [path for path, digest in out.items() if digest is None]
+    for path, digest in zip(missing, sha256_each(missing), strict=True):
+        known.put(path, digest)
+        out[path] = digest
     known.save()
-    return out
+    return {path: str(digest) for path, digest in out.items()}

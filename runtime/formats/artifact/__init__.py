@@ -92,6 +92,7 @@ __all__ = [
     "load_manifest",
     "manifest_lock",
     "record_engines",
+    "sha256_each",
     "sha256_file",
     "update_manifest",
     "verify",
@@ -119,6 +120,32 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Threads hashing at once: hashlib releases the GIL while it hashes, so each is a core's worth.
+HASH_THREADS = 8
+
+
+def sha256_each(paths: list[Path]) -> list[str]:
+    """`sha256_file` of each path, in order: several files at once on as many cores, and a
+    file reached by several hard links (an artifact stores identical files once) read once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    inodes = [_identity(path) for path in paths]
+    first = {inode: path for inode, path in zip(inodes, paths, strict=True)}
+    workers = max(1, min(HASH_THREADS, os.cpu_count() or 1, len(first)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="kiln-sha256") as pool:
+        digests = dict(zip(first, pool.map(sha256_file, first.values()), strict=True))
+    return [digests[inode] for inode in inodes]
+
+
+def _identity(path: Path) -> tuple[int, int] | Path:
+    """A file's (device, inode); the path itself where it cannot be read (the hash says why)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return (st.st_dev, st.st_ino)
+
+
 def member_files(root: Path) -> list[str]:
     """The regular files under `root` but the manifest, as artifact-relative paths; links are
     not followed (an artifact holds none: `irregular_entries` names what else is there)."""
@@ -133,9 +160,10 @@ def member_files(root: Path) -> list[str]:
 
 def file_digests(root: Path) -> dict[str, FileEntry]:
     """{relative path: (sha256, size)} for every regular file under root but the manifest."""
+    rels = member_files(root)
+    digests = sha256_each([root / rel for rel in rels])
     return {
-        rel: FileEntry(sha256_file(root / rel), (root / rel).stat().st_size)
-        for rel in member_files(root)
+        rel: FileEntry(d, (root / rel).stat().st_size) for rel, d in zip(rels, digests, strict=True)
     }
 
 
@@ -303,10 +331,11 @@ def record_engines(root: str | Path) -> Manifest:
         for path in sorted((root / ENGINES_DIR).glob("*/engine/**/*"))
         if path.is_file() and not path.is_symlink()
     }
+    new = {rel: path for rel, path in found.items() if rel not in files}
+    digests = sha256_each(list(new.values()))
     engines = {
-        rel: FileEntry(sha256_file(path), path.stat().st_size)
-        for rel, path in found.items()
-        if rel not in files
+        rel: FileEntry(d, path.stat().st_size)
+        for (rel, path), d in zip(new.items(), digests, strict=True)
     }
     return update_manifest(root, lambda manifest: setattr(manifest, "engines", engines))
 

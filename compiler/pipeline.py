@@ -1,4 +1,4 @@
-"""One model through the compile stages: source → quantise → report → export → package.
+"""One model through the compile stages: source → quantise → report and export → package.
 
 `kiln compile` runs this for the recipe's model and, with `speculative:`, for its draft:
 one function, so both get the same behaviour (pre-quantised sources converted as they are,
@@ -13,7 +13,9 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,22 +201,72 @@ def build_model(
     stages.append(quantized)
     build = ModelBuild(job, digest, model_dir, quantized, quant_key, stages=stages)
 
+    said = _serialised(progress)
+
+    def exports() -> None:
+        for tp in job.tps:
+            said(f"{who}export: TensorRT-LLM checkpoint, tp={tp}")
+
+            def run_export(out: Path, tp: int = tp) -> dict[str, Any]:
+                algo = build.scheme.trtllm_quant_algo
+                return export_for(build.model, tp, algo, out / "checkpoint").to_dict()
+
+            export_key = input_key("export", quant_key, tp)
+            stage = job.stage(f"export-tp{tp}")
+            build.exports[tp] = cache.run(stage, export_key, run_export, force)
+
     if job.report is not None:
-        build.report = _report(build, job.report, calib_inputs, needs_data, cache, force,
-                               progress)  # fmt: skip
+        report = job.report
+        with running_beside(exports if job.tps else None, said, who):
+            build.report = _report(build, report, calib_inputs, needs_data, cache, force, said)
         stages.append(build.report)
-
-    for tp in job.tps:
-        progress(f"{who}export: TensorRT-LLM checkpoint, tp={tp}")
-
-        def run_export(out: Path, tp: int = tp) -> dict[str, Any]:
-            algo = build.scheme.trtllm_quant_algo
-            return export_for(build.model, tp, algo, out / "checkpoint").to_dict()
-
-        export_key = input_key("export", quant_key, tp)
-        build.exports[tp] = cache.run(job.stage(f"export-tp{tp}"), export_key, run_export, force)
-        stages.append(build.exports[tp])
+    else:
+        exports()
+    stages.extend(build.exports[tp] for tp in job.tps)
     return build
+
+
+def _serialised(progress: Progress) -> Progress:
+    """`progress` for stages running at once: one message at a time."""
+    lock = threading.Lock()
+
+    def say(message: str) -> None:
+        with lock:
+            progress(message)
+
+    return say
+
+
+@contextmanager
+def running_beside(work: Callable[[], None] | None, progress: Progress, who: str) -> Iterator[None]:
+    """Run `work` (the TensorRT-LLM exports) in a thread while the block runs (the report):
+    both read only the quantised stage and write only their own stage directories, and the
+    report's forwards (on the GPU where there is one) leave the export's reading, converting
+    and writing the cores it needs. The block's error is raised after `work` has ended (a
+    second Ctrl-C leaves at once); otherwise `work`'s error is raised."""
+    if work is None:
+        yield
+        return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # handed to the caller, raised there
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="kiln-export", daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException:
+        if thread.is_alive():
+            progress(f"{who}export: finishing the checkpoint being written before stopping")
+        thread.join()
+        raise
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 COVERAGE_FILE = "coverage.json"

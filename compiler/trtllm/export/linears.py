@@ -13,13 +13,13 @@ import torch
 
 from kiln.compiler.trtllm.rules.exclusions import GROUPWISE, padded_features
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.formats.weights import LinearWeights, dequantize
+from kiln.runtime.formats.weights import LinearWeights, as_float32, dequantize
 
 
 def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """`codes` re-expressed at a scale 1/`ratio` times theirs, rounded to the nearest code
     (float8 rounds in the cast; integer codes are rounded, then clamped to their range)."""
-    scaled = codes.to(torch.float32) * ratio
+    scaled = as_float32(codes) * ratio
     if codes.dtype.is_floating_point:
         return scaled.to(codes.dtype)
     info = torch.iinfo(codes.dtype)
@@ -50,8 +50,11 @@ def fuse_linears(
         codes, moved = [], 0.0
         for p in parts:
             assert p.scale is not None
+            if bool((p.scale == scale).all()):  # already at the fused scale: codes unchanged
+                codes.append(p.weight)
+                continue
             requant = requantize(p.weight, p.scale / scale)
-            before, after = dequantize(p, torch.float32), requant.to(torch.float32) * scale
+            before, after = dequantize(p, torch.float32), as_float32(requant) * scale
             largest = before.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
             moved = max(moved, float((before - after).abs().max() / largest))
             codes.append(requant)

@@ -59,8 +59,8 @@ def load_quantised(
 ) -> tuple[Any, Mapping[str, Any]]:
     """(model, {linear name: dequantised effective weight}) read from a saved checkpoint: a
     streamed model (quant/streamed_model.py) that computes as the checkpoint ships, in `dtype`
-    (float32 when None); `seen(name, weight)` hears each quantised linear's effective weight as
-    the forward decodes it."""
+    (float32 when None); `seen(name, first row, rows)` hears each quantised linear's effective
+    weight as the forward decodes it, a block of rows at a time."""
     import torch
 
     from kiln.quant.streamed_model import float_model, quantised_model
@@ -111,15 +111,15 @@ def weight_errors(
         diff = (weight - ref).reshape(-1)
         flat = ref.reshape(-1)
         err = float(torch.dot(diff, diff) / torch.dot(flat, flat).clamp_min(1e-30))
-        out.append(
-            {
-                "name": name,
-                "shape": list(weight.shape),
-                "rel_mse": err,
-                "smoothing_corrected": name in col or name in row,
-            }
-        )
+        out.append(error_row(name, list(weight.shape), err, name in col or name in row))
     return out
+
+
+def error_row(
+    name: str, shape: list[int], rel_mse: float, corrected: bool = False
+) -> dict[str, Any]:
+    """One linear's line of the report's `layers`."""
+    return {"name": name, "shape": shape, "rel_mse": rel_mse, "smoothing_corrected": corrected}
 
 
 def layer_weight_errors(
@@ -297,14 +297,24 @@ def quantization_report(
     dtype = getattr(torch, calibration_dtype(str(config.get("torch_dtype") or config.get("dtype"))))
     reference = float_model(float_dir, device, dtype)
     # Without smoothing each linear is compared alone: as the quantised model's forward decodes
-    # it, rather than decoding every weight a second time.
+    # it, a block of rows at a time, rather than decoding every weight a second time.
     floats = TensorFiles(float_dir)
     compared: dict[str, dict[str, Any]] = {}
+    partial: dict[str, tuple[Any, list[float]]] = {}  # name -> (float weight, [‖diff‖², ‖ref‖²])
 
-    def seen(name: str, weight: Any) -> None:
-        if not smoothing and name in wanted and name not in compared:
-            ref = {f"{name}.weight": floats.get(f"{name}.weight").to(torch.float32)}
-            compared[name] = weight_errors(ref, {}, {name: weight}, smoothing=False)[0]
+    def seen(name: str, start: int, rows: Any) -> None:
+        if smoothing or name not in wanted or name in compared:
+            return
+        if start == 0:
+            partial[name] = (floats.get(f"{name}.weight"), [0.0, 0.0])
+        full, sums = partial[name]
+        ref = full[start : start + len(rows)].to(rows.device, torch.float32).reshape(-1)
+        diff = (rows.reshape(-1) - ref).reshape(-1)
+        sums[0] += float(torch.dot(diff, diff))
+        sums[1] += float(torch.dot(ref, ref))
+        if start + len(rows) == len(full):
+            del partial[name]
+            compared[name] = error_row(name, list(full.shape), sums[0] / max(sums[1], 1e-30))
 
     quant_model, weights = load_quantised(quant_dir, device, dtype, seen)
     wanted = set(weights)

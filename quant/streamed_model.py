@@ -78,26 +78,48 @@ def float_provider(model_dir: Path, info: ModelInfo, tied: bool) -> Provider:
     return checkpoint_provider(files.__contains__, files.get, info, tied)
 
 
-# Hears each quantised linear's effective float32 weight as the forward decodes it.
-WeightSeen = Callable[[str, torch.Tensor], None]
+# Hears each quantised linear's effective float32 weight as the forward decodes it, a block of
+# rows at a time: (the linear's name, the block's first row, the block).
+WeightSeen = Callable[[str, int, torch.Tensor], None]
+# float32 rows decoded at once: a block stays within a core's cache while it is decoded,
+# converted and compared, where a whole weight in float32 went through memory three times.
+ROW_BLOCK_BYTES = 1 << 19
+
+
+def decoded(
+    linear: LinearWeights, dtype: torch.dtype, name: str = "", seen: WeightSeen | None = None
+) -> torch.Tensor:
+    """`linear`'s weight decoded as its kernel computes with it (in float32, then held in
+    `dtype`; the same values as decoding it whole), a block of rows at a time; `seen(name,
+    first row, rows)` hears each block's effective float32 rows (× the pre-quant scale)."""
+    rows, cols = linear.out_features, linear.in_features
+    out = torch.empty((rows, cols), dtype=dtype, device=linear.weight.device)
+    step = max(1, ROW_BLOCK_BYTES // (4 * max(cols, 1)))
+    pqs = linear.pre_quant_scale
+    pqs = None if pqs is None else pqs.to(F32)[None, :]
+    for start in range(0, rows, step):
+        block = dequantize(linear.rows(slice(start, start + step)), F32)
+        out[start : start + len(block)] = block
+        if seen is not None:
+            seen(name, start, block if pqs is None else block * pqs)
+    return out
 
 
 def quantised_provider(
-    ckpt: Checkpoint, info: ModelInfo, tied: bool, seen: WeightSeen | None = None
+    ckpt: Checkpoint,
+    info: ModelInfo,
+    tied: bool,
+    seen: WeightSeen | None = None,
+    dtype: torch.dtype = F32,
 ) -> Provider:
-    """A quantised checkpoint's parameters: each quantised linear's weight decoded in float32
-    as its kernel computes with it (its pre-quant scale is applied to the input by a hook),
-    the rest as stored; `seen` hears each decoded linear's effective weight."""
+    """A quantised checkpoint's parameters: each quantised linear's weight decoded as its
+    kernel computes with it and held in `dtype` (its pre-quant scale is applied to the input by
+    a hook), the rest as stored; `seen` hears each decoded linear's effective weight."""
 
     def read(name: str) -> torch.Tensor:
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and ckpt.is_quantised(module):
-            linear = ckpt.served_linear(module)
-            weight = dequantize(linear, F32)
-            if seen is not None:
-                pqs = linear.pre_quant_scale
-                seen(module, weight if pqs is None else weight * pqs.to(F32)[None, :])
-            return weight
+            return decoded(ckpt.served_linear(module), dtype, module, seen)
         return ckpt.tensor(name)
 
     def present(name: str) -> bool:
@@ -280,11 +302,12 @@ def quantised_model(
 ) -> tuple[Any, EffectiveWeights]:
     """A quantised checkpoint (compressed-tensors or ModelOpt) as a streamed model that computes
     as it ships, in `dtype` (its weights decoded in float32 first), and its quantised linears'
-    effective weights; `seen` hears each as the forward decodes it."""
+    effective weights; `seen` hears each as the forward decodes it, a block of rows at a
+    time."""
     ckpt = open_checkpoint(Path(model_dir))
     info = ModelInfo.from_hf_config(ckpt.config)
     tied = bool(ckpt.config.get("tie_word_embeddings", False))
-    provider = quantised_provider(ckpt, info, tied, seen)
+    provider = quantised_provider(ckpt, info, tied, seen, dtype)
     model = streamed_model(ckpt.config, provider, device, dtype)
     names = quantised_linears(model, ckpt)
     for name in names:

@@ -69,8 +69,8 @@ class LinearWeights:
     def in_features(self) -> int:
         return int(self.weight.shape[1])
 
-    def rows(self, index: torch.Tensor) -> LinearWeights:
-        """The output channels `index` (a tensor-parallel or per-head slice)."""
+    def rows(self, index: torch.Tensor | slice) -> LinearWeights:
+        """The output channels `index` (a tensor-parallel or per-head slice, or a block)."""
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]

@@ -71,3 +71,37 @@ def test_float_copy_agrees_exactly(tiny_llama: Path, tmp_path: Path) -> None:
     assert result["format"] == "float" and result["layers"] == []
     assert result["kl_mean"] == pytest.approx(0, abs=1e-6)
     assert result["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("group", [None, 64])
+def test_a_weight_decoded_by_blocks_of_rows_is_the_weight_decoded_whole(
+    group: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report decodes each quantised weight a cache-sized block of rows at a time: the
+    same values as decoding it whole, and the blocks it hands on make up its effective weight
+    (× the pre-quant scale)."""
+    import torch
+
+    from kiln.quant import streamed_model
+    from kiln.runtime.formats.weights import LinearWeights, WeightScheme, dequantize
+
+    torch.manual_seed(0)
+    rows, cols = 301, 256
+    if group is None:  # FP8 per channel
+        scheme = WeightScheme(type="float", num_bits=8, strategy="channel")
+        codes = (torch.randn(rows, cols) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(rows, 1) + 0.01
+    else:  # int4 codes in groups of 64, with zero points
+        scheme = WeightScheme(type="int", num_bits=4, strategy="group", group_size=group)
+        codes = torch.randint(-8, 8, (rows, cols), dtype=torch.int8)
+        scale = torch.rand(rows, cols // group) + 0.01
+    zero = None if group is None else torch.randint(-2, 2, scale.shape, dtype=torch.int8)
+    pqs = torch.rand(cols) + 0.5
+    linear = LinearWeights(scheme, codes, scale=scale, zero_point=zero, pre_quant_scale=pqs)
+    blocks: list[tuple[int, torch.Tensor]] = []
+    whole = dequantize(linear, torch.float32)
+    monkeypatch.setattr(streamed_model, "ROW_BLOCK_BYTES", 4 * cols * 7)  # 43 blocks of 7 rows
+    got = streamed_model.decoded(linear, torch.bfloat16, "q", lambda n, s, b: blocks.append((s, b)))
+    assert torch.equal(got, whole.to(torch.bfloat16))
+    assert [s for s, _ in blocks] == list(range(0, rows, 7))
+    assert torch.equal(torch.cat([b for _, b in blocks]), whole * pqs[None, :])

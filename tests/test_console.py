@@ -7,7 +7,12 @@ import os
 import subprocess
 import sys
 
-from kiln.compiler.cli.console import TUNABLE, thp_mode, tunables_with_huge_pages
+from kiln.compiler.cli.console import (
+    TUNABLE,
+    started_as_kiln,
+    thp_mode,
+    tunables_with_huge_pages,
+)
 
 SHOW = (
     "import os; from kiln.compiler.cli.console import with_huge_pages; with_huge_pages(); "
@@ -57,3 +62,10 @@ def test_the_command_line_runs_through_the_entry_point() -> None:
     done = subprocess.run([sys.executable, "-m", "kiln.compiler.cli", "--version"], env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "version" in done.stdout
+
+
+def test_only_the_kiln_program_is_executed_again() -> None:
+    assert started_as_kiln("/venv/bin/kiln", None)
+    assert started_as_kiln("/repo/compiler/cli/__main__.py", "kiln.compiler.cli.__main__")
+    assert not started_as_kiln("/home/me/pipeline.py", None)  # a script calling run()
+    assert not started_as_kiln("-c", None)

@@ -11,7 +11,8 @@ its tunables only when a program starts, so the entry point adds the tunable to 
 and executes the same command once more, before anything else is imported (the process keeps
 its id, arguments and open files). A GLIBC_TUNABLES the user set is kept, and one that already
 names the tunable is left as it is; KILN_HUGE_PAGES=0 leaves the allocator alone. Where the C
-library is not glibc, or the kernel grants no huge pages, nothing changes.
+library is not glibc, the kernel grants no huge pages, or `run` is called by another program
+than `kiln`, nothing changes.
 
 Hand-written: no library sets glibc tunables for a running program.
 """
@@ -63,9 +64,18 @@ def with_huge_pages() -> None:
         del os.environ["GLIBC_TUNABLES"]  # runs on, as it would have without
 
 
+def started_as_kiln(argv0: str, main_module: str | None) -> bool:
+    """Whether this process is the `kiln` program (its console script, or `python -m
+    kiln.compiler.cli`), so executing it again runs only kiln: never a program that calls
+    `run` after work of its own, which would be done twice."""
+    return Path(argv0).name == "kiln" or main_module == "kiln.compiler.cli.__main__"
+
+
 def run() -> None:
     """`kiln`: the command line, under glibc's huge-page tunable."""
-    with_huge_pages()
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if started_as_kiln(sys.argv[0], getattr(spec, "name", None)):
+        with_huge_pages()
     from kiln.compiler.cli.main import main
 
     main()

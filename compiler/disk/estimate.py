@@ -12,7 +12,8 @@ Per stage, as compiler/pipeline.py runs them, into the stage cache (<output>/.ki
   held-out token (float32 × vocabulary) in the stage's folder (quant/layer_report.py);
 - export-tp<N>: the TensorRT-LLM checkpoint for tensor parallel N (compiler/trtllm/export):
   the linears split over the ranks in the exported layout, embeddings and norms on every rank,
-  float parts in bfloat16;
+  float parts in bfloat16; written while the report runs, so the report's log-probabilities
+  count as its scratch too;
 - a speculative draft's stages likewise;
 - the artifact: the stage outputs hard-linked (no new bytes where the stage cache is on the
   output's filesystem, a full copy where not), and what only it holds: the PyTorch path's
@@ -255,6 +256,7 @@ def _stage_parts(
     offload = offload_bytes(info, scheme, width) if offloads else 0
     note = f"{scheme.label} checkpoint" + (", offloading while calibrating" if offload else "")
     out.append(part("quantize", _quantised_bytes(job), note, offload))
+    logprobs = 0
     if job.report is not None:
         # held-out tokens × vocabulary float32 log-probabilities (none for an import)
         rows = 0 if job.imported else job.report.num_samples * job.report.max_seq_len
@@ -263,7 +265,9 @@ def _stage_parts(
         out.append(part("report", report_bytes(info), note, logprobs))
     for tp in job.tps:
         users = ", ".join(n for n, t in targets.items() if t.tp_size == tp)
-        out.append(part(f"export-tp{tp}", export_bytes(info, scheme, tp), f"for {users}"))
+        # written while the report runs beside it, its log-probabilities on disk meanwhile
+        note = f"for {users}" + (", beside the report" if logprobs else "")
+        out.append(part(f"export-tp{tp}", export_bytes(info, scheme, tp), note, logprobs))
     if job.role:  # the nested artifact: links to the draft's stages, and its manifest
         out.append(part("package", 0, "nested artifact: hard links"))
     return out

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler import sources
+from kiln.compiler.float_reference import ReferenceRun, start_reference
 from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for
 from kiln.quant import calibration
@@ -196,8 +197,17 @@ def build_model(
         check_coverage(job, out)
         return scheme.to_dict()
 
+    reference = None
+    if force or cache.lookup(job.stage("quantize"), quant_key) is None:  # it will calibrate
+        reference = _reference_beside(job, model_dir, quant_key, calib_inputs, needs_data,
+                                      cache, force)  # fmt: skip
     progress(f"{who}quantize: {job.scheme.name} with {job.scheme.spec.backend}")
-    quantized = cache.run(job.stage("quantize"), quant_key, run_quantize, force)
+    try:
+        quantized = cache.run(job.stage("quantize"), quant_key, run_quantize, force)
+    except BaseException:
+        if reference is not None:
+            reference.stop()
+        raise
     stages.append(quantized)
     build = ModelBuild(job, digest, model_dir, quantized, quant_key, stages=stages)
 
@@ -217,8 +227,14 @@ def build_model(
 
     if job.report is not None:
         report = job.report
-        with running_beside(exports if job.tps else None, said, who):
-            build.report = _report(build, report, calib_inputs, needs_data, cache, force, said)
+        try:
+            ready = reference.result(said) if reference is not None else None
+            with running_beside(exports if job.tps else None, said, who):
+                build.report = _report(build, report, calib_inputs, needs_data, cache, force,
+                                       said, ready)  # fmt: skip
+        finally:
+            if reference is not None:
+                reference.stop()
         stages.append(build.report)
     else:
         exports()
@@ -287,6 +303,44 @@ def check_coverage(job: ModelJob, out: Path) -> None:
         raise UsageError(f"{job.source.spec}: {problem}")
 
 
+def _report_key(quant_key: str, calib_inputs: dict[str, Any], spec: CalibrationSpec) -> str:
+    return input_key("report", quant_key, calib_inputs, calibration_inputs(spec, True))
+
+
+def _report_texts(job: ModelJob, model_dir: Path, needs_data: bool) -> list[str]:
+    """The held-out texts the report runs on: never one the model was calibrated on."""
+    from transformers import AutoTokenizer
+
+    assert job.report is not None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    seen = calibration.load_texts(job.calibration, tokenizer) if needs_data else []
+    return calibration.load_texts(job.report, tokenizer, exclude=seen)
+
+
+def _reference_beside(
+    job: ModelJob,
+    model_dir: Path,
+    quant_key: str,
+    calib_inputs: dict[str, Any],
+    needs_data: bool,
+    cache: StageCache,
+    force: bool,
+) -> ReferenceRun | None:
+    """The report's float log-probabilities started beside the quantisation (compiler/
+    float_reference.py), where the report will run and has a float model to compare with."""
+    if job.report is None or job.imported is not None:
+        return None
+    key = _report_key(quant_key, calib_inputs, job.report)
+    if not force and cache.lookup(job.stage("report"), key) is not None:
+        return None
+    from kiln.quant.layer_report import report_samples
+
+    texts = _report_texts(job, model_dir, needs_data)
+    samples = report_samples(model_dir, texts, job.report.max_seq_len)
+    parent = cache.stage_dir(job.stage("report"), key).parent
+    return start_reference(model_dir, samples, parent, f".{key[:12]}-reference-")
+
+
 def _report(
     build: ModelBuild,
     spec: CalibrationSpec,
@@ -295,28 +349,26 @@ def _report(
     cache: StageCache,
     force: bool,
     progress: Progress,
+    reference: Path | None = None,
 ) -> StageResult:
-    """The quality report of the quantised model against its float source on held-out text."""
+    """The quality report of the quantised model against its float source on held-out text
+    (`reference`: the float log-probabilities, computed beside the quantisation)."""
     job = build.job
-    key = input_key("report", build.quant_key, calib_inputs, calibration_inputs(spec, True))
+    key = _report_key(build.quant_key, calib_inputs, spec)
 
     def run_report(out: Path) -> dict[str, Any]:
-        from transformers import AutoTokenizer
-
         from kiln.quant.layer_report import SMOOTHING_METHODS, quantization_report
 
         if job.imported is not None:
             reason = "imported pre-quantised checkpoint: there is no float model to compare with"
             (out / REPORT_FILE).write_text(artifact.json_dumps({"skipped": reason}))
             return {"summary": {"skipped": reason}}
-        tokenizer = AutoTokenizer.from_pretrained(build.source_model)
-        # Held-out means held out: never report on a text the model was calibrated on.
-        seen = calibration.load_texts(job.calibration, tokenizer) if needs_data else []
-        texts = calibration.load_texts(spec, tokenizer, exclude=seen)
+        texts = _report_texts(job, build.source_model, needs_data)
         smoothing = job.scheme.spec.method in SMOOTHING_METHODS
         report = quantization_report(build.source_model, build.model, texts,
                                      max_seq_len=spec.max_seq_len, smoothing=smoothing,
-                                     scratch=out, progress=progress)  # fmt: skip
+                                     scratch=out, progress=progress,
+                                     reference=reference)  # fmt: skip
         for key, name in (("coverage", COVERAGE_FILE), ("moe_routing", ROUTING_FILE)):
             if (build.quantized.path / name).is_file():
                 report[key] = json.loads((build.quantized.path / name).read_text())

@@ -193,6 +193,77 @@ def _batches(samples: list[list[int]], vocab: int, itemsize: int) -> list[list[i
     return out
 
 
+REFERENCE_FILE = "float-logprobs.f32"
+REFERENCE_RECORD = "float-logprobs.json"
+
+
+def samples_digest(samples: list[list[int]]) -> str:
+    """What names the token ids a reference was computed on."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(samples).encode()).hexdigest()
+
+
+def _chunks(
+    model: Any, which: str, samples: list[list[int]], device: Any, progress: Progress
+) -> Iterator[tuple[Any, Any]]:
+    """(log-probabilities [rows, vocab] in float32, the next tokens) of `model` on `samples`,
+    ROWS positions at a time, in an order that depends only on the samples and the vocabulary
+    (so the float and the quantised model's rows line up)."""
+    import torch
+
+    vocab = int(model.config.vocab_size)
+    batches = _batches(samples, vocab, model.dtype.itemsize)
+    progress(f"{which} model batches run (0/{len(batches)})")
+    for done, batch in enumerate(batches, 1):
+        x = torch.tensor([samples[i] for i in batch], device=device)
+        logits = model(x).logits[:, :-1].reshape(-1, vocab)
+        targets = x[:, 1:].reshape(-1, 1).cpu()
+        for start in range(0, len(logits), ROWS):
+            rows = logits[start : start + ROWS].float().log_softmax(-1).cpu()
+            yield rows, targets[start : start + ROWS]
+        progress(f"{which} model batches run ({done}/{len(batches)})")
+
+
+def float_reference(
+    float_model: Any,
+    samples: list[list[int]],
+    out_dir: Path,
+    device: Any = "cpu",
+    progress: Progress = _quiet,
+) -> Path:
+    """The float model's log-probabilities of every next token of `samples`, written to
+    `out_dir`/REFERENCE_FILE (float32 rows, ROWS at a time) with REFERENCE_RECORD (the
+    samples' digest, the rows and the float negative log-likelihood); returns `out_dir`."""
+    import torch
+
+    nll, count = 0.0, 0
+    with torch.no_grad(), (Path(out_dir) / REFERENCE_FILE).open("wb") as sink:
+        # written, not mapped: the pages are not ours to hold
+        for lf, target in _chunks(float_model, "float", samples, device, progress):
+            sink.write(lf.numpy().tobytes())
+            nll -= float(lf.gather(-1, target).sum())
+            count += len(lf)
+    record = {"samples": samples_digest(samples), "rows": count, "nll": nll,
+              "vocab": int(float_model.config.vocab_size)}  # fmt: skip
+    (Path(out_dir) / REFERENCE_RECORD).write_text(json.dumps(record))
+    return Path(out_dir)
+
+
+def reference_problem(reference: Path, samples: list[list[int]], vocab: int) -> str | None:
+    """Why `reference` (a float_reference directory) cannot stand for `samples`, or None."""
+    try:
+        record = json.loads((reference / REFERENCE_RECORD).read_text())
+        size = (reference / REFERENCE_FILE).stat().st_size
+    except (OSError, ValueError) as exc:
+        return f"{reference}: unreadable ({exc})"
+    if record.get("samples") != samples_digest(samples) or record.get("vocab") != vocab:
+        return f"{reference}: computed on other samples or another vocabulary"
+    if size != int(record.get("rows", -1)) * vocab * 4:
+        return f"{reference}: {size} bytes where {record.get('rows')} rows were recorded"
+    return None
+
+
 def next_token_agreement(
     float_model: Any,
     quant_model: Any,
@@ -200,46 +271,29 @@ def next_token_agreement(
     scratch: Path,
     device: Any = "cpu",
     progress: Progress = _quiet,
+    reference: Path | None = None,
 ) -> dict[str, Any]:
     """KL(float ‖ quantised) per next-token position, top-1 agreement and both perplexities:
-    the float model's log-probabilities are computed first and written to a file under
-    `scratch`, then the quantised model's are compared with them, one model running at a time
-    and ROWS positions of log-probabilities in memory at once. `progress` hears each model's
-    "... batches run (done/total)"."""
+    the float model's log-probabilities are read from `reference` (a float_reference made
+    beforehand, e.g. beside the quantisation), or computed first into `scratch`, then the
+    quantised model's are compared with them, one model running at a time and ROWS positions
+    of log-probabilities in memory at once. `progress` hears each model's "... batches run
+    (done/total)"."""
     import numpy as np
     import torch
 
-    vocab = int(float_model.config.vocab_size)
-    batches = _batches(samples, vocab, float_model.dtype.itemsize)
-
-    def chunks(model: Any, which: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(log-probabilities [rows, vocab] in float32, the next tokens) ROWS at a time."""
-        progress(f"{which} model batches run (0/{len(batches)})")
-        for done, batch in enumerate(batches, 1):
-            x = torch.tensor([samples[i] for i in batch], device=device)
-            logits = model(x).logits[:, :-1].reshape(-1, vocab)
-            targets = x[:, 1:].reshape(-1, 1).cpu()
-            for start in range(0, len(logits), ROWS):
-                rows = logits[start : start + ROWS].float().log_softmax(-1).cpu()
-                yield rows, targets[start : start + ROWS]
-            progress(f"{which} model batches run ({done}/{len(batches)})")
-
-    path = Path(scratch) / "float-logprobs.f32"
-    nll_f, nll_q, count, agree, kls = 0.0, 0.0, 0, 0, []
-    with torch.no_grad():
-        with path.open("wb") as sink:  # written, not mapped: the pages are not ours to hold
-            for lf, target in chunks(float_model, "float"):
-                sink.write(lf.numpy().tobytes())
-                nll_f -= float(lf.gather(-1, target).sum())
-                count += len(lf)
-        with path.open("rb") as source:
-            for lq, target in chunks(quant_model, "quantised"):
-                lf = torch.from_numpy(np.fromfile(source, np.float32, lq.numel()))
-                lf = lf.view(lq.shape)
-                kls.append((lf.exp() * (lf - lq)).sum(-1).clamp_min(0))
-                agree += int((lf.argmax(-1) == lq.argmax(-1)).sum())
-                nll_q -= float(lq.gather(-1, target).sum())
-    path.unlink()
+    if reference is None:
+        reference = float_reference(float_model, samples, Path(scratch), device, progress)
+    record = json.loads((reference / REFERENCE_RECORD).read_text())
+    nll_f, count = float(record["nll"]), int(record["rows"])
+    nll_q, agree, kls = 0.0, 0, []
+    with torch.no_grad(), (reference / REFERENCE_FILE).open("rb") as source:
+        for lq, target in _chunks(quant_model, "quantised", samples, device, progress):
+            lf = torch.from_numpy(np.fromfile(source, np.float32, lq.numel()))
+            lf = lf.view(lq.shape)
+            kls.append((lf.exp() * (lf - lq)).sum(-1).clamp_min(0))
+            agree += int((lf.argmax(-1) == lq.argmax(-1)).sum())
+            nll_q -= float(lq.gather(-1, target).sum())
     if count == 0:
         return {"tokens": 0, "kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 0.0,
                 "perplexity_float": 1.0, "perplexity_quantized": 1.0}  # fmt: skip
@@ -261,6 +315,28 @@ def report_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def report_samples(float_dir: Path, texts: list[str], max_seq_len: int) -> list[list[int]]:
+    """The token ids the report runs: each text tokenised by the float model's tokenizer, cut
+    to `max_seq_len`, those with a next token to predict."""
+    from transformers import AutoTokenizer
+
+    from kiln.quant.calibration import tokenize
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(float_dir))
+    return [s for s in tokenize(texts, tokenizer, max_seq_len) if len(s) >= 2]
+
+
+def report_dtype(float_dir: Path) -> Any:
+    """The dtype the report computes in: the float checkpoint's (as it was calibrated and is
+    deployed)."""
+    import torch
+
+    from kiln.quant.spec import calibration_dtype
+
+    config = json.loads((Path(float_dir) / "config.json").read_text())
+    return getattr(torch, calibration_dtype(str(config.get("torch_dtype") or config.get("dtype"))))
+
+
 def quantization_report(
     float_dir: Path,
     quant_dir: Path,
@@ -269,21 +345,21 @@ def quantization_report(
     smoothing: bool = True,
     scratch: Path | None = None,
     progress: Progress | None = None,
+    reference: Path | None = None,
 ) -> dict[str, Any]:
     """Per-layer weight error and next-token KL, top-1 agreement and perplexity on `texts`
     (`smoothing`: whether the method moved scales between layers, see weight_errors). Both
     models stream their weights a module at a time (quant/streamed_model.py), one runs at a
-    time, in the float checkpoint's dtype (as it was calibrated and is deployed), and the
-    weights are compared a decoder layer at a time in float32: memory is bounded by a layer,
-    not by the model. `scratch` holds the float model's log-probabilities meanwhile; `progress`
-    hears the layers compared and the batches run, counted ("... (done/total)")."""
+    time, in the float checkpoint's dtype (report_dtype), and the weights are compared a
+    decoder layer at a time in float32: memory is bounded by a layer, not by the model. The
+    float model's log-probabilities come from `reference` (a float_reference of the same
+    samples, made beforehand) where it stands for them, else they are computed into `scratch`
+    first; `progress` hears the layers compared and the batches run, counted
+    ("... (done/total)")."""
     import tempfile
 
     import torch
-    from transformers import AutoTokenizer
 
-    from kiln.quant.calibration import tokenize
-    from kiln.quant.spec import calibration_dtype
     from kiln.quant.streamed_model import float_model
     from kiln.runtime.base.heap import return_large_frees
     from kiln.runtime.formats.checkpoint import TensorFiles
@@ -291,11 +367,16 @@ def quantization_report(
     return_large_frees()  # modules are loaded and freed one after another
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
     device = report_device()
-    tokenizer = AutoTokenizer.from_pretrained(float_dir)
-    samples = [s for s in tokenize(texts, tokenizer, max_seq_len) if len(s) >= 2]
-    config = json.loads((float_dir / "config.json").read_text())
-    dtype = getattr(torch, calibration_dtype(str(config.get("torch_dtype") or config.get("dtype"))))
-    reference = float_model(float_dir, device, dtype)
+    samples = report_samples(float_dir, texts, max_seq_len)
+    dtype = report_dtype(float_dir)
+    float_side = float_model(float_dir, device, dtype)
+    say = progress or _quiet
+    if reference is not None:
+        problem = reference_problem(reference, samples, int(float_side.config.vocab_size))
+        if problem is not None:
+            say(f"report: the float model's log-probabilities made beforehand do not serve "
+                f"({problem}); computing them now")  # fmt: skip
+            reference = None
     # Without smoothing each linear is compared alone: as the quantised model's forward decodes
     # it, a block of rows at a time, rather than decoding every weight a second time.
     floats = TensorFiles(float_dir)
@@ -318,9 +399,9 @@ def quantization_report(
 
     quant_model, weights = load_quantised(quant_dir, device, dtype, seen)
     wanted = set(weights)
-    say = progress or _quiet
     with tempfile.TemporaryDirectory(dir=scratch, prefix="kiln-report-") as tmp:
-        agreement = next_token_agreement(reference, quant_model, samples, Path(tmp), device, say)
+        agreement = next_token_agreement(float_side, quant_model, samples, Path(tmp), device,
+                                         say, reference)  # fmt: skip
     missed = [name for name in weights if name not in compared]
     found = layer_weight_errors(float_dir, quant_dir, missed, smoothing, say)
     compared |= {row["name"]: row for row in found}

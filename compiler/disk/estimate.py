@@ -8,8 +8,9 @@ Per stage, as compiler/pipeline.py runs them, into the stage cache (<output>/.ki
   linears) in the dtype it is calibrated in; while calibrating, a backend that offloads
   (llm-compressor) also writes the tensors it updates into the stage's folder, bounded by the
   float size of the linears it quantises and the norms it smooths (a MoE's experts twice);
-- report: the per-layer report; while it runs, the float model's log-probabilities of every
-  held-out token (float32 × vocabulary) in the stage's folder (quant/layer_report.py);
+- report: the per-layer report; from the quantise stage's start until it ends, the float
+  model's log-probabilities of every held-out token (float32 × vocabulary) beside the stage's
+  folder (compiler/float_reference.py, quant/layer_report.py);
 - export-tp<N>: the TensorRT-LLM checkpoint for tensor parallel N (compiler/trtllm/export):
   the linears split over the ranks in the exported layout, embeddings and norms on every rank,
   float parts in bfloat16; written while the report runs, so the report's log-probabilities
@@ -254,13 +255,15 @@ def _stage_parts(
     offloads = job.imported is None and scheme.name != "NO_QUANT"
     offloads = offloads and BACKENDS[scheme.spec.backend].offloads_for(scheme.name)
     offload = offload_bytes(info, scheme, width) if offloads else 0
-    note = f"{scheme.label} checkpoint" + (", offloading while calibrating" if offload else "")
-    out.append(part("quantize", _quantised_bytes(job), note, offload))
     logprobs = 0
+    if job.report is not None and not job.imported:
+        # held-out tokens × vocabulary float32 log-probabilities, computed beside the quantiser
+        # (compiler/float_reference.py) and kept until the report has read them
+        logprobs = job.report.num_samples * job.report.max_seq_len * info.vocab_size * 4
+    note = f"{scheme.label} checkpoint" + (", offloading while calibrating" if offload else "")
+    note += ", the report's float log-probabilities beside it" if logprobs else ""
+    out.append(part("quantize", _quantised_bytes(job), note, offload + logprobs))
     if job.report is not None:
-        # held-out tokens × vocabulary float32 log-probabilities (none for an import)
-        rows = 0 if job.imported else job.report.num_samples * job.report.max_seq_len
-        logprobs = rows * info.vocab_size * 4
         note = "float log-probabilities while it runs" if logprobs else ""
         out.append(part("report", report_bytes(info), note, logprobs))
     for tp in job.tps:

@@ -28,6 +28,7 @@ def recipe_file(
     seq: int = 64,
     method: str = "gptq",
     extra: str = "",
+    report_samples: int = 4,
 ) -> Path:
     path = tmp_path / "recipe.yaml"
     path.write_text(f"""\
@@ -42,7 +43,7 @@ calibration:
   num_samples: {samples}
   max_seq_len: {seq}
 report:
-  num_samples: 4
+  num_samples: {report_samples}
   max_seq_len: 64
 output: out
 {extra}""")
@@ -83,6 +84,16 @@ def test_compile_publishes_a_content_addressed_artifact(compiled: tuple[Path, di
     assert artifact.verify(path) == []
     config = json.loads((path / "model" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_the_float_reference_made_beside_the_quantisation_leaves_nothing(
+    compiled: tuple[Path, dict],
+) -> None:
+    """The report's float log-probabilities, computed in a process of its own while the
+    quantiser calibrated, are removed once the report has read them."""
+    recipe, _ = compiled
+    cache = recipe.parent / "out" / ".kiln-cache"
+    assert list(cache.glob("*/.*")) == []  # no work directory, no reference left
 
 
 def test_rerun_of_an_unchanged_recipe_is_a_no_op(compiled: tuple[Path, dict]) -> None:
@@ -308,27 +319,29 @@ def _memory_cgroup(name: str) -> Path | None:
     return group
 
 
-def test_an_out_of_memory_kill_in_the_report_keeps_the_quantised_stage(
+def test_an_out_of_memory_kill_after_quantising_keeps_the_quantised_stage(
     tmp_path: Path, tiny_llama: Path
 ) -> None:
     """The kernel's OOM killer ends a compile whose report outgrows its memory (the process
-    is moved into a memory cgroup with a limit below what the report needs as the report
-    starts): nothing is published, and the rerun reuses the quantised stage."""
+    is moved into a memory cgroup with a limit below what the report needs as soon as the
+    quantise stage is published): nothing is published, and the rerun reuses the quantised
+    stage and runs the report."""
     group = _memory_cgroup(f"kiln-test-{os.getpid()}")
     if group is None:
         pytest.skip("this machine lets no test make a memory cgroup (/sys/fs/cgroup/memory)")
     try:
-        recipe = recipe_file(tmp_path, tiny_llama)
+        # enough held-out text that the report's forward needs megabytes of new memory
+        recipe = recipe_file(tmp_path, tiny_llama, report_samples=64)
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "kiln.compiler.cli", "compile", str(recipe)],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        report = tmp_path / "out" / ".kiln-cache" / "report"
+        quantised = tmp_path / "out" / ".kiln-cache" / "quantize"
         deadline = time.monotonic() + 300
-        while not list(report.glob("*.partial")):
-            assert proc.poll() is None, "the compile ended before its report began"
-            assert time.monotonic() < deadline, "the report stage never started"
+        while not list(quantised.glob("[!.]*/stage.json")):
+            assert proc.poll() is None, "the compile ended before its quantise stage was kept"
+            assert time.monotonic() < deadline, "the quantise stage never finished"
             time.sleep(0.01)
         (group / "memory.limit_in_bytes").write_text(str(4 * 2**20))
         (group / "cgroup.procs").write_text(str(proc.pid))  # new pages count against 4 MiB

@@ -105,3 +105,50 @@ def test_a_weight_decoded_by_blocks_of_rows_is_the_weight_decoded_whole(
     assert torch.equal(got, whole.to(torch.bfloat16))
     assert [s for s, _ in blocks] == list(range(0, rows, 7))
     assert torch.equal(torch.cat([b for _, b in blocks]), whole * pqs[None, :])
+
+
+def test_a_reference_made_in_its_own_process_gives_the_same_report(
+    tiny_llama: Path, quantised: Quantised, tmp_path: Path
+) -> None:
+    """The float half computed beforehand by `python -m kiln.quant.reference` (as `kiln
+    compile` runs it beside the quantisation) gives the report computed in one go."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kiln.quant.layer_report import report_samples
+    from kiln.quant.reference import SAMPLES_FILE
+
+    texts = load_texts(HELD_OUT)
+    checkpoint = quantised("llmcompressor-fp8-kv_fp8")[0]
+    (tmp_path / SAMPLES_FILE).write_text(json.dumps(report_samples(tiny_llama, texts, 96)))
+    subprocess.run([sys.executable, "-m", "kiln.quant.reference", str(tiny_llama), str(tmp_path),
+                    str(os.getpid())], check=True, timeout=300)  # fmt: skip
+    heard: list[str] = []
+    alone = quantization_report(tiny_llama, checkpoint, texts, max_seq_len=96)
+    beside = quantization_report(tiny_llama, checkpoint, texts, max_seq_len=96,
+                                 progress=heard.append, reference=tmp_path)  # fmt: skip
+    assert beside["layers"] == alone["layers"]  # the weights: the quantised side's alone
+    figures = {k: v for k, v in alone.items() if isinstance(v, float)}
+    assert {k: beside[k] for k in figures} == pytest.approx(figures, rel=1e-6)
+    assert not any(m.startswith("float model batches") for m in heard)  # only the quantised ran
+
+
+def test_a_reference_of_other_text_is_not_used(
+    tiny_llama: Path, quantised: Quantised, tmp_path: Path
+) -> None:
+    """Log-probabilities made for other samples are refused by name, and the report computes
+    its own: the same figures as without them."""
+    from kiln.quant.layer_report import float_reference, report_dtype, report_samples
+    from kiln.quant.streamed_model import float_model
+
+    texts = load_texts(HELD_OUT)
+    checkpoint = quantised("llmcompressor-fp8-kv_fp8")[0]
+    other = report_samples(tiny_llama, texts[1:], 96)
+    float_reference(float_model(tiny_llama, "cpu", report_dtype(tiny_llama)), other, tmp_path)
+    heard: list[str] = []
+    got = quantization_report(tiny_llama, checkpoint, texts, max_seq_len=96,
+                              progress=heard.append, reference=tmp_path)  # fmt: skip
+    assert got == quantization_report(tiny_llama, checkpoint, texts, max_seq_len=96)
+    assert any("computed on other samples" in m and "computing them now" in m for m in heard)

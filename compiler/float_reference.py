@@ -6,8 +6,10 @@ calibrates: in a process of its own (`python -m kiln.quant.reference`, which sha
 quantiser's process-wide patches), into a hidden `.partial` folder beside the report stage's
 (a killed run's is swept at the next start, compiler/leftovers.py). The report stage then reads
 them and runs only the quantised model (quant/layer_report.py `reference_problem` checks they
-are of its samples). Where the quantise stage is cached, or the report's, nothing is started;
-where the process fails, the report computes them itself and says so.
+are of its samples). Where the quantise stage is cached, or the report's, or the model is
+smaller than compiler/pipeline.py's REFERENCE_BESIDE_MIN_PARAMETERS (starting the process would
+cost more than the forward), nothing is started; where the process fails, the report computes
+them itself and says so.
 """
 
 from __future__ import annotations

@@ -228,8 +228,11 @@ def build_model(
     if job.report is not None:
         report = job.report
         try:
-            ready = reference.result(said) if reference is not None else None
             with running_beside(exports if job.tps else None, said, who):
+                ready = reference.result(said) if reference is not None else None
+                if ready is not None:
+                    said(f"{who}report: the float model's log-probabilities were computed "
+                         "beside the quantisation; running the quantised model")  # fmt: skip
                 build.report = _report(build, report, calib_inputs, needs_data, cache, force,
                                        said, ready)  # fmt: skip
         finally:
@@ -303,6 +306,11 @@ def check_coverage(job: ModelJob, out: Path) -> None:
         raise UsageError(f"{job.source.spec}: {problem}")
 
 
+# Below this size the report's float half costs less than the ~3 s of CPU a process of its own
+# takes to start (importing torch and transformers): it is computed in the report, as before.
+REFERENCE_BESIDE_MIN_PARAMETERS = 500_000_000
+
+
 def _report_key(quant_key: str, calib_inputs: dict[str, Any], spec: CalibrationSpec) -> str:
     return input_key("report", quant_key, calib_inputs, calibration_inputs(spec, True))
 
@@ -330,6 +338,8 @@ def _reference_beside(
     float_reference.py), where the report will run and has a float model to compare with."""
     if job.report is None or job.imported is not None:
         return None
+    if job.info.num_parameters < REFERENCE_BESIDE_MIN_PARAMETERS:
+        return None  # its forward costs less than starting a process for it
     key = _report_key(quant_key, calib_inputs, job.report)
     if not force and cache.lookup(job.stage("report"), key) is not None:
         return None

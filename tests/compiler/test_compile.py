@@ -87,13 +87,22 @@ def test_compile_publishes_a_content_addressed_artifact(compiled: tuple[Path, di
 
 
 def test_the_float_reference_made_beside_the_quantisation_leaves_nothing(
-    compiled: tuple[Path, dict],
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The report's float log-probabilities, computed in a process of its own while the
-    quantiser calibrated, are removed once the report has read them."""
-    recipe, _ = compiled
-    cache = recipe.parent / "out" / ".kiln-cache"
-    assert list(cache.glob("*/.*")) == []  # no work directory, no reference left
+    quantiser calibrated (for the tiny model too, with the size it starts from lowered), give
+    the report and are removed once it has read them."""
+    from kiln.compiler import pipeline
+
+    monkeypatch.setattr(pipeline, "REFERENCE_BESIDE_MIN_PARAMETERS", 0)
+    recipe = recipe_file(tmp_path, tiny_llama)
+    code, stdout, stderr = kiln("compile", str(recipe), "--json")
+    assert code == 0, stderr
+    assert "log-probabilities were computed beside the quantisation" in stderr
+    assert "computing them now" not in stderr and "the report computes them" not in stderr
+    report = json.loads((Path(json.loads(stdout)["artifact"]) / artifact.QUANT_REPORT).read_text())
+    assert report["tokens"] > 0 and report["kl_mean"] >= 0
+    assert list((tmp_path / "out" / ".kiln-cache").glob("*/.*")) == []  # nothing left
 
 
 def test_rerun_of_an_unchanged_recipe_is_a_no_op(compiled: tuple[Path, dict]) -> None:

@@ -10,6 +10,7 @@ import sys
 from kiln.compiler.cli.console import (
     TUNABLE,
     started_as_kiln,
+    streams_models,
     thp_mode,
     tunables_with_huge_pages,
 )
@@ -69,3 +70,9 @@ def test_only_the_kiln_program_is_executed_again() -> None:
     assert started_as_kiln("/repo/compiler/cli/__main__.py", "kiln.compiler.cli.__main__")
     assert not started_as_kiln("/home/me/pipeline.py", None)  # a script calling run()
     assert not started_as_kiln("-c", None)
+
+
+def test_only_the_commands_that_stream_models_ask_for_huge_pages() -> None:
+    assert streams_models(["compile", "r.yaml"]) and streams_models(["--debug", "search", "r"])
+    assert not streams_models(["serve", "registry://staging"])
+    assert not streams_models(["--version"]) and not streams_models([])

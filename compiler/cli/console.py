@@ -11,8 +11,9 @@ its tunables only when a program starts, so the entry point adds the tunable to 
 and executes the same command once more, before anything else is imported (the process keeps
 its id, arguments and open files). A GLIBC_TUNABLES the user set is kept, and one that already
 names the tunable is left as it is; KILN_HUGE_PAGES=0 leaves the allocator alone. Where the C
-library is not glibc, the kernel grants no huge pages, or `run` is called by another program
-than `kiln`, nothing changes.
+library is not glibc, the kernel grants no huge pages, `run` is called by another program
+than `kiln`, or the command is not one that streams models (`compile`, `search`), nothing
+changes.
 
 Hand-written: no library sets glibc tunables for a running program.
 """
@@ -71,10 +72,24 @@ def started_as_kiln(argv0: str, main_module: str | None) -> bool:
     return Path(argv0).name == "kiln" or main_module == "kiln.compiler.cli.__main__"
 
 
+# The commands that stream models through compile stages (`kiln search` compiles its
+# candidates); serving and the rest keep glibc's defaults, under which they were measured.
+STREAMING_COMMANDS = frozenset({"compile", "search"})
+
+
+def streams_models(args: list[str]) -> bool:
+    """Whether the command line `args` (after the program) names a STREAMING_COMMANDS one:
+    its first word that is not an option (`kiln --debug compile R`)."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    return command in STREAMING_COMMANDS
+
+
 def run() -> None:
-    """`kiln`: the command line, under glibc's huge-page tunable."""
+    """`kiln`: the command line, under glibc's huge-page tunable for the commands that stream
+    models."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if started_as_kiln(sys.argv[0], getattr(spec, "name", None)):
+    kiln = started_as_kiln(sys.argv[0], getattr(spec, "name", None))
+    if kiln and streams_models(sys.argv[1:]):
         with_huge_pages()
     from kiln.compiler.cli.main import main
 

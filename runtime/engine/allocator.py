@@ -25,7 +25,9 @@ EPYC (one thread): a gate/up projection at 32 rows read from memory 0.58 vs 0.62
 SmolLM2-135M's decode step, two engines stepped in turn (medians of 80), at 32 rows 60.3 vs
 63.0 ms, at one row 12.5 vs 13.9 ms. Copies under `HUGE_MIN_BYTES` (a tiny model's) stay
 where they are; where madvise is refused (no THP, another OS) the chunks are plain memory.
-Hand-written too: torch's allocator has no huge-page option on the CPU.
+Hand-written too: torch's CPU allocator has one switch, THP_MEM_ALLOC_ENABLE (huge pages for
+every allocation of 2 MiB or more, activations included; it did not speed serving up,
+docs/benchmarks.md), and none for the weight copies alone.
 """
 
 from __future__ import annotations

@@ -390,7 +390,7 @@ def quantization_report(
             partial[name] = (floats.get(f"{name}.weight"), [0.0, 0.0])
         full, sums = partial[name]
         ref = full[start : start + len(rows)].to(rows.device, torch.float32).reshape(-1)
-        diff = (rows.reshape(-1) - ref).reshape(-1)
+        diff = rows.reshape(-1) - ref
         sums[0] += float(torch.dot(diff, diff))
         sums[1] += float(torch.dot(ref, ref))
         if start + len(rows) == len(full):

@@ -166,7 +166,7 @@ def test_an_artifact_of_format_version_2_still_verifies_with_its_digest(tmp_path
 
 def test_files_are_hashed_together_each_as_alone(tmp_path: Path) -> None:
     """sha256_each gives every path its own file's sha256, in order, hard links and repeats
-    included (a file reached twice is read once)."""
+    included, files hashed on several threads."""
     from kiln.runtime.formats.artifact import sha256_each, sha256_file
 
     paths = []

@@ -12,9 +12,16 @@ from kiln.compiler.pipeline import running_beside
 
 
 def test_the_work_runs_while_the_block_runs() -> None:
-    started, heard = threading.Event(), []
-    with running_beside(started.set, heard.append, ""):
-        assert started.wait(60)  # the block sees the work begun: they overlap
+    """Each waits for the other: run one after the other, neither would see the other."""
+    entered, answered, heard = threading.Event(), threading.Event(), []
+
+    def work() -> None:
+        if entered.wait(10):  # the block has begun while the work runs
+            answered.set()
+
+    with running_beside(work, heard.append, ""):
+        entered.set()
+        assert answered.wait(10)
     assert heard == []
 
 

@@ -357,6 +357,7 @@ def quantization_report(
     first; `progress` hears the layers compared and the batches run, counted
     ("... (done/total)")."""
     import tempfile
+    import threading
 
     import torch
 
@@ -379,23 +380,34 @@ def quantization_report(
             reference = None
     # Without smoothing each linear is compared alone: as the quantised model's forward decodes
     # it, a block of rows at a time, rather than decoding every weight a second time.
+    # The blocks of a weight are heard from several threads in no fixed order: each block's
+    # sums are kept by its first row and added in row order once all are in, so the figure is
+    # the same however the blocks were scheduled.
     floats = TensorFiles(float_dir)
     compared: dict[str, dict[str, Any]] = {}
-    partial: dict[str, tuple[Any, list[float]]] = {}  # name -> (float weight, [‖diff‖², ‖ref‖²])
+    lock = threading.Lock()
+    partial: dict[str, tuple[Any, dict[int, tuple[float, float, int]]]] = {}
 
     def seen(name: str, start: int, rows: Any) -> None:
         if smoothing or name not in wanted or name in compared:
             return
-        if start == 0:
-            partial[name] = (floats.get(f"{name}.weight"), [0.0, 0.0])
-        full, sums = partial[name]
+        with lock:
+            if name not in partial:
+                partial[name] = (floats.get(f"{name}.weight"), {})
+            full, blocks = partial[name]
         ref = full[start : start + len(rows)].to(rows.device, torch.float32).reshape(-1)
         diff = rows.reshape(-1) - ref
-        sums[0] += float(torch.dot(diff, diff))
-        sums[1] += float(torch.dot(ref, ref))
-        if start + len(rows) == len(full):
+        sums = (float(torch.dot(diff, diff)), float(torch.dot(ref, ref)), len(rows))
+        with lock:
+            blocks[start] = sums
+            if sum(n for _, _, n in blocks.values()) < len(full):
+                return
             del partial[name]
-            compared[name] = error_row(name, list(full.shape), sums[0] / max(sums[1], 1e-30))
+        errors, norms = 0.0, 0.0
+        for first in sorted(blocks):
+            errors += blocks[first][0]
+            norms += blocks[first][1]
+        compared[name] = error_row(name, list(full.shape), errors / max(norms, 1e-30))
 
     quant_model, weights = load_quantised(quant_dir, device, dtype, seen)
     wanted = set(weights)

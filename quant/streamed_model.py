@@ -19,8 +19,10 @@ converted copies to disk), and neither decodes a checkpoint's codes.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import torch
 from kiln.runtime.formats import nvfp4
 from kiln.runtime.formats.checkpoint import Checkpoint, TensorFiles, open_checkpoint
 from kiln.runtime.formats.model_info import ModelInfo
-from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, dequantize
+from kiln.runtime.formats.weights import ActivationScheme, LinearWeights, dequantize, fp8_as
 from kiln.runtime.formats.weights import effective_weight as _effective
 
 Provider = Callable[[str], torch.Tensor]  # a parameter's name in the model → its value
@@ -90,19 +92,41 @@ def decoded(
     linear: LinearWeights, dtype: torch.dtype, name: str = "", seen: WeightSeen | None = None
 ) -> torch.Tensor:
     """`linear`'s weight decoded as its kernel computes with it (in float32, then held in
-    `dtype`; the same values as decoding it whole), a block of rows at a time; `seen(name,
-    first row, rows)` hears each block's effective float32 rows (× the pre-quant scale)."""
+    `dtype`; the same values as decoding it whole), a block of rows at a time, the blocks on
+    every core; `seen(name, first row, rows)` hears each block's effective float32 rows (× the
+    pre-quant scale), from those threads, in no fixed order."""
     rows, cols = linear.out_features, linear.in_features
     out = torch.empty((rows, cols), dtype=dtype, device=linear.weight.device)
     step = max(1, ROW_BLOCK_BYTES // (4 * max(cols, 1)))
     pqs = linear.pre_quant_scale
     pqs = None if pqs is None else pqs.to(F32)[None, :]
-    for start in range(0, rows, step):
+
+    def one(start: int) -> None:
         block = dequantize(linear.rows(slice(start, start + step)), F32)
         out[start : start + len(block)] = block
         if seen is not None:
             seen(name, start, block if pqs is None else block * pqs)
+
+    starts = range(0, rows, step)
+    if len(starts) == 1 or out.device.type != "cpu":
+        for start in starts:
+            one(start)
+    else:  # each block is element-wise work on one core: the blocks go to every core
+        for _ in _blocks_pool().map(one, starts):
+            pass
     return out
+
+
+_POOL: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_POOL.clear)  # a forked child has none of the threads
+
+
+def _blocks_pool() -> ThreadPoolExecutor:
+    """The threads `decoded` spreads blocks over: one per core torch computes on (the table
+    lookup, scaling and comparing release the GIL)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(torch.get_num_threads(), "kiln-decode"))
+    return _POOL[0]
 
 
 def quantised_provider(
@@ -180,7 +204,7 @@ def streamed_model(
 
 def fake_quant_fp8(x: Any, scale: Any) -> Any:
     """Round x to float8_e4m3fn with a per-tensor scale and back."""
-    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * scale
+    return fp8_as((x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), x.dtype) * scale
 
 
 def fake_quant_int8(x: Any, scale: Any) -> Any:

@@ -157,16 +157,27 @@ def _same_optional(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 def as_float32(t: torch.Tensor) -> torch.Tensor:
     """`t` in float32; FP8 codes through a 256-entry table on the CPU, which is exact and ~3×
     faster than torch's element-wise conversion there (it dominates dequantising FP8)."""
-    if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu":
-        return t.to(torch.float32)
+    return fp8_as(t, torch.float32)
+
+
+def fp8_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`; on the CPU, FP8 codes into float32, bfloat16 or float16 through a
+    256-entry table of that dtype's bits (exact: each holds every e4m3 value)."""
+    table = _FP8_TABLES.get(dtype)
+    if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu" or table is None:
+        return t.to(dtype)
     import numpy as np
 
-    table = _FP8_TABLE.numpy()
     codes = t.contiguous().view(torch.uint8).numpy()
-    return torch.from_numpy(np.take(table, codes))
+    return torch.from_numpy(np.take(table, codes)).view(dtype)
 
 
-_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+_FP8_TABLES = {
+    torch.float32: _FP8_VALUES.to(torch.float32).numpy(),
+    torch.bfloat16: _FP8_VALUES.to(torch.bfloat16).view(torch.int16).numpy(),
+    torch.float16: _FP8_VALUES.to(torch.float16).view(torch.int16).numpy(),
+}
 
 
 def dequantize(w: LinearWeights, dtype: torch.dtype) -> torch.Tensor:

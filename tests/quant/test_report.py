@@ -73,6 +73,25 @@ def test_float_copy_agrees_exactly(tiny_llama: Path, tmp_path: Path) -> None:
     assert result["top1_agreement"] == 1.0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_fp8_codes_through_the_table_are_torchs_conversion(dtype: str) -> None:
+    """Every e4m3 code (NaNs and signed zeros included) decodes through kiln's table to the
+    bits torch's conversion gives, and the report's fake quantisation is unchanged by it."""
+    import torch
+
+    from kiln.quant.streamed_model import fake_quant_fp8
+    from kiln.runtime.formats.weights import fp8_as
+
+    want = getattr(torch, dtype)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    bits = torch.int32 if want == torch.float32 else torch.int16
+    assert torch.equal(fp8_as(codes, want).view(bits), codes.to(want).view(bits))
+    torch.manual_seed(0)
+    x, scale = (torch.randn(64, 96) * 5).to(want), torch.tensor(0.02, dtype=want)
+    expected = (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(want) * scale
+    assert torch.equal(fake_quant_fp8(x, scale), expected)
+
+
 @pytest.mark.parametrize("group", [None, 64])
 def test_a_weight_decoded_by_blocks_of_rows_is_the_weight_decoded_whole(
     group: int | None, monkeypatch: pytest.MonkeyPatch
@@ -103,8 +122,31 @@ def test_a_weight_decoded_by_blocks_of_rows_is_the_weight_decoded_whole(
     monkeypatch.setattr(streamed_model, "ROW_BLOCK_BYTES", 4 * cols * 7)  # 43 blocks of 7 rows
     got = streamed_model.decoded(linear, torch.bfloat16, "q", lambda n, s, b: blocks.append((s, b)))
     assert torch.equal(got, whole.to(torch.bfloat16))
+    blocks.sort(key=lambda block: block[0])  # heard from the decoding threads in any order
     assert [s for s, _ in blocks] == list(range(0, rows, 7))
     assert torch.equal(torch.cat([b for _, b in blocks]), whole * pqs[None, :])
+
+
+def test_weights_compared_by_blocks_on_threads_match_the_layer_at_a_time_comparison(
+    tiny_llama: Path, quantised: Quantised, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report compares each weight as the forward decodes it, blocks of rows on several
+    threads in any order: the same errors as comparing each weight whole, the same figures run
+    after run."""
+    from kiln.quant import streamed_model
+    from kiln.quant.layer_report import layer_weight_errors
+
+    checkpoint = quantised("llmcompressor-gptq-w4-g64-kv_int8")[0]
+    monkeypatch.setattr(streamed_model, "ROW_BLOCK_BYTES", 4 * 64 * 3)  # blocks of a few rows
+    texts = load_texts(HELD_OUT)[:2]
+    first = quantization_report(tiny_llama, checkpoint, texts, max_seq_len=32, smoothing=False)
+    again = quantization_report(tiny_llama, checkpoint, texts, max_seq_len=32, smoothing=False)
+    assert first["layers"] == again["layers"]
+    names = [layer["name"] for layer in first["layers"]]
+    whole = layer_weight_errors(tiny_llama, checkpoint, names, smoothing=False)
+    assert [layer["rel_mse"] for layer in first["layers"]] == pytest.approx(
+        [layer["rel_mse"] for layer in whole], rel=1e-5
+    )
 
 
 def test_a_reference_made_in_its_own_process_gives_the_same_report(

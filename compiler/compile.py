@@ -8,19 +8,39 @@ assembled in a hidden directory and renamed into place (runtime/formats/artifact
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.compiler.draft.speculation import Speculation, compile_draft
 from kiln.compiler.leftovers import sweep_output, sweep_user_cache
-from kiln.compiler.pipeline import ModelBuild, ModelJob, Progress, build_model, fill_artifact
+from kiln.compiler.pipeline import (
+    ModelBuild,
+    ModelJob,
+    Progress,
+    build_model,
+    fill_artifact,
+    link_tree,
+)
 from kiln.compiler.preflight import CompilePlan, compile_jobs, run_preflight
 from kiln.compiler.recipe.recipe import load_recipe
-from kiln.compiler.stages import CACHE_DIR, StageCache, StageResult, input_key, output_lock
+from kiln.compiler.stages import (
+    CACHE_DIR,
+    PARTIAL,
+    StageCache,
+    StageResult,
+    input_key,
+    output_lock,
+)
 from kiln.compiler.trtllm.deploy import (
+    PYTORCH_HF_DIR,
+    Conversion,
     TargetContext,
     TargetFailure,
+    convert_ahead,
+    needs_conversion,
     pytorch_checkpoint,
     target_failures,
     write_target,
@@ -95,9 +115,58 @@ def model_job(pre: CompilePlan) -> ModelJob:
 def _run_stages(
     pre: CompilePlan, cache: StageCache, root: Path, force: bool, progress: Progress
 ) -> CompileResult:
-    recipe = pre.recipe
     tools = versions(COMPILE_TOOLS)
-    model = build_model(model_job(pre), cache, tools, force=force, progress=progress)
+    ahead = PytorchAhead(root, pre.trtllm_path if pre.targets else "engine")
+    try:
+        return _stages_and_package(pre, cache, root, force, progress, tools, ahead)
+    finally:
+        ahead.remove()
+
+
+@dataclass
+class PytorchAhead:
+    """The PyTorch path's ModelOpt HF conversion of the model, written in the export thread
+    beside the report (compiler/pipeline.py `after_exports`) rather than in the package, into a
+    hidden `.partial` folder of the output directory (swept if a run is killed); the package
+    hard-links it into the artifact and the folder is removed when the compile ends."""
+
+    root: Path
+    path: str  # deploy.trtllm_path; "engine" where no target is compiled
+    conversion: Conversion | None = None
+    dir: Path | None = None
+
+    def write(self, build: ModelBuild, progress: Progress) -> None:
+        if build.quantized.status == "cached":  # the package may be too: it converts if it runs
+            return
+        scheme = build.scheme
+        fmt, algo = scheme.format, scheme.trtllm_quant_algo or "NO_QUANT"
+        if not needs_conversion(self.path, fmt, algo):
+            return
+        progress("export: ModelOpt HF checkpoint for the PyTorch path")
+        self.conversion = convert_ahead(build.model, fmt, algo, self.folder() / "hf")
+
+    def folder(self) -> Path:
+        """A new hidden folder to write the conversion in (removed by `remove`)."""
+        self.dir = Path(tempfile.mkdtemp(prefix=".pytorch-hf-", suffix=PARTIAL, dir=self.root))
+        return self.dir
+
+    def remove(self) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _stages_and_package(
+    pre: CompilePlan,
+    cache: StageCache,
+    root: Path,
+    force: bool,
+    progress: Progress,
+    tools: dict[str, str],
+    ahead: PytorchAhead,
+) -> CompileResult:
+    recipe = pre.recipe
+    model = build_model(model_job(pre), cache, tools, force=force, progress=progress,
+                        after_exports=ahead.write)  # fmt: skip
     stages = list(model.stages)
 
     speculation: Speculation | None = None
@@ -139,7 +208,12 @@ def _run_stages(
             fill_artifact(model, staging.dir)
             if speculation is not None:
                 speculation.install(staging.dir)
-            served = pytorch_checkpoint(staging.dir, context) if pre.targets else context
+            conversion = ahead.conversion
+            if conversion is not None and conversion.dir is not None:
+                link_tree(conversion.dir, staging.dir / PYTORCH_HF_DIR)
+            served = context
+            if pre.targets:
+                served = pytorch_checkpoint(staging.dir, context, conversion)
             for name, target in pre.targets.items():
                 progress(f"engines: {name}")
                 manifest.targets[name] = write_target(staging.dir, target, served)

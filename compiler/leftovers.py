@@ -6,9 +6,10 @@ or `.tmp` (a file or directory about to be renamed into place). SIGKILL skips ev
 
 - under an output directory, while its lock is held (nobody else writes there): a stage's
   work directory `.kiln-cache/<stage>/.<key>-*.partial`, an artifact being assembled
-  `.<name>-*.partial`, and a manifest being rewritten `<artifact>/.manifest.json.*.tmp`,
-  this last only where no process holds the artifact's manifest lock (a gate step records
-  its verdict after the output lock is released);
+  `.<name>-*.partial`, the PyTorch path's conversion written beside the report
+  `.pytorch-hf-*.partial` (compiler/compile.py), and a manifest being rewritten
+  `<artifact>/.manifest.json.*.tmp`, this last only where no process holds the artifact's
+  manifest lock (a gate step records its verdict after the output lock is released);
 - in the per-user cache, shared by concurrent runs, only while no run holds the folder
   (`holding`: a shared flock on the folder itself, so the sweep's exclusive try fails
   while anyone is writing there): converted sources `sources/.<entry>.*.tmp` and the
@@ -36,7 +37,7 @@ from kiln.runtime.formats.artifact import MANIFEST_TEMPORARIES
 # Paths under an output directory, one pattern per component, matched without following links.
 OUTPUT_TEMPORARIES = (
     (CACHE_DIR, "*", ".*.partial"),  # a stage's work directory (compiler/stages.py)
-    (".*.partial",),  # an artifact being assembled (runtime/formats/artifact.assemble)
+    (".*.partial",),  # an artifact being assembled, the PyTorch path's conversion beside it
 )
 # Per-user cache folders and the temporaries in each (compiler/sources).
 USER_TEMPORARIES = (

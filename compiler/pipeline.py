@@ -160,8 +160,10 @@ def build_model(
     *,
     force: bool = False,
     progress: Progress = lambda _msg: None,
+    after_exports: Callable[[ModelBuild, Progress], None] | None = None,
 ) -> ModelBuild:
-    """Run (or find cached) every stage of `job` up to its TensorRT-LLM exports."""
+    """Run (or find cached) every stage of `job` up to its TensorRT-LLM exports;
+    `after_exports(build, progress)` runs after them, beside the report as they do."""
     who = f"{job.role}: " if job.role else ""
     progress(f"{who}source: hashing and materialising {job.source.spec}")
     digest = sources.source_digest(job.source)
@@ -224,11 +226,13 @@ def build_model(
             export_key = input_key("export", quant_key, tp)
             stage = job.stage(f"export-tp{tp}")
             build.exports[tp] = cache.run(stage, export_key, run_export, force)
+        if after_exports is not None:
+            after_exports(build, said)
 
     if job.report is not None:
         report = job.report
         try:
-            with running_beside(exports if job.tps else None, said, who):
+            with running_beside(exports if job.tps or after_exports else None, said, who):
                 ready = reference.result(said) if reference is not None else None
                 if ready is not None:
                     said(f"{who}report: the float model's log-probabilities were computed "
@@ -258,11 +262,12 @@ def _serialised(progress: Progress) -> Progress:
 
 @contextmanager
 def running_beside(work: Callable[[], None] | None, progress: Progress, who: str) -> Iterator[None]:
-    """Run `work` (the TensorRT-LLM exports) in a thread while the block runs (the report):
-    both read only the quantised stage and write only their own stage directories, and the
-    report's forwards (on the GPU where there is one) leave the export's reading, converting
-    and writing the cores it needs. The block's error is raised after `work` has ended (a
-    second Ctrl-C leaves at once); otherwise `work`'s error is raised."""
+    """Run `work` (the TensorRT-LLM exports, then the PyTorch path's conversion) in a thread
+    while the block runs (the report): both read only the quantised stage and write only their
+    own directories, and the report's forwards (on the GPU where there is one) leave the
+    export's reading, converting and writing the cores it needs. The block's error is raised
+    after `work` has ended (a second Ctrl-C leaves at once); otherwise `work`'s error is
+    raised."""
     if work is None:
         yield
         return

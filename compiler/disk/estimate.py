@@ -255,11 +255,7 @@ def _stage_parts(
     offloads = job.imported is None and scheme.name != "NO_QUANT"
     offloads = offloads and BACKENDS[scheme.spec.backend].offloads_for(scheme.name)
     offload = offload_bytes(info, scheme, width) if offloads else 0
-    logprobs = 0
-    if job.report is not None and not job.imported:
-        # held-out tokens × vocabulary float32 log-probabilities, computed beside the quantiser
-        # (compiler/float_reference.py) and kept until the report has read them
-        logprobs = job.report.num_samples * job.report.max_seq_len * info.vocab_size * 4
+    logprobs = _report_logprobs(job)
     note = f"{scheme.label} checkpoint" + (", offloading while calibrating" if offload else "")
     note += ", the report's float log-probabilities beside it" if logprobs else ""
     out.append(part("quantize", _quantised_bytes(job), note, offload + logprobs))
@@ -276,6 +272,14 @@ def _stage_parts(
     return out
 
 
+def _report_logprobs(job: ModelJob) -> int:
+    """The report's held-out tokens × vocabulary float32 log-probabilities on disk, computed
+    beside the quantiser (compiler/float_reference.py) and kept until the report has read them."""
+    if job.report is None or job.imported:
+        return 0
+    return job.report.num_samples * job.report.max_seq_len * job.info.vocab_size * 4
+
+
 def _artifact_parts(
     job: ModelJob, targets: Mapping[str, TargetPlan], trtllm_path: str
 ) -> list[DiskPart]:
@@ -287,16 +291,20 @@ def _artifact_parts(
     out = [DiskPart(f"{where}model/, {where}trtllm/tp*/", linked + sum(exports.values()), "link",
                     "hard links into the stage cache")]  # fmt: skip
     # compiler/trtllm/deploy.py `_convert`: a compressed-tensors checkpoint the PyTorch backend
-    # does not load is converted to ModelOpt's HF format inside the artifact, unless it has
-    # zero points (export/modelopt_hf.py refuses them at once)
+    # does not load is converted to ModelOpt's HF format for the artifact, unless it has zero
+    # points (export/modelopt_hf.py refuses them at once); the model's is written beside the
+    # report (compiler/compile.py `PytorchAhead`), the report's log-probabilities on disk
     fmt = _format(job)
     algo = scheme.trtllm_quant_algo
     converts = fmt == "compressed-tensors" and pytorch_problem(fmt, algo) is not None
     converts = converts and scheme.symmetric
     if targets and trtllm_path != "engine" and converts:
         hf = "trtllm/hf-draft/" if job.role else "trtllm/hf/"
-        out.append(DiskPart(hf, linked + SLACK, "artifact", "ModelOpt HF conversion for the "
-                            "PyTorch path"))  # fmt: skip
+        beside = job.report is not None and not job.imported and not job.role
+        logprobs = _report_logprobs(job) if beside else 0
+        note = "ModelOpt HF conversion for the PyTorch path"
+        note += ", beside the report" if beside else ""
+        out.append(DiskPart(hf, linked + SLACK, "artifact", note, scratch=logprobs))
     if job.role:
         return out
     report = report_bytes(info) if job.report is not None else 0

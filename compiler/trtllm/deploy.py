@@ -122,10 +122,41 @@ class TargetContext:
     served_problem: str | None = None  # why no checkpoint that path loads could be written
 
 
-def pytorch_checkpoint(root: Path, ctx: TargetContext) -> TargetContext:
+@dataclass
+class Conversion:
+    """The PyTorch path's conversion of the model's `model/`, written before the package (beside
+    the report): its quant_algo and folder, or why none could be written."""
+
+    algo: str | None
+    dir: Path | None
+    problem: str | None
+
+
+def needs_conversion(path: str, fmt: str, algo: str) -> bool:
+    """Whether the PyTorch path (`path`: the recipe's deploy.trtllm_path) serves a `fmt`
+    checkpoint of `algo` from a ModelOpt HF conversion (or says why there is none)."""
+    return path != "engine" and _converts(fmt, algo)
+
+
+def _converts(fmt: str, algo: str) -> bool:
+    return pytorch_problem(fmt, algo) is not None and fmt == "compressed-tensors"
+
+
+def convert_ahead(model_dir: Path, fmt: str, algo: str, out: Path) -> Conversion:
+    """The conversion of the quantised `model_dir` (a stage's `model/`) written to `out`, which
+    the package then links into the artifact's `trtllm/hf/`; its problem names `model/` as the
+    artifact does."""
+    served, why = _convert(fmt, algo, model_dir, out, model_dir.parent)
+    return Conversion(served, out if served else None, why)
+
+
+def pytorch_checkpoint(
+    root: Path, ctx: TargetContext, ahead: Conversion | None = None
+) -> TargetContext:
     """`ctx` serving, on the PyTorch path, a checkpoint its backend loads: `model/` as it is
-    where it loads that, else the exact ModelOpt HF conversion written to `trtllm/hf/` in the
-    artifact `root` (or, in `served_problem`, why none could be written)."""
+    where it loads that, else the exact ModelOpt HF conversion in `trtllm/hf/` of the artifact
+    `root` (or, in `served_problem`, why none could be written): `ahead`'s, written before the
+    package and linked there already, else written now."""
     if ctx.path == "engine":
         return ctx
     draft = ctx.speculative
@@ -141,8 +172,11 @@ def pytorch_checkpoint(root: Path, ctx: TargetContext) -> TargetContext:
             why = pytorch_problem(fmt, algo)
         dir_ = PYTORCH_DRAFT_DIR if served else None
         ctx = replace(ctx, speculative=replace(draft, served_dir=dir_, served_problem=why))
-    served, why = _convert(ctx.model_format, ctx.quant_algo, root / MODEL_DIR,
-                           root / PYTORCH_HF_DIR, root)  # fmt: skip
+    if ahead is not None:  # its folder is in place already (compiler/compile.py links it)
+        served, why = ahead.algo, ahead.problem
+    else:
+        served, why = _convert(ctx.model_format, ctx.quant_algo, root / MODEL_DIR,
+                               root / PYTORCH_HF_DIR, root)  # fmt: skip
     if served is None:
         return replace(ctx, served_problem=why)
     return replace(ctx, model_format="modelopt", quant_algo=served, served_dir=PYTORCH_HF_DIR)
@@ -156,7 +190,7 @@ def _convert(
     where neither, naming paths inside the artifact `root` relative to it (`root` is the
     staging directory, gone once the artifact is published); (None, None) where `src` loads
     as it is."""
-    if pytorch_problem(fmt, algo) is None or fmt != "compressed-tensors":
+    if not _converts(fmt, algo):
         return None, None
     try:
         return convert_to_modelopt_hf(src, out)["quant_algo"], None

@@ -100,7 +100,9 @@ def killed_inside(code: str, cwd: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def test_the_sweep_removes_what_killed_stages_and_packaging_left(tmp_path: Path) -> None:
+def test_the_sweep_removes_what_killed_stages_conversions_and_packaging_left(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "out"
     killed_inside(
         """
@@ -127,16 +129,26 @@ def test_the_sweep_removes_what_killed_stages_and_packaging_left(tmp_path: Path)
         """,
         tmp_path,
     )
+    killed_inside(
+        """
+        from pathlib import Path
+        from kiln.compiler.compile import PytorchAhead
+        (PytorchAhead(Path("out"), "both").folder() / "model.safetensors").write_bytes(b"0")
+        die()
+        """,
+        tmp_path,
+    )
     published = root / "automap-0123456789ab"
     published.mkdir()
     (published / "manifest.json").write_text("{}")
     (published / ".manifest.json.tmp").write_text("{")  # killed while rewriting its manifest
     assert any(p.name.endswith(".partial") for p in (root / CACHE_DIR / "quantize").iterdir())
     assert any(p.name.startswith(".automap-") for p in root.iterdir())
+    assert any(p.name.startswith(".pytorch-hf-") for p in root.iterdir())
 
     removed = sweep_output(root)
 
-    assert len(removed) == 3
+    assert len(removed) == 4
     assert tree(root) == {
         CACHE_DIR,
         f"{CACHE_DIR}/source",

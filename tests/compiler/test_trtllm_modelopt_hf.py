@@ -340,16 +340,28 @@ def test_names_dtypes_shapes_and_quant_config_equal_modelopts_export(
 
 
 def test_compile_serves_an_llm_compressor_int4_artifact_on_the_pytorch_path(tmp_path, tiny_llama):
+    """The conversion is written beside the report, then linked into the artifact: the files
+    converting the artifact's `model/` gives, and nothing of it left in the output directory."""
     from kiln.runtime.formats import artifact
     from tests.compiler.test_compile import kiln, recipe_file
 
     recipe = recipe_file(tmp_path, tiny_llama, samples=4, seq=32, extra="targets: [l40s]\n")
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 0, stderr
+    assert "export: ModelOpt HF checkpoint for the PyTorch path" in stderr
     path = Path(json.loads(stdout)["artifact"])
     assert json.loads(stdout)["targets"]["l40s"]["pytorch"] == "ready"
     assert artifact.verify(path) == []  # the conversion is part of the digest
     assert check_hf_checkpoint(path / "trtllm" / "hf", 1) == []
+    again = tmp_path / "again"
+    convert_to_modelopt_hf(path / "model", again)
+    ours = sorted(
+        p.relative_to(path / "trtllm" / "hf") for p in (path / "trtllm" / "hf").rglob("*")
+    )
+    assert ours == sorted(p.relative_to(again) for p in again.rglob("*"))
+    assert all((path / "trtllm" / "hf" / p).read_bytes() == (again / p).read_bytes()
+               for p in ours if (again / p).is_file())  # fmt: skip
+    assert not list(path.parent.glob(".pytorch-hf-*"))
     serve = (path / "engines" / "l40s" / "trtllm-serve.yaml").read_text()
     assert serve.startswith("# from the artifact directory: trtllm-serve trtllm/hf --backend")
 

@@ -49,7 +49,7 @@ from kiln.runtime.base.cache import cache_home
 from kiln.runtime.base.errors import ArtifactError
 from kiln.runtime.base.versions import COMPILE_TOOLS, versions
 from kiln.runtime.formats import artifact
-from kiln.runtime.formats.artifact import Manifest
+from kiln.runtime.formats.artifact import KnownDigests, Manifest
 from kiln.runtime.formats.artifact.verified import verify_artifact
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def _run_stages(
     pre: CompilePlan, cache: StageCache, root: Path, force: bool, progress: Progress
 ) -> CompileResult:
     tools = versions(COMPILE_TOOLS)
-    ahead = PytorchAhead(root, pre.trtllm_path if pre.targets else "engine")
+    ahead = PackageAhead(root, pre.trtllm_path if pre.targets else "engine")
     try:
         return _stages_and_package(pre, cache, root, force, progress, tools, ahead)
     finally:
@@ -124,26 +124,31 @@ def _run_stages(
 
 
 @dataclass
-class PytorchAhead:
-    """The PyTorch path's ModelOpt HF conversion of the model, written in the export thread
-    beside the report (compiler/pipeline.py `after_exports`) rather than in the package, into a
-    hidden `.partial` folder of the output directory (swept if a run is killed); the package
-    hard-links it into the artifact and the folder is removed when the compile ends."""
+class PackageAhead:
+    """What the package needs, made in the export thread beside the report (compiler/
+    pipeline.py `after_exports`) where that thread would otherwise wait for the report: the
+    PyTorch path's ModelOpt HF conversion of the model, written into a hidden `.partial` folder
+    of the output directory (swept if a run is killed; the package hard-links it into the
+    artifact, and the folder is removed when the compile ends), and the digests of the stage
+    files the artifact will link (runtime/formats/artifact KnownDigests)."""
 
     root: Path
     path: str  # deploy.trtllm_path; "engine" where no target is compiled
     conversion: Conversion | None = None
     dir: Path | None = None
+    known: KnownDigests = field(default_factory=KnownDigests)
 
     def write(self, build: ModelBuild, progress: Progress) -> None:
-        if build.quantized.status == "cached":  # the package may be too: it converts if it runs
+        if build.quantized.status == "cached":  # the package may be too: it does this if it runs
             return
         scheme = build.scheme
         fmt, algo = scheme.format, scheme.trtllm_quant_algo or "NO_QUANT"
-        if not needs_conversion(self.path, fmt, algo):
-            return
-        progress("export: ModelOpt HF checkpoint for the PyTorch path")
-        self.conversion = convert_ahead(build.model, fmt, algo, self.folder() / "hf")
+        if needs_conversion(self.path, fmt, algo):
+            progress("export: ModelOpt HF checkpoint for the PyTorch path")
+            self.conversion = convert_ahead(build.model, fmt, algo, self.folder() / "hf")
+        folders = [build.model, *(stage.path for stage in build.exports.values())]
+        folders += [self.dir] if self.dir is not None else []
+        self.known.add(sorted(p for f in folders for p in f.rglob("*") if p.is_file()))
 
     def folder(self) -> Path:
         """A new hidden folder to write the conversion in (removed by `remove`)."""
@@ -162,7 +167,7 @@ def _stages_and_package(
     force: bool,
     progress: Progress,
     tools: dict[str, str],
-    ahead: PytorchAhead,
+    ahead: PackageAhead,
 ) -> CompileResult:
     recipe = pre.recipe
     model = build_model(model_job(pre), cache, tools, force=force, progress=progress,
@@ -204,7 +209,7 @@ def _stages_and_package(
     )
 
     def package(out: Path) -> dict[str, Any]:
-        with artifact.assemble(root, manifest) as staging:
+        with artifact.assemble(root, manifest, known=ahead.known) as staging:
             fill_artifact(model, staging.dir)
             if speculation is not None:
                 speculation.install(staging.dir)

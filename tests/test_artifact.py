@@ -177,3 +177,36 @@ def test_files_are_hashed_together_each_as_alone(tmp_path: Path) -> None:
     asked = [paths[3], tmp_path / "linked.bin", *paths, paths[0]]
     assert sha256_each(asked) == [sha256_file(p) for p in asked]
     assert sha256_each([]) == []
+
+
+def test_a_file_hashed_before_publishing_is_not_read_again_unless_it_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KnownDigests: a stage file hashed while the report ran is taken for its hard link in
+    the artifact; one changed since (its size or time) is read again, and verification never
+    takes a digest it did not read."""
+    from kiln.runtime.formats.artifact import KnownDigests
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "a.bin").write_bytes(b"a" * 100)
+    (stage / "b.bin").write_bytes(b"b" * 100)
+    known = KnownDigests()
+    known.add([stage / "a.bin", stage / "b.bin"])
+    (stage / "b.bin").write_bytes(b"c" * 101)  # changed after it was hashed
+    read: list[str] = []
+    real = artifact.sha256_file
+    monkeypatch.setattr(artifact, "sha256_file", lambda p: read.append(Path(p).name) or real(p))
+
+    manifest = artifact.Manifest(name="demo")
+    with artifact.assemble(tmp_path / "out", manifest, known=known) as staging:
+        for name in ("a.bin", "b.bin"):
+            os.link(stage / name, staging.dir / name)
+        (staging.dir / "new.bin").write_bytes(b"n")
+    assert sorted(read) == ["b.bin", "new.bin"]  # a.bin's digest was known
+    assert staging.path is not None and artifact.verify(staging.path) == []
+
+    os.utime(stage / "a.bin", ns=(1, 1))  # same size, another time: read again
+    assert known.get(stage / "a.bin") is None
+    read.clear()
+    assert artifact.verify(staging.path) == [] and "a.bin" in read

@@ -293,7 +293,7 @@ def _artifact_parts(
     # compiler/trtllm/deploy.py `_convert`: a compressed-tensors checkpoint the PyTorch backend
     # does not load is converted to ModelOpt's HF format for the artifact, unless it has zero
     # points (export/modelopt_hf.py refuses them at once); the model's is written beside the
-    # report (compiler/compile.py `PytorchAhead`), the report's log-probabilities on disk
+    # report (compiler/compile.py `PackageAhead`), the report's log-probabilities on disk
     fmt = _format(job)
     algo = scheme.trtllm_quant_algo
     converts = fmt == "compressed-tensors" and pytorch_problem(fmt, algo) is not None

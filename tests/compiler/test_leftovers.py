@@ -132,8 +132,8 @@ def test_the_sweep_removes_what_killed_stages_conversions_and_packaging_left(
     killed_inside(
         """
         from pathlib import Path
-        from kiln.compiler.compile import PytorchAhead
-        (PytorchAhead(Path("out"), "both").folder() / "model.safetensors").write_bytes(b"0")
+        from kiln.compiler.compile import PackageAhead
+        (PackageAhead(Path("out"), "both").folder() / "model.safetensors").write_bytes(b"0")
         die()
         """,
         tmp_path,

@@ -76,6 +76,7 @@ __all__ = [
     "ExportRecord",
     "FileEntry",
     "GateRecord",
+    "KnownDigests",
     "Manifest",
     "SchemeRecord",
     "SourceRecord",
@@ -124,17 +125,50 @@ def sha256_file(path: Path) -> str:
 HASH_THREADS = 8
 
 
-def sha256_each(paths: list[Path]) -> list[str]:
-    """`sha256_file` of each path, in order: several files at once on as many cores, and a
-    file reached by several hard links (an artifact stores identical files once) read once."""
+def sha256_each(paths: list[Path], known: KnownDigests | None = None) -> list[str]:
+    """`sha256_file` of each path, in order: several files at once on as many cores, a file
+    reached by several hard links (an artifact stores identical files once) read once, and
+    one `known` hashed unchanged (publishing only, never verifying) not read again."""
     from concurrent.futures import ThreadPoolExecutor
 
     inodes = [_identity(path) for path in paths]
     first = {inode: path for inode, path in zip(inodes, paths, strict=True)}
-    workers = max(1, min(HASH_THREADS, os.cpu_count() or 1, len(first)))
+    digests = {inode: known.get(path) if known else None for inode, path in first.items()}
+    todo = {inode: path for inode, path in first.items() if digests[inode] is None}
+    workers = max(1, min(HASH_THREADS, os.cpu_count() or 1, len(todo)))
     with ThreadPoolExecutor(workers, thread_name_prefix="kiln-sha256") as pool:
-        digests = dict(zip(first, pool.map(sha256_file, first.values()), strict=True))
-    return [digests[inode] for inode in inodes]
+        digests |= dict(zip(todo, pool.map(sha256_file, todo.values()), strict=True))
+    return [str(digests[inode]) for inode in inodes]
+
+
+class KnownDigests:
+    """The sha256 of files this process hashed, each while its (device, inode, size, mtime_ns)
+    held before and after: `kiln compile` hashes the stage files an artifact will hard-link
+    while its report runs, and publishing takes those for the links rather than reading every
+    file again. Only ever given where an artifact is published: a verification reads every
+    file (a changed byte need not change the file's times)."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int, int, int], str] = {}
+
+    def add(self, paths: list[Path]) -> None:
+        before = [_facts(path) for path in paths]
+        digests = sha256_each(paths)
+        for path, facts, digest in zip(paths, before, digests, strict=True):
+            if facts is not None and facts == _facts(path):
+                self._known[facts] = digest
+
+    def get(self, path: Path) -> str | None:
+        facts = _facts(path)
+        return None if facts is None else self._known.get(facts)
+
+
+def _facts(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _identity(path: Path) -> tuple[int, int] | Path:
@@ -158,10 +192,11 @@ def member_files(root: Path) -> list[str]:
     return sorted(rel for rel in files if rel != MANIFEST)
 
 
-def file_digests(root: Path) -> dict[str, FileEntry]:
-    """{relative path: (sha256, size)} for every regular file under root but the manifest."""
+def file_digests(root: Path, known: KnownDigests | None = None) -> dict[str, FileEntry]:
+    """{relative path: (sha256, size)} for every regular file under root but the manifest
+    (`known`: digests taken before, for publishing only)."""
     rels = member_files(root)
-    digests = sha256_each([root / rel for rel in rels])
+    digests = sha256_each([root / rel for rel in rels], known)
     return {
         rel: FileEntry(d, (root / rel).stat().st_size) for rel, d in zip(rels, digests, strict=True)
     }
@@ -386,8 +421,15 @@ def link_duplicates(root: Path, files: dict[str, FileEntry]) -> int:
 
 
 @contextmanager
-def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> Iterator[Staging]:
-    """Yield a hidden staging directory; on success hash it and rename it into place.
+def assemble(
+    parent: str | Path,
+    manifest: Manifest,
+    *,
+    stamp: bool = True,
+    known: KnownDigests | None = None,
+) -> Iterator[Staging]:
+    """Yield a hidden staging directory; on success hash it (`known`: digests of linked files
+    taken beforehand, see KnownDigests) and rename it into place.
 
     The caller fills `staging.dir`; `manifest.digest`, `files` and `created_at` are set here
     and `staging.path` receives the final directory. On any exception the staging directory
@@ -401,7 +443,7 @@ def assemble(parent: str | Path, manifest: Manifest, *, stamp: bool = True) -> I
     handle = Staging(dir=staging)
     try:
         yield handle
-        manifest.files = file_digests(staging)
+        manifest.files = file_digests(staging, known)
         link_duplicates(staging, manifest.files)
         manifest.digest = artifact_digest(manifest.files)
         if stamp:

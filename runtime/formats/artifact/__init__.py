@@ -145,8 +145,8 @@ class KnownDigests:
     """The sha256 of files this process hashed, each while its (device, inode, size, mtime_ns)
     held before and after: `kiln compile` hashes the stage files an artifact will hard-link
     while its report runs, and publishing takes those for the links rather than reading every
-    file again. Only ever given where an artifact is published: a verification reads every
-    file (a changed byte need not change the file's times)."""
+    file again. Only ever given where an artifact is published, never to a verification
+    (`--verify full` reads every file: a changed byte need not change the file's times)."""
 
     def __init__(self) -> None:
         self._known: dict[tuple[int, int, int, int], str] = {}

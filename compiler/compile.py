@@ -7,6 +7,7 @@ assembled in a hidden directory and renamed into place (runtime/formats/artifact
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -148,7 +149,10 @@ class PackageAhead:
             self.conversion = convert_ahead(build.model, fmt, algo, self.folder() / "hf")
         folders = [build.model, *(stage.path for stage in build.exports.values())]
         folders += [self.dir] if self.dir is not None else []
-        self.known.add(sorted(p for f in folders for p in f.rglob("*") if p.is_file()))
+        files = [p for f in folders for p in f.rglob("*") if p.is_file() and not p.is_symlink()]
+        # a file that cannot be read now is hashed when publishing, which says what is wrong
+        with contextlib.suppress(ArtifactError, OSError):
+            self.known.add(sorted(files))
 
     def folder(self) -> Path:
         """A new hidden folder to write the conversion in (removed by `remove`)."""

@@ -386,21 +386,23 @@ def quantization_report(
     floats = TensorFiles(float_dir)
     compared: dict[str, dict[str, Any]] = {}
     lock = threading.Lock()
-    partial: dict[str, tuple[Any, dict[int, tuple[float, float, int]]]] = {}
+    # name -> (float weight, {first row: (‖diff‖², ‖ref‖²)}, [rows heard])
+    partial: dict[str, tuple[Any, dict[int, tuple[float, float]], list[int]]] = {}
 
     def seen(name: str, start: int, rows: Any) -> None:
         if smoothing or name not in wanted or name in compared:
             return
         with lock:
             if name not in partial:
-                partial[name] = (floats.get(f"{name}.weight"), {})
-            full, blocks = partial[name]
+                partial[name] = (floats.get(f"{name}.weight"), {}, [0])
+            full, blocks, heard = partial[name]
         ref = full[start : start + len(rows)].to(rows.device, torch.float32).reshape(-1)
         diff = rows.reshape(-1) - ref
-        sums = (float(torch.dot(diff, diff)), float(torch.dot(ref, ref)), len(rows))
+        sums = (float(torch.dot(diff, diff)), float(torch.dot(ref, ref)))
         with lock:
             blocks[start] = sums
-            if sum(n for _, _, n in blocks.values()) < len(full):
+            heard[0] += len(rows)
+            if heard[0] < len(full):
                 return
             del partial[name]
         errors, norms = 0.0, 0.0

@@ -47,7 +47,7 @@ from kiln.compiler.disk.sizes import (
     report_bytes,
 )
 from kiln.compiler.disk.stage_cache import existing, leftover_bytes, packaged, stage_keys
-from kiln.compiler.pipeline import ModelJob
+from kiln.compiler.pipeline import REFERENCE_BESIDE_MIN_PARAMETERS, ModelJob
 from kiln.compiler.sources.materialize import used_in_place
 from kiln.compiler.stages import CACHE_DIR, StageCache
 from kiln.compiler.trtllm.build.plan import TRTLLM_LINE
@@ -256,9 +256,12 @@ def _stage_parts(
     offloads = offloads and BACKENDS[scheme.spec.backend].offloads_for(scheme.name)
     offload = offload_bytes(info, scheme, width) if offloads else 0
     logprobs = _report_logprobs(job)
+    # the report's float half is computed beside the quantiser only from a size on
+    # (compiler/pipeline.py `_reference_beside`); below it the report computes it itself
+    beside = logprobs if job.info.num_parameters >= REFERENCE_BESIDE_MIN_PARAMETERS else 0
     note = f"{scheme.label} checkpoint" + (", offloading while calibrating" if offload else "")
-    note += ", the report's float log-probabilities beside it" if logprobs else ""
-    out.append(part("quantize", _quantised_bytes(job), note, offload + logprobs))
+    note += ", the report's float log-probabilities beside it" if beside else ""
+    out.append(part("quantize", _quantised_bytes(job), note, offload + beside))
     if job.report is not None:
         note = "float log-probabilities while it runs" if logprobs else ""
         out.append(part("report", report_bytes(info), note, logprobs))
@@ -273,8 +276,9 @@ def _stage_parts(
 
 
 def _report_logprobs(job: ModelJob) -> int:
-    """The report's held-out tokens × vocabulary float32 log-probabilities on disk, computed
-    beside the quantiser (compiler/float_reference.py) and kept until the report has read them."""
+    """The report's held-out tokens × vocabulary float32 log-probabilities on disk while the
+    report runs: computed beside the quantiser (compiler/float_reference.py) and kept until the
+    report has read them, or computed by the report itself."""
     if job.report is None or job.imported:
         return 0
     return job.report.num_samples * job.report.max_seq_len * job.info.vocab_size * 4

@@ -12,7 +12,9 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from kiln.compiler.cli.main import main
@@ -71,6 +73,25 @@ def test_plan_itemises_each_stage_and_names_the_targets_an_export_serves(
     assert "for h100-sxm, l40s" in rows["export-tp2"]
     assert "ModelOpt HF conversion" in rows["trtllm/hf/"]
     assert "with the 5% margin" in rows["peak"] and rows["free:"].startswith("free: ")
+
+
+def test_the_float_half_is_counted_beside_the_quantiser_only_where_it_runs_there(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below compiler/pipeline.py's REFERENCE_BESIDE_MIN_PARAMETERS the report computes the
+    float log-probabilities itself: they are its scratch, not the quantise stage's."""
+    from kiln.compiler.disk import estimate as disk
+
+    def parts() -> dict[str, Any]:
+        return {p.name: p for p in estimate(recipe(tmp_path, tiny_llama), tmp_path / "out").parts}
+
+    small = parts()
+    assert "log-probabilities beside it" not in small["quantize"].note
+    assert small["report"].scratch > 0  # the report's own
+    monkeypatch.setattr(disk, "REFERENCE_BESIDE_MIN_PARAMETERS", 0)
+    large = parts()
+    assert "log-probabilities beside it" in large["quantize"].note
+    assert large["quantize"].scratch == small["quantize"].scratch + small["report"].scratch
 
 
 def test_plan_json_carries_the_estimate_beside_the_targets(

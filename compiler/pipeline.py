@@ -199,9 +199,16 @@ def build_model(
         check_coverage(job, out)
         return scheme.to_dict()
 
+    texts: list[list[str]] = []
+
+    def report_texts() -> list[str]:  # read once, for the float half and the report
+        if not texts:
+            texts.append(_report_texts(job, model_dir, needs_data))
+        return texts[0]
+
     reference = None
     if force or cache.lookup(job.stage("quantize"), quant_key) is None:  # it will calibrate
-        reference = _reference_beside(job, model_dir, quant_key, calib_inputs, needs_data,
+        reference = _reference_beside(job, model_dir, quant_key, calib_inputs, report_texts,
                                       cache, force)  # fmt: skip
     progress(f"{who}quantize: {job.scheme.name} with {job.scheme.spec.backend}")
     try:
@@ -237,7 +244,7 @@ def build_model(
                 if ready is not None:
                     said(f"{who}report: the float model's log-probabilities were computed "
                          "beside the quantisation; running the quantised model")  # fmt: skip
-                build.report = _report(build, report, calib_inputs, needs_data, cache, force,
+                build.report = _report(build, report, calib_inputs, report_texts, cache, force,
                                        said, ready)  # fmt: skip
         finally:
             if reference is not None:
@@ -335,7 +342,7 @@ def _reference_beside(
     model_dir: Path,
     quant_key: str,
     calib_inputs: dict[str, Any],
-    needs_data: bool,
+    report_texts: Callable[[], list[str]],
     cache: StageCache,
     force: bool,
 ) -> ReferenceRun | None:
@@ -350,8 +357,7 @@ def _reference_beside(
         return None
     from kiln.quant.layer_report import report_samples
 
-    texts = _report_texts(job, model_dir, needs_data)
-    samples = report_samples(model_dir, texts, job.report.max_seq_len)
+    samples = report_samples(model_dir, report_texts(), job.report.max_seq_len)
     parent = cache.stage_dir(job.stage("report"), key).parent
     return start_reference(model_dir, samples, parent, f".{key[:12]}-reference-")
 
@@ -360,7 +366,7 @@ def _report(
     build: ModelBuild,
     spec: CalibrationSpec,
     calib_inputs: dict[str, Any],
-    needs_data: bool,
+    report_texts: Callable[[], list[str]],
     cache: StageCache,
     force: bool,
     progress: Progress,
@@ -378,7 +384,7 @@ def _report(
             reason = "imported pre-quantised checkpoint: there is no float model to compare with"
             (out / REPORT_FILE).write_text(artifact.json_dumps({"skipped": reason}))
             return {"summary": {"skipped": reason}}
-        texts = _report_texts(job, build.source_model, needs_data)
+        texts = report_texts()
         smoothing = job.scheme.spec.method in SMOOTHING_METHODS
         report = quantization_report(build.source_model, build.model, texts,
                                      max_seq_len=spec.max_seq_len, smoothing=smoothing,

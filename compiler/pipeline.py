@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,8 @@ def build_model(
     """Run (or find cached) every stage of `job` up to its TensorRT-LLM exports;
     `after_exports(build, progress)` runs after them, beside the report as they do."""
     who = f"{job.role}: " if job.role else ""
+    needs_data = job.imported is None and job.scheme.needs_calibration
+    texts_ahead = _texts_ahead(job, needs_data)
     progress(f"{who}source: hashing and materialising {job.source.spec}")
     digest = sources.source_digest(job.source)
     source_key = input_key("source", digest)
@@ -181,7 +184,6 @@ def build_model(
     model_dir = src.path / src.record["model_dir"]
     stages = [src]
 
-    needs_data = job.imported is None and job.scheme.needs_calibration
     calib_inputs = calibration_inputs(job.calibration, needs_data)
     spec = dataclasses.asdict(job.scheme.spec)
     quant_key = input_key("quantize", digest, spec, calib_inputs, tools)
@@ -203,7 +205,8 @@ def build_model(
 
     def report_texts() -> list[str]:  # read once, for the float half and the report
         if not texts:
-            texts.append(_report_texts(job, model_dir, needs_data))
+            ahead = texts_ahead.result() if texts_ahead is not None else None
+            texts.append(ahead if ahead is not None else _report_texts(job, model_dir, needs_data))
         return texts[0]
 
     reference = None
@@ -335,6 +338,31 @@ def _report_texts(job: ModelJob, model_dir: Path, needs_data: bool) -> list[str]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     seen = calibration.load_texts(job.calibration, tokenizer) if needs_data else []
     return calibration.load_texts(job.report, tokenizer, exclude=seen)
+
+
+def _texts_ahead(job: ModelJob, needs_data: bool) -> Future[list[str] | None] | None:
+    """The report's held-out texts read on a thread of their own while the source is hashed
+    (tokenizer, data and transformers' import, ~3 s of one core, beside a hash of one core per
+    file), where the hash will read files, so the compile calibrates, hence reports, after
+    it; None where kiln knows the source's digest already or reads its texts elsewhere. The
+    future answers None where reading failed: the caller reads again and meets the error."""
+    if job.report is None or job.imported is not None or not sources.used_in_place(job.source):
+        return None
+    if sources.digest_known(job.source):
+        return None
+    model_dir = job.source.path
+
+    def read() -> list[str] | None:
+        try:
+            return _report_texts(job, model_dir, needs_data)
+        except Exception:  # raised again, where it was before, by the caller's own read
+            return None
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-texts")
+    try:
+        return pool.submit(read)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _reference_beside(

@@ -179,6 +179,25 @@ def test_files_are_hashed_together_each_as_alone(tmp_path: Path) -> None:
     assert sha256_each([]) == []
 
 
+def test_a_file_is_hashed_alike_in_any_number_of_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sha256_file reads a file in pieces into one buffer (large ones, so hashing beside a
+    Python-busy thread is not held up each piece by the GIL): any piece size gives the file's
+    sha256, an empty file included."""
+    import hashlib
+
+    from kiln.runtime.formats import artifact as module
+
+    data = bytes(range(256)) * 41 + b"tail"
+    (tmp_path / "f.bin").write_bytes(data)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    for piece in (7, 256, len(data), 1 << 25):
+        monkeypatch.setattr(module, "_CHUNK", piece)
+        assert module.sha256_file(tmp_path / "f.bin") == hashlib.sha256(data).hexdigest()
+        assert module.sha256_file(tmp_path / "empty.bin") == hashlib.sha256(b"").hexdigest()
+
+
 def test_a_file_hashed_before_publishing_is_not_read_again_unless_it_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

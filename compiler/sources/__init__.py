@@ -15,8 +15,18 @@ such conversions in a content-addressed cache of their own, for tools outside a 
 hashes and GGUF metadata are remembered per user in $XDG_CACHE_HOME/kiln/ (sidecar.py).
 """
 
-from kiln.compiler.sources.digest import CHECKPOINT_FILES, checkpoint_files, source_digest
-from kiln.compiler.sources.materialize import PROVENANCE_FILE, float_checkpoint, materialize
+from kiln.compiler.sources.digest import (
+    CHECKPOINT_FILES,
+    checkpoint_files,
+    digest_known,
+    source_digest,
+)
+from kiln.compiler.sources.materialize import (
+    PROVENANCE_FILE,
+    float_checkpoint,
+    materialize,
+    used_in_place,
+)
 from kiln.compiler.sources.metadata import (
     CAUSAL_LM_CLASSES,
     check_architecture,
@@ -48,11 +58,13 @@ __all__ = [
     "SourceRef",
     "check_architecture",
     "checkpoint_files",
+    "digest_known",
     "float_checkpoint",
     "hub_cache_dir",
     "inspect_source",
     "materialize",
     "parse_source",
     "source_digest",
+    "used_in_place",
     "weight_problems",
 ]

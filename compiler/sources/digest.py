@@ -53,6 +53,19 @@ def source_digest(ref: SourceRef) -> str:
     return content_digest({rel: digests[ref.path / rel] for rel in files})
 
 
+def digest_known(ref: SourceRef) -> bool:
+    """Whether `source_digest(ref)` will answer from the sidecar, without reading a file."""
+    if ref.kind in (GGUF, BUILTIN):
+        paths = [ref.path]
+    else:
+        paths = [ref.path / rel for rel in checkpoint_files(ref.path)]
+    known = FileFacts(DIGEST_SIDECAR)
+    try:
+        return bool(paths) and all(known.get(path) is not None for path in paths)
+    except OSError:
+        return False  # source_digest names what cannot be read
+
+
 def checkpoint_files(root: Path) -> list[str]:
     """The config, weight and tokenizer files of a checkpoint directory, sorted."""
     names = {p.name for pattern in CHECKPOINT_FILES for p in root.glob(pattern) if p.is_file()}

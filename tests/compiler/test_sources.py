@@ -451,6 +451,22 @@ def test_digest_sidecar_is_trusted_only_while_size_and_mtime_hold(
     assert sources.source_digest(ref) != first
 
 
+def test_digest_known_says_whether_the_sidecar_answers_without_reading(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A compile reads its report's texts beside the source's hash only where the hash reads
+    files: `digest_known` is false for a source not hashed yet or changed since."""
+    model = copy_checkpoint(tiny_llama, tmp_path / "model")
+    ref = sources.parse_source(str(model), base_dir=tmp_path)
+    assert not sources.digest_known(ref)
+    sources.source_digest(ref)
+    assert sources.digest_known(ref)
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert not sources.digest_known(ref)
+
+
 def test_gguf_digest_is_the_files_own_sha256(tiny_gguf: Path) -> None:
     ref = sources.parse_source(str(tiny_gguf), base_dir=tiny_gguf.parent)
     assert sources.source_digest(ref) == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()

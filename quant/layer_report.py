@@ -134,6 +134,7 @@ def layer_weight_errors(
     `progress` hears "layers' weights compared (done/total)" after each."""
     import torch
 
+    from kiln.runtime.base.heap import trim_freed
     from kiln.runtime.formats.checkpoint import TensorFiles, open_checkpoint
     from kiln.runtime.formats.weights import effective_weight
 
@@ -153,6 +154,8 @@ def layer_weight_errors(
             float_state[f"{name}.weight"] = floats.get(f"{name}.weight").to(torch.float32)
         weights = {n: effective_weight(ckpt.served_linear(n), torch.float32) for n in group}
         out += weight_errors(float_state, quant_state, weights, smoothing)
+        del float_state, quant_state, weights
+        trim_freed()
         progress(f"layers' weights compared ({done}/{len(groups)})")
     return out
 
@@ -362,10 +365,10 @@ def quantization_report(
     import torch
 
     from kiln.quant.streamed_model import float_model
-    from kiln.runtime.base.heap import return_large_frees
+    from kiln.runtime.base.heap import reuse_within_layers
     from kiln.runtime.formats.checkpoint import TensorFiles
 
-    return_large_frees()  # modules are loaded and freed one after another
+    reuse_within_layers()  # modules are loaded and freed one after another, layer by layer
     float_dir, quant_dir = Path(float_dir), Path(quant_dir)
     device = report_device()
     samples = report_samples(float_dir, texts, max_seq_len)

@@ -37,9 +37,9 @@ def compute(float_dir: Path, out_dir: Path) -> Path:
     """The float reference of DIR/samples.json's token ids, written into `out_dir`."""
     from kiln.quant.layer_report import float_reference, report_device, report_dtype
     from kiln.quant.streamed_model import float_model
-    from kiln.runtime.base.heap import return_large_frees
+    from kiln.runtime.base.heap import reuse_within_layers
 
-    return_large_frees()  # modules are loaded and freed one after another
+    reuse_within_layers()  # modules are loaded and freed one after another, layer by layer
     samples = json.loads((Path(out_dir) / SAMPLES_FILE).read_text())
     device = report_device()
     model = float_model(Path(float_dir), device, report_dtype(Path(float_dir)))

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.base.heap import trim_freed
 from kiln.runtime.formats import nvfp4
 from kiln.runtime.formats.checkpoint import Checkpoint, TensorFiles, open_checkpoint
 from kiln.runtime.formats.model_info import ModelInfo
@@ -196,15 +197,25 @@ def streamed_model(
 
         module.register_forward_pre_hook(onload)
         module.register_forward_hook(release)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers if isinstance(layers, torch.nn.ModuleList) else ():
+        layer.register_forward_hook(_trim_after)  # a layer's tensors, freed: back to the system
     return model.eval()
+
+
+def _trim_after(module: torch.nn.Module, args: Any, output: Any) -> None:
+    trim_freed()
 
 
 # -- what the checkpoint records about activations and the KV cache -----------------------
 
 
 def fake_quant_fp8(x: Any, scale: Any) -> Any:
-    """Round x to float8_e4m3fn with a per-tensor scale and back."""
-    return fp8_as((x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), x.dtype) * scale
+    """Round x to float8_e4m3fn with a per-tensor scale and back (the temporaries changed in
+    place: the report runs this on every quantised linear's input)."""
+    scaled = x / scale
+    scaled.clamp_(-448.0, 448.0)
+    return fp8_as(scaled.to(torch.float8_e4m3fn), x.dtype).mul_(scale)
 
 
 def fake_quant_int8(x: Any, scale: Any) -> Any:

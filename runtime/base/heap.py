@@ -7,27 +7,69 @@ heap, fragmented, and counted in its RSS: a 16-layer model's report peaked 350 M
 2-layer one's of the same shape. A fixed 1 MiB threshold gives every tensor of that size its own
 mapping, returned whole when freed (measured: the two peaks within 40 MB). Small allocations,
 where the heap is faster, are unchanged. Hand-written: no library exposes glibc's mallopt.
+
+That threshold costs a page fault for every 4 KiB of every tensor, each time one is made: the
+1.17B report took ~1.4 million faults, a third of its CPU time in the kernel. Where a model is
+streamed a layer at a time and the layers' tensors repeat in size (the report, its float half,
+the exports), `reuse_within_layers` lets the heap keep tensors up to 32 MiB for reuse, and
+`trim_freed` after each layer hands what the heap holds free back to the system: the same
+report took ~0.3 million faults and ~25% less time, peaking 150 MB higher (a layer's tensors).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 M_MMAP_THRESHOLD = -3
+M_TRIM_THRESHOLD = -1
 THRESHOLD = 1 << 20
+REUSED = 32 << 20  # glibc's own ceiling for the threshold it raises as large blocks are freed
+TRIMMED_BY_CALLER = (1 << 31) - 1  # the heap's top goes back by `trim_freed`, not on each free
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is found (its lookup runs ldconfig: once)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        return None if name is None else ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def reuse_within_layers() -> bool:
+    """Serve allocations below REUSED bytes from the heap, kept for reuse when freed until
+    `trim_freed` (glibc only); whether the setting took. For a process that streams a model
+    and calls `trim_freed` after each layer."""
+    libc = _glibc()
+    try:
+        return libc is not None and bool(
+            libc.mallopt(M_MMAP_THRESHOLD, REUSED)
+            and libc.mallopt(M_TRIM_THRESHOLD, TRIMMED_BY_CALLER)
+        )
+    except AttributeError:
+        return False  # not glibc (musl has no mallopt)
+
+
+def trim_freed() -> None:
+    """Hand the free memory of every heap back to the system (glibc's malloc_trim): what a
+    finished layer's tensors held."""
+    libc = _glibc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def return_large_frees() -> bool:
     """Make allocations of THRESHOLD bytes or more mappings of their own (glibc only); whether
     the setting took."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
+    libc = _glibc()
     try:
-        return bool(ctypes.CDLL(name).mallopt(M_MMAP_THRESHOLD, THRESHOLD))
-    except (OSError, AttributeError):
+        return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
+    except AttributeError:
         return False  # not glibc (musl has no mallopt)

@@ -38,6 +38,8 @@ from types import TracebackType
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
+from kiln.runtime.base.heap import trim_freed
+
 # safetensors' name of each torch dtype it stores, in the order save_file lays the data out
 # (its Rust `Dtype` enum, largest first: `prepare` sorts by dtype descending, then by name).
 DTYPES: dict[torch.dtype, str] = {
@@ -171,10 +173,28 @@ def _pwrite(fd: int, data: memoryview, offset: int) -> None:
 Tensors = Iterable[tuple[str, str, torch.Tensor]]  # (file, tensor name, tensor)
 
 
+# Tensor bytes passed through between handing the heap's free memory back (runtime/base/heap
+# `trim_freed`): about a decoder layer of a large model.
+TRIM_BYTES = 256 << 20
+
+
+def _trimming(tensors: Tensors) -> Tensors:
+    """`tensors`, the heap trimmed after each TRIM_BYTES of them (producers read and convert a
+    layer at a time under `reuse_within_layers`)."""
+    passed = 0
+    for file, name, tensor in tensors:
+        passed += tensor.numel() * tensor.element_size()
+        yield file, name, tensor
+        del tensor
+        if passed >= TRIM_BYTES:
+            trim_freed()
+            passed = 0
+
+
 def plan(tensors: Tensors) -> dict[str, dict[str, TensorSpec]]:
     """file → {name: spec} of what `tensors` yields, keeping no tensor (the first pass)."""
     specs: dict[str, dict[str, TensorSpec]] = {}
-    for file, name, tensor in tensors:
+    for file, name, tensor in _trimming(tensors):
         found = specs.setdefault(file, {})
         if name in found:
             raise ValueError(f"{file}: tensor {name} is yielded twice")
@@ -198,7 +218,7 @@ def write_files(
             file: stack.enter_context(SafetensorsWriter(Path(out_dir) / file, found, metadata))
             for file, found in specs.items()
         }
-        for file, name, tensor in produce():
+        for file, name, tensor in _trimming(produce()):
             if file not in writers:
                 raise ValueError(f"{out_dir}: file {file} was not planned")
             writers[file].write(name, tensor)

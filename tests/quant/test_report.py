@@ -194,3 +194,18 @@ def test_a_reference_of_other_text_is_not_used(
                               progress=heard.append, reference=tmp_path)  # fmt: skip
     assert got == quantization_report(tiny_llama, checkpoint, texts, max_seq_len=96)
     assert any("computed on other samples" in m and "computing them now" in m for m in heard)
+
+
+def test_a_large_tensor_of_fp8_codes_is_decoded_in_pieces_alike() -> None:
+    """fp8_as splits a tensor of more codes than one piece over the cores; every piece decodes
+    as torch converts it, in the tensor's shape."""
+    import torch
+
+    from kiln.runtime.formats import weights
+
+    codes = torch.randint(0, 256, (3, weights._TABLE_PIECE + 12345), dtype=torch.uint8)
+    codes = codes.view(torch.float8_e4m3fn)
+    for want, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        got = weights.fp8_as(codes, want)
+        assert got.shape == codes.shape
+        assert torch.equal(got.view(bits), codes.to(want).view(bits))

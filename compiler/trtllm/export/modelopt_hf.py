@@ -49,7 +49,7 @@ from kiln.compiler.trtllm.rules.pytorch import (
     hf_linears,
 )
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.base.heap import return_large_frees
+from kiln.runtime.base.heap import reuse_within_layers
 from kiln.runtime.base.versions import kiln_version
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
@@ -163,7 +163,7 @@ def convert_to_modelopt_hf(
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         return _tensors(ckpt, quantised, algo, kv_algo is not None, ones_dtype)
 
-    return_large_frees()  # layers are read and freed one after another
+    reuse_within_layers()  # layers are read and freed one after another (the writer trims)
     _write(Path(model_dir), Path(out_dir), config, section, tensors, max_shard_bytes)
     return section
 

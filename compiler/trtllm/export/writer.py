@@ -50,7 +50,7 @@ from kiln.compiler.trtllm.rules.exclusions import (
     rowwise_exclude_modules,
 )
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.base.heap import return_large_frees
+from kiln.runtime.base.heap import reuse_within_layers
 from kiln.runtime.formats.safetensors_writer import write_files
 from kiln.runtime.formats.weights import LinearWeights
 
@@ -129,7 +129,7 @@ def export_checkpoint(
         exclude = exclude_modules(excluded, algo, lm_head_quantised=quantised_head)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return_large_frees()  # layers are read and freed one after another
+    reuse_within_layers()  # layers are read and freed one after another (the writer trims)
     walk = _Walk(src, algo, tp, DTYPES[dtype], pre_quant)
     files = write_files(out_dir, walk.tensors)
     notes += walk.notes

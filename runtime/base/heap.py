@@ -1,4 +1,5 @@
-"""Freed memory back to the system as soon as it is freed, for the stages that stream a model.
+"""Freed memory back to the system, for the stages that stream a model: each large tensor's as
+soon as it is freed (calibration), or a layer's after the layer (the report, the exports).
 
 glibc serves an allocation from its heap unless it is larger than its mmap threshold, and it
 raises that threshold (up to 32 MiB) each time a large block is freed, so a process that

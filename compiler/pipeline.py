@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler import sources
-from kiln.compiler.float_reference import ReferenceRun, start_reference
+from kiln.compiler.float_reference import (
+    ReferenceProcess,
+    ReferenceRun,
+    start_process,
+    start_reference,
+)
 from kiln.compiler.stages import StageCache, StageResult, input_key
 from kiln.compiler.trtllm.deploy import checkpoint_dir, export_for
 from kiln.quant import calibration
@@ -168,8 +173,14 @@ def build_model(
     who = f"{job.role}: " if job.role else ""
     needs_data = job.imported is None and job.scheme.needs_calibration
     texts_ahead = _texts_ahead(job, needs_data)
-    progress(f"{who}source: hashing and materialising {job.source.spec}")
-    digest = sources.source_digest(job.source)
+    early = _reference_early(job, texts_ahead is not None)
+    try:
+        progress(f"{who}source: hashing and materialising {job.source.spec}")
+        digest = sources.source_digest(job.source)
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
     source_key = input_key("source", digest)
 
     def run_source(out: Path) -> dict[str, Any]:
@@ -178,9 +189,14 @@ def build_model(
         # this returns); absolute when the source is used in place.
         return {"model_dir": str(model.relative_to(out) if model.is_relative_to(out) else model)}
 
-    src = cache.run(job.stage("source"), source_key, run_source, force)
-    if not (src.path / src.record["model_dir"]).is_dir():  # deleted by hand: redo it
-        src = cache.run(job.stage("source"), source_key, run_source, True)
+    try:
+        src = cache.run(job.stage("source"), source_key, run_source, force)
+        if not (src.path / src.record["model_dir"]).is_dir():  # deleted by hand: redo it
+            src = cache.run(job.stage("source"), source_key, run_source, True)
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
     model_dir = src.path / src.record["model_dir"]
     stages = [src]
 
@@ -212,7 +228,9 @@ def build_model(
     reference = None
     if force or cache.lookup(job.stage("quantize"), quant_key) is None:  # it will calibrate
         reference = _reference_beside(job, model_dir, quant_key, calib_inputs, report_texts,
-                                      cache, force)  # fmt: skip
+                                      cache, force, early)  # fmt: skip
+    elif early is not None:
+        early.stop()
     progress(f"{who}quantize: {job.scheme.name} with {job.scheme.spec.backend}")
     try:
         quantized = cache.run(job.stage("quantize"), quant_key, run_quantize, force)
@@ -373,21 +391,52 @@ def _reference_beside(
     report_texts: Callable[[], list[str]],
     cache: StageCache,
     force: bool,
+    early: ReferenceProcess | None = None,
 ) -> ReferenceRun | None:
     """The report's float log-probabilities started beside the quantisation (compiler/
-    float_reference.py), where the report will run and has a float model to compare with."""
-    if job.report is None or job.imported is not None:
-        return None
-    if job.info.num_parameters < REFERENCE_BESIDE_MIN_PARAMETERS:
-        return None  # its forward costs less than starting a process for it
-    key = _report_key(quant_key, calib_inputs, job.report)
-    if not force and cache.lookup(job.stage("report"), key) is not None:
-        return None
-    from kiln.quant.layer_report import report_samples
+    float_reference.py), where the report will run and has a float model to compare with:
+    handed to `early` (the process started while the source was hashed) where there is one,
+    which is stopped where they are not needed."""
+    report = job.report
+    try:
+        key = _report_key(quant_key, calib_inputs, report) if report is not None else ""
+        if (
+            report is None
+            or not _reference_wanted(job)
+            or (not force and cache.lookup(job.stage("report"), key) is not None)
+        ):
+            if early is not None:
+                early.stop()
+            return None
+        from kiln.quant.layer_report import report_samples
 
-    samples = report_samples(model_dir, report_texts(), job.report.max_seq_len)
-    parent = cache.stage_dir(job.stage("report"), key).parent
-    return start_reference(model_dir, samples, parent, f".{key[:12]}-reference-")
+        samples = report_samples(model_dir, report_texts(), report.max_seq_len)
+        parent = cache.stage_dir(job.stage("report"), key).parent
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
+    prefix = f".{key[:12]}-reference-"
+    if early is None:
+        return start_reference(model_dir, samples, parent, prefix)
+    return early.start(model_dir, samples, parent, prefix)
+
+
+def _reference_wanted(job: ModelJob) -> bool:
+    """Whether the report's float half runs beside the quantiser, if the report runs."""
+    if job.report is None or job.imported is not None:
+        return False
+    return job.info.num_parameters >= REFERENCE_BESIDE_MIN_PARAMETERS  # else the report's
+
+
+def _reference_early(job: ModelJob, new_source: bool) -> ReferenceProcess | None:
+    """The float half's process, started while a new source is hashed (where the compile
+    will calibrate, unless a stage cache holds the same source under another path), so its
+    imports use the core the hash leaves idle; None where it would not run or the source's
+    digest is known (the quantiser starts at once: the process is started then)."""
+    if not new_source or not _reference_wanted(job):
+        return None
+    return start_process()
 
 
 def _report(

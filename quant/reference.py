@@ -1,12 +1,17 @@
-"""`python -m kiln.quant.reference FLOAT_DIR DIR PARENT_PID`: the report's float
-log-probabilities of the token ids in DIR/samples.json, written into DIR
-(quant/layer_report.py `float_reference`).
+"""`python -m kiln.quant.reference PARENT_PID`: the report's float log-probabilities
+(quant/layer_report.py `float_reference`), computed in a process of its own.
 
-`kiln compile` starts it beside the quantisation (compiler/pipeline.py): the float model's half
-of the report depends only on the source and the held-out text, so it runs while the quantiser
-calibrates, in a process of its own, sharing none of the libraries' process-wide state (the
-tracing and initialisation patches a quantiser applies while it works); the report then runs
-only the quantised model. It ends when PARENT_PID (the compile) does, however that ends.
+`kiln compile` starts it beside the quantisation (compiler/float_reference.py): the float
+model's half of the report depends only on the source and the held-out text, so it runs while
+the quantiser calibrates, sharing none of the libraries' process-wide state (the tracing and
+initialisation patches a quantiser applies while it works); the report then runs only the
+quantised model. The process first imports what the float model needs (torch, transformers and
+its model classes: ~3 s of one core), then reads its job from stdin, one JSON line
+{"float_dir": FLOAT_DIR, "out_dir": DIR}, and writes the log-probabilities of the token ids in
+DIR/samples.json into DIR. So the compile starts it while the source is still being hashed,
+when a core is often idle, before it knows whether the float half will be needed: stdin closed
+without a job ends it at once, with nothing done. It ends when PARENT_PID (the compile) does,
+however that ends.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ def _end_with(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="kiln-parent-watch").start()
 
 
+def prepare() -> None:
+    """Import what computing the reference needs, before the job is known."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401 (the model classes)
+
+    import kiln.quant.layer_report
+    import kiln.quant.streamed_model  # noqa: F401
+
+
 def compute(float_dir: Path, out_dir: Path) -> Path:
     """The float reference of DIR/samples.json's token ids, written into `out_dir`."""
     from kiln.quant.layer_report import float_reference, report_device, report_dtype
@@ -46,6 +59,16 @@ def compute(float_dir: Path, out_dir: Path) -> Path:
     return float_reference(model, samples, Path(out_dir), device)
 
 
+def main(parent: int) -> int:
+    _end_with(parent)
+    prepare()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # not needed after all
+    job = json.loads(line)
+    compute(Path(job["float_dir"]), Path(job["out_dir"]))
+    return 0
+
+
 if __name__ == "__main__":
-    _end_with(int(sys.argv[3]))
-    compute(Path(sys.argv[1]), Path(sys.argv[2]))
+    sys.exit(main(int(sys.argv[1])))

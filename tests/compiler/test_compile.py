@@ -95,9 +95,18 @@ def test_the_float_reference_made_beside_the_quantisation_leaves_nothing(
     from kiln.compiler import pipeline
 
     monkeypatch.setattr(pipeline, "REFERENCE_BESIDE_MIN_PARAMETERS", 0)
-    recipe = recipe_file(tmp_path, tiny_llama)
+    started: list[str] = []
+    for name in ("start_process", "start_reference"):  # which way the process was started
+        real = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda *a, real=real, name=name: (
+            started.append(name), real(*a))[1])  # fmt: skip
+    import shutil
+
+    source = shutil.copytree(tiny_llama, tmp_path / "source")  # a new source: hashed first
+    recipe = recipe_file(tmp_path, source)
     code, stdout, stderr = kiln("compile", str(recipe), "--json")
     assert code == 0, stderr
+    assert started == ["start_process"]  # while the new source was hashed, then its job handed
     assert "log-probabilities were computed beside the quantisation" in stderr
     assert "computing them now" not in stderr and "the report computes them" not in stderr
     report = json.loads((Path(json.loads(stdout)["artifact"]) / artifact.QUANT_REPORT).read_text())

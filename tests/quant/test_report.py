@@ -165,8 +165,9 @@ def test_a_reference_made_in_its_own_process_gives_the_same_report(
     texts = load_texts(HELD_OUT)
     checkpoint = quantised("llmcompressor-fp8-kv_fp8")[0]
     (tmp_path / SAMPLES_FILE).write_text(json.dumps(report_samples(tiny_llama, texts, 96)))
-    subprocess.run([sys.executable, "-m", "kiln.quant.reference", str(tiny_llama), str(tmp_path),
-                    str(os.getpid())], check=True, timeout=300)  # fmt: skip
+    job = json.dumps({"float_dir": str(tiny_llama), "out_dir": str(tmp_path)}) + "\n"
+    subprocess.run([sys.executable, "-m", "kiln.quant.reference", str(os.getpid())],
+                   input=job.encode(), check=True, timeout=300)  # fmt: skip
     heard: list[str] = []
     alone = quantization_report(tiny_llama, checkpoint, texts, max_seq_len=96)
     beside = quantization_report(tiny_llama, checkpoint, texts, max_seq_len=96,

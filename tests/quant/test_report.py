@@ -197,6 +197,23 @@ def test_a_reference_of_other_text_is_not_used(
     assert any("computed on other samples" in m and "computing them now" in m for m in heard)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_fp8_codes_decoded_two_at_a_time_are_torchs_conversion(dtype: str) -> None:
+    """Every pair of codes, in either order, through the table of pairs; an odd count's last
+    code and a tensor starting at an odd byte too."""
+    import torch
+
+    from kiln.runtime.formats.weights import fp8_as
+
+    want = getattr(torch, dtype)
+    bits = torch.int32 if want == torch.float32 else torch.int16
+    every = torch.arange(1 << 16, dtype=torch.int32)
+    pairs = torch.stack([every & 0xFF, every >> 8], dim=1).to(torch.uint8).reshape(-1)
+    for codes in (pairs, pairs[:257], pairs[1:], pairs[1:258]):  # even, odd, odd offsets
+        fp8 = codes.view(torch.float8_e4m3fn)
+        assert torch.equal(fp8_as(fp8, want).view(bits), fp8.to(want).view(bits))
+
+
 def test_a_large_tensor_of_fp8_codes_is_decoded_in_pieces_alike() -> None:
     """fp8_as splits a tensor of more codes than one piece over the cores; every piece decodes
     as torch converts it, in the tensor's shape."""

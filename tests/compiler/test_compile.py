@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -96,10 +97,18 @@ def test_the_float_reference_made_beside_the_quantisation_leaves_nothing(
 
     monkeypatch.setattr(pipeline, "REFERENCE_BESIDE_MIN_PARAMETERS", 0)
     started: list[str] = []
-    for name in ("start_process", "start_reference"):  # which way the process was started
+
+    def counted(name: str) -> Any:
         real = getattr(pipeline, name)
-        monkeypatch.setattr(pipeline, name, lambda *a, real=real, name=name: (
-            started.append(name), real(*a))[1])  # fmt: skip
+
+        def start(*args: Any) -> Any:
+            started.append(name)
+            return real(*args)
+
+        return start
+
+    for name in ("start_process", "start_reference"):  # which way the process was started
+        monkeypatch.setattr(pipeline, name, counted(name))
     import shutil
 
     source = shutil.copytree(tiny_llama, tmp_path / "source")  # a new source: hashed first

@@ -46,6 +46,46 @@ def test_int8_codes_requantised_to_a_shared_scale_round_to_nearest():
     assert fused.scale is not None and torch.all(fused.scale == 1.0)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_requantised_a_block_of_rows_at_a_time_as_whole(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused codes and the change noted are those of re-expressing each weight whole."""
+    from kiln.compiler.trtllm.export import linears
+    from kiln.runtime.formats.weights import as_float32, dequantize
+
+    torch.manual_seed(7)
+    fp8 = kind == "fp8"
+    scheme = WeightScheme(type="float" if fp8 else "int", num_bits=8, strategy="tensor")
+
+    def part(rows: int, scale: float) -> LinearWeights:
+        values = torch.randn(rows, 48) * (60 if fp8 else 40)
+        if fp8:
+            codes = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+        else:
+            codes = values.round().clamp(-128, 127).to(torch.int8)
+        return LinearWeights(scheme, codes, torch.full((rows, 1), scale))
+
+    parts = [part(37, 0.9), part(5, 1.7), part(11, 0.25)]
+    scale = torch.tensor(1.7)
+    monkeypatch.setattr(linears, "ROW_BLOCK_BYTES", 4 * 48 * 4)  # blocks of 4 rows
+    bits = torch.uint8 if fp8 else torch.int8
+    for p in parts[::2]:
+        assert p.scale is not None
+        codes, change = linears.at_scale(p, scale)
+        whole = linears.requantize(p.weight, p.scale / scale)  # the weight at once
+        before, after = dequantize(p, torch.float32), as_float32(whole) * scale
+        expected = float((before - after).abs().max() / before.abs().max())
+        assert codes.dtype == p.weight.dtype
+        assert torch.equal(codes.view(bits), whole.view(bits))
+        assert change == expected and change > 0
+    notes: list[str] = []
+    fused = fuse_linears(parts, "FP8" if fp8 else "W8A8", notes, "qkv")
+    assert fused.weight.shape == (53, 48)
+    assert fused.scale is not None and bool((fused.scale == scale).all())
+    assert len(notes) == 1 and "re-quantised to one" in notes[0]
+
+
 def test_kiln_validate_refuses_group_32_for_tensorrt_llm_int4(tmp_path: Path, tiny_llama: Path):
     recipe = recipe_file(tmp_path, tiny_llama, method="awq", extra="targets: [h100-sxm]\n")
     recipe.write_text(recipe.read_text().replace("group_size: 64", "group_size: 32"))

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 from kiln.compiler.cli.console import (
+    OPENMP_WAIT,
     TUNABLE,
+    passive_openmp,
     started_as_kiln,
     streams_models,
     thp_mode,
@@ -76,3 +78,32 @@ def test_only_the_commands_that_stream_models_ask_for_huge_pages() -> None:
     assert streams_models(["compile", "r.yaml"]) and streams_models(["--debug", "search", "r"])
     assert not streams_models(["serve", "registry://staging"])
     assert not streams_models(["--version"]) and not streams_models([])
+
+
+def test_openmp_threads_sleep_when_idle_unless_the_user_chose() -> None:
+    environ: dict[str, str] = {}
+    assert passive_openmp(environ) and environ == {OPENMP_WAIT: "PASSIVE"}
+    mine = {OPENMP_WAIT: "ACTIVE"}
+    assert not passive_openmp(mine) and mine == {OPENMP_WAIT: "ACTIVE"}
+
+
+def test_a_compile_and_what_it_starts_see_the_wait_policy() -> None:
+    """Set by the entry point for `compile` before torch is imported, so the process's
+    OpenMP and every process it starts (the report's float half) read it."""
+    show = (
+        "import os, sys; sys.argv = ['kiln', 'compile', '--help']; "
+        "from kiln.compiler.cli import console; "
+        "console.started_as_kiln = lambda *a: True; console.with_huge_pages = lambda: None; "
+        "real = console.passive_openmp; seen = []; "
+        "console.passive_openmp = lambda env: seen.append('torch' in sys.modules) or real(env)\n"
+        "try:\n    console.run()\nexcept SystemExit:\n    pass\n"
+        "print(*seen, os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != OPENMP_WAIT}
+    done = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].split() == ["False", "PASSIVE"]  # after its help
+    mine = subprocess.run([sys.executable, "-c", show], env={**env, OPENMP_WAIT: "ACTIVE"},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert mine.stdout.splitlines()[-1].split() == ["False", "ACTIVE"]

@@ -131,11 +131,14 @@ def covers(*given: Any, **named: Any) -> bool:
 
 def register() -> None:
     """Make compressed-tensors round FP8 weights with `round_fp8_cpu` where it covers the call
-    (once per process; after the library's own backends, which need a GPU)."""
+    (once per process; after the library's own backends, which need a GPU). A
+    compressed-tensors without that registry keeps its own rounding."""
     with _registered:
         if _done:
             return
-        from compressed_tensors.utils.impl_backend import ImplBackend
-
+        try:
+            from compressed_tensors.utils.impl_backend import ImplBackend
+        except ImportError:
+            return
         ImplBackend.register("_quantize", covers, priority=1)(round_fp8_cpu)
         _done.append(True)

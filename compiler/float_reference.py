@@ -73,10 +73,10 @@ class ReferenceProcess:
     ) -> ReferenceRun:
         """Hand it the float reference of `samples` on the float checkpoint `model_dir`, to be
         written into a new hidden folder `parent`/`prefix`…`.partial`."""
-        parent.mkdir(parents=True, exist_ok=True)
         try:
+            parent.mkdir(parents=True, exist_ok=True)
             where = Path(tempfile.mkdtemp(prefix=prefix, suffix=PARTIAL, dir=parent))
-        except BaseException:
+        except BaseException:  # no folder to hand: the process ends here
             self.stop()
             raise
         run = ReferenceRun(where, self.proc, self.log)

@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from kiln.compiler.float_reference import start_process
 from kiln.quant.reference import SAMPLES_FILE
 
@@ -67,3 +69,14 @@ def test_a_job_for_a_process_that_ended_is_reported_not_raised(tmp_path: Path) -
     finally:
         run.stop()
     assert said and "failed (exit" in said[0]
+
+
+def test_a_folder_that_cannot_be_made_ends_the_process(tmp_path: Path) -> None:
+    """The report stage's folder cannot be made (a file stands where it would be): the error
+    is raised, and the process waiting for its job does not outlive it."""
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    process = start_process()
+    with pytest.raises(OSError):
+        process.start(tmp_path / "model", [[1, 2]], blocked / "report", ".key-reference-")
+    assert process.proc.returncode is not None and process.log.closed

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.base.heap import trim_freed
+from kiln.runtime.base.heap import GrowthTrim
 from kiln.runtime.formats import nvfp4
 from kiln.runtime.formats.checkpoint import Checkpoint, TensorFiles, open_checkpoint
 from kiln.runtime.formats.model_info import ModelInfo
@@ -90,6 +90,7 @@ WeightSeen = Callable[[str, int, torch.Tensor], None]
 # and comparing nine of a 1.17B model's weights on two Xeon cores: 2.5-2.6 ns a weight with
 # 512 KiB blocks, 1.7 with 2 MiB, 2.3 with 4 MiB, 2.7 with 8 MiB.
 ROW_BLOCK_BYTES = 1 << 21
+TRIM_SLACK = 256 << 20  # the least growth at which a streamed model hands freed memory back
 
 
 def decoded(
@@ -240,8 +241,13 @@ def streamed_model(
         module.register_forward_hook(release)
     layers = getattr(getattr(model, "model", None), "layers", None)
     layers = list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+    # A finished layer's freed tensors go back to the system once the process has grown by a
+    # layer's parameters (at least TRIM_SLACK) since it last handed memory back.
+    largest = max((sum(p.numel() * p.element_size() for p in x.parameters()) for x in layers),
+                  default=0)  # fmt: skip
+    trim = GrowthTrim(max(TRIM_SLACK, largest))
     for layer in layers:
-        layer.register_forward_hook(_trim_after)  # a layer's tensors, freed: back to the system
+        layer.register_forward_hook(trim)
     # Each layer, as it starts, sends the next one's parameters to be read ahead (the last
     # layer: those of the modules after the layers, the final norm and lm_head); the model, as
     # it starts, those before the layers (the embedding) and the first layer's.
@@ -267,10 +273,6 @@ def streamed_model(
 
             layer.register_forward_pre_hook(read_next)
     return model.eval()
-
-
-def _trim_after(module: torch.nn.Module, args: Any, output: Any) -> None:
-    trim_freed()
 
 
 # -- what the checkpoint records about activations and the KV cache -----------------------

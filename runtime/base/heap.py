@@ -15,6 +15,9 @@ streamed a layer at a time and the layers' tensors repeat in size (the report, i
 the exports), `reuse_within_layers` lets the heap keep tensors up to 32 MiB for reuse, and
 `trim_freed` after each layer hands what the heap holds free back to the system: the same
 report took ~0.3 million faults and ~25% less time, peaking 150 MB higher (a layer's tensors).
+The streamed models (the report and its float half) trim only once the process has grown by
+a layer's parameters beyond what one layer holds (`GrowthTrim`): each layer then reuses what
+the last one freed rather than faulting it in again.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 
 M_MMAP_THRESHOLD = -3
 M_TRIM_THRESHOLD = -1
 THRESHOLD = 1 << 20
 REUSED = 32 << 20  # glibc's own ceiling for the threshold it raises as large blocks are freed
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 TRIMMED_BY_CALLER = (1 << 31) - 1  # the heap's top goes back by `trim_freed`, not on each free
 
 
@@ -64,6 +69,40 @@ def trim_freed() -> None:
     trim = getattr(libc, "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux's /proc/self/statm), or None where unknown."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class GrowthTrim:
+    """`trim_freed` for a caller that runs one layer after another, once the process has grown
+    by `slack` bytes beyond what it held after a layer when it last trimmed (or after the first
+    layer). Trimming after every layer hands back what the next layer allocates again, and each
+    4 KiB of it is faulted in afresh (the 1.17B report: 1.26 million faults, 4.3 s of kernel
+    time); never trimming lets fragments of freed layers pile up (its resident memory grew 0.4
+    GB over 22 layers, at 2.97B 0.6 GB). Held to `slack` above a layer's own use, the layers
+    reuse what the heap holds and the peak grows by at most `slack`. Where resident memory
+    cannot be read it trims every time."""
+
+    def __init__(self, slack: int) -> None:
+        self.slack = slack
+        self.level: int | None = None
+
+    def __call__(self, *_: object) -> None:
+        now = resident_bytes()
+        if now is None:
+            trim_freed()
+        elif self.level is None:
+            self.level = now
+        elif now > self.level + self.slack:
+            trim_freed()
+            self.level = now
 
 
 def return_large_frees() -> bool:

@@ -66,3 +66,61 @@ def test_mappings_of_their_own_fault_in_every_tensor_each_time() -> None:
     """What `reuse_within_layers` replaces where a model streams: each tensor a new mapping."""
     first, later, _, _ = measure("own")
     assert later >= 3 * first
+
+
+def test_a_streamed_model_trims_once_it_has_grown_by_the_slack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GrowthTrim takes what the process holds after the first layer as its level, leaves the
+    heap alone while layers stay within `slack` of it, and trims (taking a new level) past it;
+    where resident memory cannot be read it trims every time."""
+    from kiln.runtime.base import heap
+
+    sizes = iter([500, 520, 599, 601, 640, 700, 702, None, None])
+    trims: list[int] = []
+    monkeypatch.setattr(heap, "resident_bytes", lambda: next(sizes))
+    monkeypatch.setattr(heap, "trim_freed", lambda: trims.append(1))
+    trim = heap.GrowthTrim(100)
+    made = []
+    for _ in range(9):
+        before = len(trims)
+        trim()
+        made.append(len(trims) - before)
+    # 500: the level; 520, 599: within; 601: past 600, trimmed, level 601; 640, 700: within;
+    # 702: past 701; then unknown: every time.
+    assert made == [0, 0, 0, 1, 0, 0, 1, 1, 1]
+
+
+GROWTH = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from kiln.runtime.base import heap
+
+    heap.reuse_within_layers()
+    trim = heap.GrowthTrim(64 << 20) if sys.argv[1] == "growth" else heap.trim_freed
+    made = []
+    for layer in range(6):  # a layer's tensors, as a streamed layer makes them
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        x = torch.ones(1 << 20)  # 4 MiB
+        y = torch.ones(1 << 19)
+        z = x + 1
+        del x, y, z
+        made.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        trim()
+    print(sum(made[1:]))
+    """
+)
+
+
+def test_layers_within_the_slack_reuse_the_heap() -> None:
+    """Layers that free what they made, trimmed once they grow past the slack, fault in far
+    fewer pages than layers trimmed each time."""
+
+    def later_faults(policy: str) -> int:
+        out = subprocess.run([sys.executable, "-c", GROWTH, policy], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        return int(out)
+
+    each, growth = later_faults("each"), later_faults("growth")
+    assert each > 5 * 2048  # five layers, each faulting in its 10 MiB again
+    assert growth < each // 2

@@ -19,11 +19,16 @@ from kiln.runtime.formats.weights import LinearWeights, as_float32, dequantize
 def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """`codes` re-expressed at a scale 1/`ratio` times theirs, rounded to the nearest code
     (float8 rounds in the cast; integer codes are rounded, then clamped to their range)."""
-    scaled = as_float32(codes) * ratio
-    if codes.dtype.is_floating_point:
-        return scaled.to(codes.dtype)
-    info = torch.iinfo(codes.dtype)
-    return scaled.round().clamp(info.min, info.max).to(codes.dtype)
+    return _rounded(as_float32(codes) * ratio, codes.dtype)
+
+
+def _rounded(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values as codes of `dtype`: float8 rounds in the cast; integers are rounded,
+    then clamped to their range."""
+    if dtype.is_floating_point:
+        return scaled.to(dtype)
+    info = torch.iinfo(dtype)
+    return scaled.round().clamp(info.min, info.max).to(dtype)
 
 
 # float32 rows re-expressed at once: a block stays within a core's cache through its passes,
@@ -42,11 +47,17 @@ def at_scale(p: LinearWeights, scale: torch.Tensor) -> tuple[torch.Tensor, float
     for start in range(0, p.out_features, step):
         block = p.rows(slice(start, start + step))
         assert block.scale is not None
-        requant = requantize(block.weight, block.scale / scale)
+        if block.zero_point is None:  # the codes decoded once, for the new codes and the old
+            codes = as_float32(block.weight)
+            requant = _rounded(codes * (block.scale / scale), block.weight.dtype)
+            before = codes.mul_(block.scale)  # what dequantize gives, value for value
+        else:
+            requant = requantize(block.weight, block.scale / scale)
+            before = dequantize(block, torch.float32)
         out[start : start + len(requant)] = requant
-        before, after = dequantize(block, torch.float32), as_float32(requant) * scale
-        largest = torch.maximum(largest, before.abs().max())
-        changed = torch.maximum(changed, (before - after).abs().max())
+        after = as_float32(requant).mul_(scale)
+        changed = torch.maximum(changed, after.sub_(before).abs_().max())
+        largest = torch.maximum(largest, before.abs_().max())
     return out, float(changed / largest.clamp_min(torch.finfo(torch.float32).tiny))
 
 

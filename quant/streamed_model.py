@@ -359,15 +359,12 @@ class SharedInputs:
 
         def hook(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
             x, last = args[0], self.last
-            if (
-                key is not None
-                and last is not None
-                and last[0] is x
-                and last[1:3] == (x._version, key)
-            ):
+            if key is None or x.is_inference():  # an inference tensor keeps no version counter
+                return (quantise(x), *args[1:])
+            if last is not None and last[0] is x and last[1:3] == (x._version, key):
                 return (last[3], *args[1:])
             out = quantise(x)
-            self.last = None if key is None else (x, x._version, key, out)
+            self.last = (x, x._version, key, out)
             return (out, *args[1:])
 
         return hook

@@ -348,7 +348,7 @@ class SharedInputs:
     """The input the last quantised linear rounded, how, and the result: q, k and v (gate and
     up) read one tensor, and calibration saw one tensor, so their checkpoint rounds it alike
     (equal static scales, or one dynamic scheme): it is rounded once, not three times (the
-    fake quantisation was a quarter of the report's forward). Reset after each forward."""
+    fake quantisation was a fifth of the report's forward). Reset after each forward."""
 
     def __init__(self) -> None:
         self.last: tuple[Any, int, tuple[Any, ...], Any] | None = None

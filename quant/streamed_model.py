@@ -90,7 +90,7 @@ WeightSeen = Callable[[str, int, torch.Tensor], None]
 # and comparing nine of a 1.17B model's weights on two Xeon cores: 2.5-2.6 ns a weight with
 # 512 KiB blocks, 1.7 with 2 MiB, 2.3 with 4 MiB, 2.7 with 8 MiB.
 ROW_BLOCK_BYTES = 1 << 21
-TRIM_SLACK = 256 << 20  # the least growth at which a streamed model hands freed memory back
+TRIM_LAYERS = 2  # a streamed model's growth, in layers, at which it hands freed memory back
 
 
 def decoded(
@@ -241,11 +241,12 @@ def streamed_model(
         module.register_forward_hook(release)
     layers = getattr(getattr(model, "model", None), "layers", None)
     layers = list(layers) if isinstance(layers, torch.nn.ModuleList) else []
-    # A finished layer's freed tensors go back to the system once the process has grown by a
-    # layer's parameters (at least TRIM_SLACK) since it last handed memory back.
+    # A finished layer's freed tensors go back to the system once the process has grown by two
+    # layers' parameters since it last handed memory back (bounded by a layer, as the depth
+    # guard in tests/compiler/test_compile_memory.py holds it).
     largest = max((sum(p.numel() * p.element_size() for p in x.parameters()) for x in layers),
                   default=0)  # fmt: skip
-    trim = GrowthTrim(max(TRIM_SLACK, largest))
+    trim = GrowthTrim(TRIM_LAYERS * largest)
     for layer in layers:
         layer.register_forward_hook(trim)
     # Each layer, as it starts, sends the next one's parameters to be read ahead (the last

@@ -16,7 +16,7 @@ the exports), `reuse_within_layers` lets the heap keep tensors up to 32 MiB for 
 `trim_freed` after each layer hands what the heap holds free back to the system: the same
 report took ~0.3 million faults and ~25% less time, peaking 150 MB higher (a layer's tensors).
 The streamed models (the report and its float half) trim only once the process has grown by
-a layer's parameters beyond what one layer holds (`GrowthTrim`): each layer then reuses what
+two layers' parameters beyond what one layer holds (`GrowthTrim`): each layer then reuses what
 the last one freed rather than faulting it in again.
 """
 

@@ -81,15 +81,16 @@ def resident_bytes() -> int | None:
 
 
 class GrowthTrim:
-    """`trim_freed` for a caller that runs one layer after another, once the process has grown
-    by `slack` bytes beyond what it held after a layer when it last trimmed (or after the first
-    layer). Trimming after every layer hands back what the next layer allocates again, and each
-    4 KiB of it is faulted in afresh (the 1.17B report, float and quantised sides: 0.83 million
-    faults, 4.0 s of kernel time; 0.26 million and 2.1 s held to the slack); never trimming
-    lets fragments of freed layers pile up (its resident memory grew 0.4 GB over 22 layers, at
-    2.97B 0.6 GB). Held to `slack` above a layer's own use, the layers reuse what the heap holds
-    and the peak grows by at most `slack`. Where resident memory cannot be read it trims every
-    time."""
+    """`trim_freed` for a caller that runs one layer after another, whenever the process holds
+    more than `slack` bytes above its level: what it held after the first layer, raised only to
+    what it still holds right after a trim (memory in use, not free). Trimming after every layer
+    hands back what the next layer allocates again, and each 4 KiB of it is faulted in afresh
+    (the 1.17B report, float and quantised sides: 0.83 million faults, 4.0 s of kernel time;
+    about 0.25 million held to two layers' slack); never trimming lets fragments of freed layers
+    pile up (its resident memory grew 0.4 GB over 22 layers, at 2.97B 0.6 GB). Held to `slack`
+    above the level, the layers reuse what the heap holds and, after each layer, the process is
+    never more than `slack` above what it uses. Where resident memory cannot be read it trims
+    every time."""
 
     def __init__(self, slack: int) -> None:
         self.slack = slack
@@ -103,7 +104,8 @@ class GrowthTrim:
             self.level = now
         elif now > self.level + self.slack:
             trim_freed()
-            self.level = now
+            after = resident_bytes()  # what is in use: the level rises only to that
+            self.level = max(self.level, after if after is not None else self.level)
 
 
 def return_large_frees() -> bool:

@@ -86,6 +86,56 @@ def test_requantised_a_block_of_rows_at_a_time_as_whole(
     assert len(notes) == 1 and "re-quantised to one" in notes[0]
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("ratio", [0.37, 1.9, 1.0 + 2**-20])
+def test_requantised_through_the_code_table_as_through_blocks(
+    kind: str, ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-byte weight at one scale re-expressed through its 256 codes' table: the codes and
+    the change figure of the block path, bit for bit, for every code (FP8's NaNs, the ends
+    that saturate when the scale shrinks, an odd count)."""
+    from kiln.compiler.trtllm.export import linears
+
+    torch.manual_seed(11)
+    fp8 = kind == "fp8"
+    scheme = WeightScheme(type="float" if fp8 else "int", num_bits=8, strategy="tensor")
+    dtype = torch.float8_e4m3fn if fp8 else torch.int8
+    every = torch.arange(256, dtype=torch.uint8).repeat(9)
+    bits = torch.cat([every, torch.randint(0, 256, (97 * 131 - len(every),), dtype=torch.uint8)])
+    if fp8:  # NaN codes (0x7f, 0xff) only where the test asks for them
+        bits = torch.where((bits & 0x7F) == 0x7F, bits - 1, bits)
+    bits = bits[torch.randperm(len(bits))].view(97, 131)
+    old = torch.tensor(0.013)
+    for nan in [False, True] if fp8 else [False]:
+        codes = bits.clone()
+        if nan:
+            codes[40, 7] = 0xFF
+        p = LinearWeights(scheme, codes.view(dtype), old.expand(97, 1).contiguous())
+        new = old / ratio
+        monkeypatch.setattr(linears, "BY_CODE_MIN", 0)
+        assert linears._by_code(p, new) is not None
+        monkeypatch.setattr(linears, "BY_CODE_MIN", 1 << 62)
+        blocks, block_change = linears.at_scale(p, new)
+        monkeypatch.setattr(linears, "BY_CODE_MIN", 0)
+        table, table_change = linears.at_scale(p, new)
+        assert torch.equal(table.view(torch.uint8), blocks.view(torch.uint8))
+        if nan:
+            assert block_change != block_change and table_change != table_change
+        else:
+            assert table_change == block_change and table_change > 0
+
+
+def test_requantised_through_blocks_where_rows_differ_in_scale():
+    from kiln.compiler.trtllm.export import linears
+
+    scheme = WeightScheme(type="float", num_bits=8, strategy="tensor")
+    codes = torch.randn(300, 300).to(torch.float8_e4m3fn)
+    scales = torch.full((300, 1), 0.5)
+    assert linears._by_code(LinearWeights(scheme, codes, scales), torch.tensor(1.0)) is not None
+    scales[299] = 0.25
+    assert linears._by_code(LinearWeights(scheme, codes, scales), torch.tensor(1.0)) is None
+
+
 def test_kiln_validate_refuses_group_32_for_tensorrt_llm_int4(tmp_path: Path, tiny_llama: Path):
     recipe = recipe_file(tmp_path, tiny_llama, method="awq", extra="targets: [h100-sxm]\n")
     recipe.write_text(recipe.read_text().replace("group_size: 64", "group_size: 32"))

@@ -7,13 +7,20 @@ compiler/trtllm/rules/exclusions.py; the checkpoint tensors they become are name
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import torch
 
 from kiln.compiler.trtllm.rules.exclusions import GROUPWISE, padded_features
 from kiln.runtime.base.errors import UsageError
-from kiln.runtime.formats.weights import LinearWeights, as_float32, dequantize
+from kiln.runtime.formats.weights import (
+    LinearWeights,
+    as_float32,
+    dequantize,
+    look_up,
+    pair_table,
+)
 
 
 def requantize(codes: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -34,31 +41,85 @@ def _rounded(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # float32 rows re-expressed at once: a block stays within a core's cache through its passes,
 # where whole weights in float32 went through memory once per pass.
 ROW_BLOCK_BYTES = 1 << 20
+# Codes from which a one-byte weight at one scale is re-expressed through a table of its 256
+# codes rather than a block of rows at a time.
+BY_CODE_MIN = 1 << 16
 
 
 def at_scale(p: LinearWeights, scale: torch.Tensor) -> tuple[torch.Tensor, float]:
     """`p`'s codes (per-tensor scaled) re-expressed at `scale`, and the largest change that
-    made relative to `p`'s largest weight, a block of rows at a time: the codes and the
-    figure of doing it to the whole weight (maxima are exact in any order)."""
+    made relative to `p`'s largest weight: the codes and the figure of doing it to the whole
+    weight (maxima are exact in any order). A one-byte weight at one scale is re-expressed
+    through the table of what that does to each of its 256 codes (`_by_code`); any other a
+    block of rows at a time."""
     assert p.scale is not None
+    found = _by_code(p, scale)
+    if found is not None:
+        return found
     out = torch.empty_like(p.weight)
     step = max(1, ROW_BLOCK_BYTES // (4 * max(p.in_features, 1)))
     largest = changed = torch.zeros((), dtype=torch.float32)
     for start in range(0, p.out_features, step):
-        block = p.rows(slice(start, start + step))
-        assert block.scale is not None
-        if block.zero_point is None:  # the codes decoded once, for the new codes and the old
-            codes = as_float32(block.weight)
-            requant = _rounded(codes * (block.scale / scale), block.weight.dtype)
-            before = codes.mul_(block.scale)  # what dequantize gives, value for value
-        else:
-            requant = requantize(block.weight, block.scale / scale)
-            before = dequantize(block, torch.float32)
+        requant, change, size = _moved(p.rows(slice(start, start + step)), scale)
         out[start : start + len(requant)] = requant
-        after = as_float32(requant).mul_(scale)
-        changed = torch.maximum(changed, after.sub_(before).abs_().max())
-        largest = torch.maximum(largest, before.abs_().max())
-    return out, float(changed / largest.clamp_min(torch.finfo(torch.float32).tiny))
+        changed = torch.maximum(changed, change.max())
+        largest = torch.maximum(largest, size.max())
+    return out, _relative(changed, largest)
+
+
+def _moved(
+    block: LinearWeights, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`block`'s codes at `scale`, with each weight's change |after - before| and its size
+    |before| in float32."""
+    assert block.scale is not None
+    if block.zero_point is None:  # the codes decoded once, for the new codes and the old
+        codes = as_float32(block.weight)
+        requant = _rounded(codes * (block.scale / scale), block.weight.dtype)
+        before = codes.mul_(block.scale)  # what dequantize gives, value for value
+    else:
+        requant = requantize(block.weight, block.scale / scale)
+        before = dequantize(block, torch.float32)
+    after = as_float32(requant).mul_(scale)
+    return requant, after.sub_(before).abs_(), before.abs_()
+
+
+def _relative(changed: torch.Tensor, largest: torch.Tensor) -> float:
+    return float(changed / largest.clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def _by_code(p: LinearWeights, scale: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """`at_scale` of a one-byte weight (FP8, int8) whose rows share one scale and no zero
+    point, through the table of its 256 codes: each code's new code, change and size are what
+    `_moved` gives that code (a row of all 256 codes at `p`'s scale goes through it), so the
+    new codes are a lookup (`look_up`) and the figure is the largest change and size
+    among the codes present. Same codes and figure as the blocks (tested for every code), for
+    a third of the CPU: an [8192, 3072] FP8 weight 2.3 against 7.8 ns a weight on a 2-core
+    Xeon. None where it does not apply."""
+    import numpy as np
+
+    weight, row_scale = p.weight, p.scale
+    assert row_scale is not None
+    if (
+        weight.element_size() != 1
+        or weight.device.type != "cpu"
+        or weight.numel() < BY_CODE_MIN
+        or p.zero_point is not None
+        or row_scale.dim() != 2
+        or row_scale.shape[1] != 1
+        or not bool((row_scale == row_scale[0, 0]).all())  # NaN scales: through the blocks
+    ):
+        return None
+    every = torch.arange(256, dtype=torch.uint8).view(weight.dtype).view(1, 256)
+    table, change, size = _moved(replace(p.rows(slice(0, 1)), weight=every), scale)
+    codes = weight.contiguous().view(torch.uint8).reshape(-1)
+    present = torch.bincount(codes, minlength=256) > 0
+    lut = table.view(torch.uint8).reshape(-1).numpy()
+    flat = codes.numpy()
+    out = np.empty_like(flat)
+    look_up(lut, pair_table(lut) if sys.byteorder == "little" else None, flat, out)
+    new = torch.from_numpy(out).view(weight.dtype).view(weight.shape)
+    return new, _relative(change.reshape(-1)[present].max(), size.reshape(-1)[present].max())
 
 
 def fuse_linears(

@@ -131,7 +131,10 @@ def layer_weight_errors(
 ) -> list[dict[str, Any]]:
     """`weight_errors` of the quantised linears `names` (in the model's order), a decoder layer
     at a time: only that layer's float and dequantised weights are ever held, in float32.
-    `progress` hears "layers' weights compared (done/total)" after each."""
+    `progress` hears "layers' weights compared (done/total)" after each (nothing where
+    `names` is empty: the report's forward compared them all)."""
+    if not names:
+        return []
     import torch
 
     from kiln.runtime.base.heap import trim_freed

@@ -227,3 +227,12 @@ def test_a_large_tensor_of_fp8_codes_is_decoded_in_pieces_alike() -> None:
         got = weights.fp8_as(codes, want)
         assert got.shape == codes.shape
         assert torch.equal(got.view(bits), codes.to(want).view(bits))
+
+
+def test_no_weights_left_to_compare_says_nothing(tmp_path: Path) -> None:
+    """Where the report's forward compared every weight, no "(0/0)" count is shown."""
+    from kiln.quant.layer_report import layer_weight_errors
+
+    heard: list[str] = []
+    assert layer_weight_errors(tmp_path, tmp_path, [], progress=heard.append) == []
+    assert heard == []

@@ -266,7 +266,7 @@ def build_model(
                     said(f"{who}report: the float model's log-probabilities were computed "
                          "beside the quantisation; running the quantised model")  # fmt: skip
                 build.report = _report(build, report, calib_inputs, report_texts, cache, force,
-                                       said, ready)  # fmt: skip
+                                       _named(said, f"{who}report"), ready)  # fmt: skip
         finally:
             if reference is not None:
                 reference.stop()
@@ -275,6 +275,18 @@ def build_model(
         exports()
     stages.extend(build.exports[tp] for tp in job.tps)
     return build
+
+
+def _named(progress: Progress, stage: str) -> Progress:
+    """`progress` for a stage run beside another: its messages that do not start with its
+    name ("quantised model batches run (3/8)") get it, so a log does not charge them to the
+    export whose step was announced last."""
+    name = stage.removeprefix("draft: ")
+
+    def say(message: str) -> None:
+        progress(message if message.startswith(f"{name}: ") else f"{stage}: {message}")
+
+    return say
 
 
 def _serialised(progress: Progress) -> Progress:

@@ -274,6 +274,46 @@ def test_a_count_is_read_from_the_end_of_a_message_only() -> None:
     assert count_of("distilling: step 3/100, KL 0.1") is None
 
 
+def test_a_count_that_names_its_stage_is_logged_under_it() -> None:
+    """The report counts its batches while the export announces its steps beside it: the
+    log charges each count to the stage it names, not to the step announced last."""
+    assert count_of("draft: report: quantised model batches run (3/8)") == Count(
+        "quantised model batches run", 3, 8, "draft: report"
+    )
+    now, lines = [0.0], []
+    log = StepLog(lines.append, clock=lambda: now[0])
+    log("report: per-layer error and KL divergence on held-out text")
+    log("export: ModelOpt HF checkpoint for the PyTorch path")
+    now[0] = 11.0
+    log("report: quantised model batches run (1/8)")
+    now[0] = 22.0
+    log("subgraphs calibrated (2/9)")  # names none: the last step's stage
+    steps = [line.split(" ", 1)[1] for line in lines]
+    assert steps[2].startswith("report: quantised model batches run 1/8, ")
+    assert steps[3].startswith("export: subgraphs calibrated 2/9, ")
+    bars = StepBars(Console(file=io.StringIO(), force_terminal=True, width=120))
+    with bars.shown():
+        bars("report: per-layer error and KL divergence on held-out text")
+        bars("report: quantised model batches run (2/3)")
+        assert [t.fields["label"] for t in bars.bars.tasks] == ["quantised model batches run"]
+
+
+def test_the_pipeline_names_the_reports_messages_and_leaves_named_ones() -> None:
+    from kiln.compiler.pipeline import _named
+
+    heard: list[str] = []
+    for who in ("", "draft: "):
+        say = _named(heard.append, f"{who}report")
+        say("quantised model batches run (1/8)")
+        say("report: the float model's log-probabilities made beforehand do not serve")
+    assert heard == [
+        "report: quantised model batches run (1/8)",
+        "report: the float model's log-probabilities made beforehand do not serve",
+        "draft: report: quantised model batches run (1/8)",
+        "report: the float model's log-probabilities made beforehand do not serve",
+    ]
+
+
 def test_a_log_keeps_every_step_and_counts_at_most_every_ten_seconds() -> None:
     now, lines = [0.0], []
     log = StepLog(lines.append, clock=lambda: now[0])

@@ -7,8 +7,9 @@ quant/backends/llmcompressor.py; quant/layer_report.py counts its layers and bat
 On a terminal each step is a row with its elapsed time, and a counted one a bar with its
 count and an estimate of the time left. In a log (stderr not a terminal) each step is a line
 of its own, "HH:MM:SS <step>" (tests/benchmarks/scale.py reads the stage from it), and
-counts are written at most once every LOG_EVERY_S seconds, with the stage, the elapsed time
-and the time left, so a long quantisation leaves a trace without flooding the log.
+counts are written at most once every LOG_EVERY_S seconds, with the stage (the one the count
+names, else the last step's), the elapsed time and the time left, so a long quantisation
+leaves a trace without flooding the log.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ from rich.text import Text
 
 COUNTED = re.compile(r"^(?P<what>.*?) ?\((?P<done>\d+)/(?P<total>\d+)\)$")
 # The stage a step belongs to, as tests/benchmarks/scale.py reads it from the log.
-STAGE = re.compile(r"^(?:draft: )?(?:source|quantize|report|export|package|gate)\b")
+STAGES = r"(?:draft: )?(?:source|quantize|report|export|package|gate)"
+STAGE = re.compile(rf"^{STAGES}\b")
+# A count that names its stage ("report: quantised model batches run (3/8)"): one run beside
+# another stage's steps (compiler/pipeline.py names the report's).
+COUNT_STAGE = re.compile(rf"^(?P<stage>{STAGES}): ")
 LOG_EVERY_S = 10.0
 
 
@@ -47,6 +52,7 @@ class Count:
     what: str
     done: int
     total: int
+    stage: str = ""  # where the message names it
 
 
 def count_of(message: str) -> Count | None:
@@ -54,7 +60,11 @@ def count_of(message: str) -> Count | None:
     found = COUNTED.match(message)
     if found is None or int(found["total"]) <= 0:
         return None
-    return Count(found["what"], int(found["done"]), int(found["total"]))
+    what, stage = found["what"], COUNT_STAGE.match(found["what"])
+    if stage is not None:
+        what = what[stage.end() :]
+    done, total = int(found["done"]), int(found["total"])
+    return Count(what, done, total, stage["stage"] if stage is not None else "")
 
 
 def clock_time(seconds: float) -> str:
@@ -104,7 +114,8 @@ class StepLog:
         if count.done > first:
             rate = (now - since) / (count.done - first)
             left = f", about {clock_time(rate * (count.total - count.done))} left"
-        stage = f"{self.stage}: " if self.stage else ""
+        named = count.stage or self.stage
+        stage = f"{named}: " if named else ""
         self.write(
             f"{self.stamp()} {stage}{count.what} {count.done}/{count.total}, "
             f"{clock_time(now - since)} elapsed{left}"

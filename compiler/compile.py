@@ -11,6 +11,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,28 +132,49 @@ class PackageAhead:
     PyTorch path's ModelOpt HF conversion of the model, written into a hidden `.partial` folder
     of the output directory (swept if a run is killed; the package hard-links it into the
     artifact, and the folder is removed when the compile ends), and the digests of the stage
-    files the artifact will link (runtime/formats/artifact KnownDigests)."""
+    files the artifact will link (runtime/formats/artifact KnownDigests), each folder hashed
+    on a thread of its own as soon as it is final (pipeline.py `final`), while its files are
+    more likely still in the page cache than after the conversion (the 8B shape on a 24 GiB
+    host: 33.4 → 29.9 GB read from disk while the report and exports ran, report 62.7 → 59.3 s,
+    one run each; no change at 1.17B, where everything stays cached)."""
 
     root: Path
     path: str  # deploy.trtllm_path; "engine" where no target is compiled
     conversion: Conversion | None = None
     dir: Path | None = None
     known: KnownDigests = field(default_factory=KnownDigests)
+    hashing: list[threading.Thread] = field(default_factory=list)
 
-    def write(self, build: ModelBuild, progress: Progress) -> None:
-        if build.quantized.status == "cached":  # the package may be too: it does this if it runs
+    def final(self, build: ModelBuild, folder: Path) -> None:
+        if build.quantized.status == "cached":  # as `write`
             return
-        scheme = build.scheme
-        fmt, algo = scheme.format, scheme.trtllm_quant_algo or "NO_QUANT"
-        if needs_conversion(self.path, fmt, algo):
-            progress("export: ModelOpt HF checkpoint for the PyTorch path")
-            self.conversion = convert_ahead(build.model, fmt, algo, self.folder() / "hf")
-        folders = [build.model, *(stage.path for stage in build.exports.values())]
-        folders += [self.dir] if self.dir is not None else []
-        files = [p for f in folders for p in f.rglob("*") if p.is_file() and not p.is_symlink()]
+        # a daemon: it only reads, and a compile stopped meanwhile need not wait for it
+        thread = threading.Thread(
+            target=self._hash, args=(folder,), name="kiln-hash-ahead", daemon=True
+        )
+        thread.start()
+        self.hashing.append(thread)
+
+    def _hash(self, folder: Path) -> None:
+        files = [p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()]
         # a file that cannot be read now is hashed when publishing, which says what is wrong
         with contextlib.suppress(ArtifactError, OSError):
             self.known.add(sorted(files))
+
+    def write(self, build: ModelBuild, progress: Progress) -> None:
+        try:
+            if build.quantized.status == "cached":  # the package may be too: it does this if
+                return  # it runs
+            scheme = build.scheme
+            fmt, algo = scheme.format, scheme.trtllm_quant_algo or "NO_QUANT"
+            if needs_conversion(self.path, fmt, algo):
+                progress("export: ModelOpt HF checkpoint for the PyTorch path")
+                out = self.folder() / "hf"
+                self.conversion = convert_ahead(build.model, fmt, algo, out)
+                self._hash(out.parent)
+        finally:
+            for thread in self.hashing:
+                thread.join()
 
     def folder(self) -> Path:
         """A new hidden folder to write the conversion in (removed by `remove`)."""
@@ -175,7 +197,7 @@ def _stages_and_package(
 ) -> CompileResult:
     recipe = pre.recipe
     model = build_model(model_job(pre), cache, tools, force=force, progress=progress,
-                        after_exports=ahead.write)  # fmt: skip
+                        after_exports=ahead.write, final=ahead.final)  # fmt: skip
     stages = list(model.stages)
 
     speculation: Speculation | None = None

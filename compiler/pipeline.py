@@ -167,9 +167,12 @@ def build_model(
     force: bool = False,
     progress: Progress = lambda _msg: None,
     after_exports: Callable[[ModelBuild, Progress], None] | None = None,
+    final: Callable[[ModelBuild, Path], None] | None = None,
 ) -> ModelBuild:
     """Run (or find cached) every stage of `job` up to its TensorRT-LLM exports;
-    `after_exports(build, progress)` runs after them, beside the report as they do."""
+    `after_exports(build, progress)` runs after them, beside the report as they do, and
+    `final(build, folder)` hears each folder an artifact links as soon as it will not change
+    (the quantised model as the exports start, each export as it ends)."""
     who = f"{job.role}: " if job.role else ""
     needs_data = job.imported is None and job.scheme.needs_calibration
     texts_ahead = _texts_ahead(job, needs_data)
@@ -244,6 +247,8 @@ def build_model(
     said = _serialised(progress)
 
     def exports() -> None:
+        if final is not None:
+            final(build, build.model)
         for tp in job.tps:
             said(f"{who}export: TensorRT-LLM checkpoint, tp={tp}")
 
@@ -254,6 +259,8 @@ def build_model(
             export_key = input_key("export", quant_key, tp)
             stage = job.stage(f"export-tp{tp}")
             build.exports[tp] = cache.run(stage, export_key, run_export, force)
+            if final is not None:
+                final(build, build.exports[tp].path)
         if after_exports is not None:
             after_exports(build, said)
 

@@ -385,3 +385,29 @@ def test_an_out_of_memory_kill_after_quantising_keeps_the_quantised_stage(
     assert code == 0, stderr
     stages = json.loads(stdout)["stages"]
     assert stages["quantize"]["status"] == "cached" and stages["report"]["status"] == "ran"
+
+
+def test_each_file_an_artifact_links_is_hashed_once(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export thread hashes each folder the artifact links as soon as it is final (the
+    quantised model, the TensorRT-LLM checkpoint, the PyTorch path's conversion), and the
+    package publishes with those digests: every weight file is read for its sha256 once."""
+    from kiln.compiler.compile import compile_recipe
+
+    recipe = recipe_file(tmp_path, tiny_llama, extra="targets: [h100-sxm]\n")
+    recipe.write_text(recipe.read_text().replace("method: gptq\n  group_size: 64", "method: fp8"))
+    hashed: list[int] = []
+    real = artifact.sha256_file
+
+    def counted(path: Path) -> str:
+        hashed.append(os.stat(path).st_ino)
+        return real(path)
+
+    monkeypatch.setattr(artifact, "sha256_file", counted)
+    result = compile_recipe(recipe, output=tmp_path / "out")
+    weights = sorted(result.artifact.rglob("*.safetensors"))
+    linked = {p.relative_to(result.artifact).parts[:2] for p in weights}
+    assert {("model", "model.safetensors"), ("trtllm", "tp1"), ("trtllm", "hf")} <= linked
+    assert [hashed.count(os.stat(p).st_ino) for p in weights] == [1] * len(weights)
+    assert artifact.verify(result.artifact) == []

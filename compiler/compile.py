@@ -163,8 +163,8 @@ class PackageAhead:
 
     def write(self, build: ModelBuild, progress: Progress) -> None:
         try:
-            if build.quantized.status == "cached":  # the package may be too: it does this if
-                return  # it runs
+            if build.quantized.status == "cached":  # the package may be cached too
+                return  # (where it runs, it hashes what it links itself)
             scheme = build.scheme
             fmt, algo = scheme.format, scheme.trtllm_quant_algo or "NO_QUANT"
             if needs_conversion(self.path, fmt, algo):

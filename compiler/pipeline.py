@@ -37,6 +37,7 @@ from kiln.quant.report_html import REPORT_HTML
 from kiln.quant.report_html import render as render_report
 from kiln.quant.spec import CalibrationSpec, Scheme
 from kiln.runtime.base.errors import UsageError
+from kiln.runtime.base.heap import collection_paused
 from kiln.runtime.formats import artifact
 from kiln.runtime.formats.artifact import (
     ExportRecord,
@@ -175,15 +176,17 @@ def build_model(
     (the quantised model as the exports start, each export as it ends)."""
     who = f"{job.role}: " if job.role else ""
     needs_data = job.imported is None and job.scheme.needs_calibration
-    texts_ahead = _texts_ahead(job, needs_data)
-    early = _reference_early(job, texts_ahead is not None)
-    try:
-        progress(f"{who}source: hashing and materialising {job.source.spec}")
-        digest = sources.source_digest(job.source)
-    except BaseException:
-        if early is not None:
-            early.stop()
-        raise
+    # While the source is hashed, the texts' thread imports transformers and loads a tokenizer.
+    with collection_paused():
+        texts_ahead = _texts_ahead(job, needs_data)
+        early = _reference_early(job, texts_ahead is not None)
+        try:
+            progress(f"{who}source: hashing and materialising {job.source.spec}")
+            digest = sources.source_digest(job.source)
+        except BaseException:
+            if early is not None:
+                early.stop()
+            raise
     source_key = input_key("source", digest)
 
     def run_source(out: Path) -> dict[str, Any]:

@@ -107,3 +107,18 @@ def test_a_compile_and_what_it_starts_see_the_wait_policy() -> None:
     mine = subprocess.run([sys.executable, "-c", show], env={**env, OPENMP_WAIT: "ACTIVE"},
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert mine.stdout.splitlines()[-1].split() == ["False", "ACTIVE"]
+
+
+def test_the_program_leaves_its_objects_to_the_system_at_exit() -> None:
+    """The entry point registers the freeze before the command's libraries are imported, so
+    Python's shutdown does not scan their objects."""
+    show = (
+        "import atexit, gc, sys; sys.argv = ['kiln', '--version']\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"
+        "from kiln.compiler.cli import console\n"
+        "try:\n    console.run()\nexcept SystemExit:\n    pass\n"
+    )
+    done = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "frozen True"

@@ -1,5 +1,6 @@
-"""The `kiln` program's entry point: OpenMP's idle threads asked to sleep and glibc's
-allocator asked for transparent huge pages, then the command line.
+"""The `kiln` program's entry point: OpenMP's idle threads asked to sleep, glibc's allocator
+asked for transparent huge pages and Python's shutdown spared a scan of every object
+(runtime/base/heap.py `uncollected_at_exit`), then the command line.
 
 kiln's stages stream a model a layer at a time and hand each layer's memory back to the system
 when it is done (runtime/base/heap.py), so every layer's tensors are faulted in afresh; in 4 KiB
@@ -33,6 +34,8 @@ import platform
 import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
+
+from kiln.runtime.base.heap import uncollected_at_exit
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPENMP_WAIT = "OMP_WAIT_POLICY"
@@ -112,6 +115,7 @@ def run() -> None:
     if kiln and streams_models(sys.argv[1:]):
         passive_openmp(os.environ)  # before torch is imported; kept by the execution below
         with_huge_pages()
+    uncollected_at_exit()  # first registered: runs after the libraries' handlers
     from kiln.compiler.cli.main import main
 
     main()

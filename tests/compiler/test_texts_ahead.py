@@ -53,3 +53,28 @@ def test_a_failed_read_ahead_leaves_the_error_to_the_compiles_own_read(
     monkeypatch.setattr(pipeline, "_report_texts", broken)
     ahead = pipeline._texts_ahead(job, True)
     assert ahead is not None and ahead.result() is None
+
+
+def test_the_source_is_hashed_with_the_cycle_collector_paused(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hash runs beside the texts' imports (transformers', a tokenizer's): objects that
+    live on, which the collector would scan again and again as the heap grows. It is on again
+    after, also where the hash fails."""
+    import gc
+
+    from kiln.compiler.stages import StageCache
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    job = job_for(tmp_path, model)
+    seen: list[bool] = []
+
+    def digest(_: object) -> str:
+        seen.append(gc.isenabled())
+        raise OSError("the source went away")
+
+    monkeypatch.setattr(sources, "source_digest", digest)
+    with pytest.raises(OSError, match="went away"):
+        pipeline.build_model(job, StageCache(tmp_path / "cache"), {})
+    assert seen == [False] and gc.isenabled()

@@ -127,3 +127,49 @@ def test_layers_within_the_slack_reuse_the_heap() -> None:
     each, growth = later_faults("each"), later_faults("growth")
     assert each > 5 * 2048  # five layers, each faulting in its 10 MiB again
     assert growth < each // 2
+
+
+def test_collection_is_paused_within_and_restored_after() -> None:
+    import gc
+
+    from kiln.runtime.base.heap import collection_paused
+
+    assert gc.isenabled()
+    with collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()  # left off, as the caller had it
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError), collection_paused():
+        raise ValueError("raised within")
+    assert gc.isenabled()
+
+
+EXIT = textwrap.dedent(
+    """
+    import atexit, gc
+    atexit.register(lambda: print("frozen at exit", gc.get_freeze_count() > 0))
+    from kiln.runtime.base import heap
+    if __import__("sys").argv[1] == "uncollected":
+        heap.uncollected_at_exit()
+    import torch  # a library's objects, and atexit handlers registered after
+    print("frozen before exit", gc.get_freeze_count() > 0)
+    """
+)
+
+
+def test_objects_left_at_exit_go_to_the_system_not_the_collector() -> None:
+    """Registered first, the freeze runs after every later atexit handler and before Python's
+    shutdown collections; nothing is frozen while the process works."""
+
+    def said(mode: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", EXIT, mode], capture_output=True,
+                              text=True, check=True).stdout.splitlines()  # fmt: skip
+
+    assert said("uncollected") == ["frozen before exit False", "frozen at exit True"]
+    assert said("plain") == ["frozen before exit False", "frozen at exit False"]

@@ -3,7 +3,7 @@ peak RSS over the checkpoint's bf16 bytes, and the artifact's bytes over the wei
 
     PYTHONPATH=. python tests/benchmarks/scale.py [--models llama-1b,llama-3b] \
         [--recipes fp8,w8a8,gptq,awq,modelopt-fp8,modelopt-awq,modelopt-w8a8] [--oneshot] \
-        [--work /path/with/disk]
+        [--pairs N] [--work /path/with/disk]
 
 Each model is a random-weight checkpoint of a real model's shape with SmolLM2's tokenizer,
 built once under --work (tests/scale_models.py: llama-1b, llama-3b, llama-8b, qwen3-moe-2b,
@@ -16,9 +16,11 @@ once (the quantiser beside the report's float half), though it counts pages they
 libraries both map) once in each. --oneshot runs llm-compressor's
 own `oneshot` + `save_pretrained` on the same model and calibration data beside each FP8
 compile, as its users run it (the whole model loaded in bf16), and prints kiln's wall time over
-it. Each run starts with the checkpoint read once into the page cache, in this process's
-environment (`kiln` sets OMP_WAIT_POLICY for itself where it is not set; oneshot runs with
-OpenMP's default, as its users run it: 0.7-1.4 s faster than with PASSIVE at 1.17B).
+it (--pairs N: N compile-then-oneshot pairs, each ratio and their median: a shared host
+drifts by 10-20% between runs minutes apart). Each run starts with the checkpoint read once
+into the page cache, in this process's environment (`kiln` sets OMP_WAIT_POLICY for itself
+where it is not set; oneshot runs with OpenMP's default, as its users run it: 0.7-1.4 s
+faster than with PASSIVE at 1.17B).
 16×128 calibration tokens, 8×128 report tokens, one target (h100-sxm). The CPU, its flags and
 the date head the output.
 """
@@ -233,6 +235,9 @@ def main() -> None:
     parser.add_argument("--models", default="llama-1b,llama-3b")
     parser.add_argument("--recipes", default="fp8")
     parser.add_argument("--oneshot", action="store_true")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="With --oneshot: compile and oneshot this many times, one after "
+                        "the other (the host's speed drifts), and print each ratio")  # fmt: skip
     parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-scale"))
     parser.add_argument("--keep", action="store_true", help="Keep each compile's output.")
     args = parser.parse_args()
@@ -251,6 +256,13 @@ def main() -> None:
                 base = oneshot_row(model, args.work)
                 row["oneshot_wall"], row["oneshot_maxrss"] = base["wall"], base["maxrss"]
                 subprocess.run(["rm", "-rf", base["out"]], check=False)
+                row["ratios"] = [row["wall"] / base["wall"]]
+                for _ in range(args.pairs - 1):  # compile, then oneshot, again and again
+                    again = compile_row(model, scheme, args.work)
+                    subprocess.run(["rm", "-rf", again["out"]], check=False)
+                    other = oneshot_row(model, args.work)
+                    subprocess.run(["rm", "-rf", other["out"]], check=False)
+                    row["ratios"].append(again["wall"] / other["wall"])
             rows.append(row)
             print(f"\n{name} ({billions:.2f}B parameters, {bf16 / GB:.2f} GB bf16), {scheme}:")
             for stage, seconds in row["stages"].items():
@@ -270,6 +282,11 @@ def main() -> None:
                 print(f"  oneshot     {row['oneshot_wall']:8.1f} s wall, peak "
                       f"{row['oneshot_maxrss'] / GB:.2f} GB; kiln compile / oneshot = "
                       f"{row['wall'] / row['oneshot_wall']:.2f}")  # fmt: skip
+            if len(row.get("ratios", [])) > 1:
+                ratios = sorted(row["ratios"])
+                print(f"  {len(ratios)} pairs      kiln compile / oneshot = "
+                      f"{', '.join(f'{r:.2f}' for r in row['ratios'])}; median "
+                      f"{ratios[len(ratios) // 2]:.2f}")  # fmt: skip
             if not args.keep:
                 subprocess.run(["rm", "-rf", row["out"]], check=False)
     print("\n" + json.dumps(rows, indent=1))

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +203,49 @@ def plan(tensors: Tensors) -> dict[str, dict[str, TensorSpec]]:
     return specs
 
 
+Unit = tuple[Hashable | None, str, Callable[[], Tensors]]  # (key, names' prefix, producer)
+
+
+def plan_by_unit(units: Iterable[Unit]) -> dict[str, dict[str, TensorSpec]]:
+    """`plan` of what the units yield, in order, each unit's producer run unless a unit with
+    the same key (not None) ran before: that unit's plan is taken with its names' prefix
+    replaced by this one's (a producer that is a function of what its key states, such as
+    one decoder layer of a model whose layers are alike; where a name does not start with
+    its unit's prefix, the unit runs). `write_files` then refuses any tensor that differs
+    from the plan."""
+    specs: dict[str, dict[str, TensorSpec]] = {}
+    ran: dict[Hashable, tuple[str, dict[str, dict[str, TensorSpec]]]] = {}
+    for key, prefix, produce in units:
+        like = ran.get(key) if key is not None else None
+        found = _renamed(*like, prefix) if like is not None else None
+        if found is None:
+            found = plan(produce())
+            if key is not None:
+                ran.setdefault(key, (prefix, found))
+        for file, named in found.items():
+            into = specs.setdefault(file, {})
+            for name, spec in named.items():
+                if name in into:
+                    raise ValueError(f"{file}: tensor {name} is yielded twice")
+                into[name] = spec
+    return specs
+
+
+def _renamed(
+    old: str, specs: dict[str, dict[str, TensorSpec]], new: str
+) -> dict[str, dict[str, TensorSpec]] | None:
+    """`specs` with the prefix `old` of every name replaced by `new`; None where a name lacks
+    it."""
+    if not old:
+        return None
+    out: dict[str, dict[str, TensorSpec]] = {}
+    for file, named in specs.items():
+        if not all(name.startswith(old) for name in named):
+            return None
+        out[file] = {new + name[len(old) :]: spec for name, spec in named.items()}
+    return out
+
+
 def write_files(
     out_dir: Path,
     produce: Callable[[], Tensors],
@@ -231,11 +274,14 @@ def save_sharded(
     produce: Callable[[], Iterable[tuple[str, torch.Tensor]]],
     metadata: Mapping[str, str] | None = None,
     max_shard_bytes: int = SHARD_BYTES,
+    specs: dict[str, TensorSpec] | None = None,
 ) -> list[str]:
     """Write what `produce()` yields as a Hugging Face checkpoint's weights in `out_dir`:
     `model.safetensors` where it fits in one shard of `max_shard_bytes`, else numbered shards
-    and their index. `produce` runs twice (see `write_files`). Returns the files written."""
-    specs = plan(_into("", produce(), {})).get("", {})
+    and their index. `produce` runs twice (see `write_files`; once where `specs` is its plan,
+    {name: spec} in the order it yields them). Returns the files written."""
+    if specs is None:
+        specs = plan(_into("", produce(), {})).get("", {})
     split = split_state_dict_into_shards_factory(
         specs,
         get_storage_size=lambda spec: spec.nbytes,

@@ -25,6 +25,8 @@ from kiln.runtime.formats import artifact
 from kiln.runtime.formats.safetensors_writer import (
     DTYPES,
     INDEX_FILE,
+    plan,
+    plan_by_unit,
     save_sharded,
     write_files,
 )
@@ -71,6 +73,41 @@ def test_a_producer_that_changes_between_passes_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="planned as"):
         write_files(tmp_path, produce)
+
+
+def test_units_alike_are_planned_once_and_a_unit_that_differs_is_refused(tmp_path):
+    """`plan_by_unit` runs one producer per key and names the others' tensors from its plan;
+    the write still checks every tensor against the plan, so a unit whose key hid a
+    difference fails loudly rather than writing a wrong layout."""
+    ran: list[int] = []
+
+    def layer(i: int, width: int = 4):
+        ran.append(i)
+        yield "f.safetensors", f"layers.{i}.w", torch.full((width,), float(i))
+        yield "f.safetensors", f"layers.{i}.b", torch.zeros(2, dtype=torch.bfloat16)
+
+    def units(widths: list[int]):
+        yield None, "", lambda: iter([("f.safetensors", "head", torch.ones(3))])
+        for i, width in enumerate(widths):
+            yield "alike", f"layers.{i}.", lambda i=i, width=width: layer(i, width)
+
+    planned = plan_by_unit(units([4, 4, 4]))
+    assert ran == [0]
+    ran.clear()
+    assert planned == plan(units_tensors(units([4, 4, 4])))
+    write_files(tmp_path, lambda: units_tensors(units([4, 4, 4])), specs=planned)
+    assert set(load_file(str(tmp_path / "f.safetensors"))) == {
+        "head",
+        *(f"layers.{i}.{p}" for i in range(3) for p in "wb"),
+    }
+    with pytest.raises(ValueError, match="planned as"):
+        write_files(tmp_path, lambda: units_tensors(units([4, 5, 4])),
+                    specs=plan_by_unit(units([4, 5, 4])))  # fmt: skip
+
+
+def units_tensors(units):
+    for _, _, produce in units:
+        yield from produce()
 
 
 def test_a_checkpoint_larger_than_a_shard_is_sharded_with_an_index(tmp_path):

@@ -11,11 +11,14 @@ import torch
 from safetensors import safe_open
 
 from kiln.compiler.trtllm.export.decode import decode_checkpoint, read_checkpoint
-from kiln.compiler.trtllm.export.writer import export_checkpoint
+from kiln.compiler.trtllm.export.source import Source, read_source
+from kiln.compiler.trtllm.export.writer import _Walk, export_checkpoint
+from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO
 from kiln.quant.quantize import quantize
 from kiln.quant.schemes import resolve
 from kiln.quant.spec import CalibrationSpec, QuantSpec
 from kiln.runtime.base.errors import UsageError
+from kiln.runtime.formats.safetensors_writer import plan
 
 CALIBRATION = CalibrationSpec(num_samples=8, max_seq_len=64)
 SPECS = {
@@ -252,3 +255,53 @@ def test_qwen2_exports_its_qkv_biases(qwen2_with_biases, tmp_path, tp):
     reference = reference_weights(tiny_qwen2)
     assert "model.layers.0.self_attn.k_proj.bias" in decoded
     assert all(max_rel_error(decoded[k], reference[k]) < 2**-10 for k in decoded)
+
+
+def _walk(model_dir: Path, tp: int) -> _Walk:
+    """The export's walk of `model_dir`, as export_checkpoint makes it."""
+
+    src = read_source(model_dir)
+    algo = CHECKPOINT_ALGO[src.quant_algo]
+    pre_quant = algo == "W4A8_AWQ" or (algo == "W4A16_AWQ" and src.pre_quant_scales)
+    return _Walk(src, algo, tp, torch.bfloat16, pre_quant)
+
+
+@pytest.mark.parametrize(("mode", "tp"), [("fp8_kv", 1), ("fp8_kv", 2), ("gptq", 2),
+                                          ("awq", 1), ("sq_int8_kv", 1), ("none", 1)])  # fmt: skip
+def test_the_plan_from_one_layer_is_the_plan_of_every_layer(
+    mode: str, tp: int, quantised: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank files' plan walks each distinct decoder layer once (tiny_llama's are alike:
+    one) and names every other layer's tensors from it: the same plan, file by file and name
+    by name in order, as walking the whole model."""
+    walk = _walk(quantised(mode), tp)
+    full = plan(walk.tensors())
+    read: list[int] = []
+    real = Source.layer
+    monkeypatch.setattr(Source, "layer", lambda self, i: read.append(i) or real(self, i))
+    planned = walk.plan()
+    assert read == [0]
+    assert list(planned) == list(full)
+    for file in full:
+        assert list(planned[file].items()) == list(full[file].items())
+
+
+def test_a_layer_unlike_the_others_is_walked_for_its_plan(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layer 0's down_proj left in float: its stored tensors differ, so the plan walks it and
+    one of the layers alike, and the export is whole."""
+    spec = QuantSpec(method="gptq", weight_bits=4, group_size=64,
+                     ignore=("lm_head", r"re:model\.layers\.0\.mlp\.down_proj$"))  # fmt: skip
+    quantize(tiny_llama, resolve(spec), CALIBRATION, tmp_path / "q")
+    walk = _walk(tmp_path / "q", 1)
+    full = plan(walk.tensors())
+    read: list[int] = []
+    real = Source.layer
+    monkeypatch.setattr(Source, "layer", lambda self, i: read.append(i) or real(self, i))
+    assert walk.plan() == full and read == [0, 1]
+    monkeypatch.undo()
+    export_checkpoint(tmp_path / "q", tmp_path / "trt")
+    _, (rank,) = read_checkpoint(tmp_path / "trt")
+    assert rank["transformer.layers.0.mlp.proj.weight"].dtype == torch.bfloat16
+    assert rank["transformer.layers.1.mlp.proj.weight"].dtype == torch.int8

@@ -446,3 +446,28 @@ def test_a_path_the_scheme_cannot_take_is_named_inside_the_artifact_not_its_stag
     assert status.startswith("unsupported: model: W8A16 from compressed-tensors"), status
     manifest = artifact.load_manifest(json.loads(stdout)["artifact"])
     assert ".partial" not in json.dumps(manifest.to_dict()["targets"])
+
+
+def test_the_conversion_plans_from_one_layer_of_a_model_whose_layers_are_alike(
+    converted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's plan walks each distinct decoder layer once (the others take its plan under
+    their own names), so each quantised linear is read once to write it and layer 0's once
+    more to plan; the files are the same bytes."""
+    import kiln.compiler.trtllm.export.modelopt_hf as modelopt_hf
+
+    ct, whole = converted("llama", "fp8_kv")
+    read: list[str] = []
+    real = modelopt_hf._linear
+
+    def counted(ckpt: object, module: str, algo: str) -> dict[str, torch.Tensor]:
+        read.append(module)
+        return real(ckpt, module, algo)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(modelopt_hf, "_linear", counted)
+    convert_to_modelopt_hf(ct, tmp_path)
+    layers = json.loads((ct / "config.json").read_text())["num_hidden_layers"]
+    first = [m for m in read if m.startswith("model.layers.0.")]
+    assert len(first) == 7 * 2 and len(read) == 7 * layers + 7
+    written = (tmp_path / "model.safetensors").read_bytes()
+    assert written == (whole / "model.safetensors").read_bytes()

@@ -30,6 +30,7 @@ hard links to the source's where the filesystem allows (stored once in an artifa
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from kiln.compiler.trtllm.export.linears import pack_int4_rows
-from kiln.compiler.trtllm.export.source import trtllm_algo
+from kiln.compiler.trtllm.export.source import layer_signatures, trtllm_algo
 from kiln.compiler.trtllm.rules.pytorch import (
     CONVERTS,
     QUANT_CONFIG_FILE,
@@ -53,8 +54,14 @@ from kiln.runtime.base.heap import reuse_within_layers
 from kiln.runtime.base.versions import kiln_version
 from kiln.runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
-from kiln.runtime.formats.model_info import with_legacy_rope
-from kiln.runtime.formats.safetensors_writer import SHARD_BYTES, save_sharded
+from kiln.runtime.formats.model_info import ModelInfo, with_legacy_rope
+from kiln.runtime.formats.safetensors_writer import (
+    SHARD_BYTES,
+    TensorSpec,
+    Unit,
+    plan_by_unit,
+    save_sharded,
+)
 from kiln.runtime.formats.weights import LinearWeights
 
 NOT_COPIED = ("config.json", "recipe.yaml", QUANT_CONFIG_FILE)
@@ -160,12 +167,35 @@ def convert_to_modelopt_hf(
         )
     section["exclude_modules"] = excluded
 
+    units = _units(ckpt, quantised, algo, kv_algo is not None, ones_dtype)
+
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        return _tensors(ckpt, quantised, algo, kv_algo is not None, ones_dtype)
+        for unit in units.values():
+            yield from unit()
+
+    def planned() -> dict[str, TensorSpec]:
+        # each distinct decoder layer walked once (the others named from it), as the
+        # TensorRT-LLM export plans: the conversion moves values by name and stored shape
+        signatures = layer_signatures(ckpt, ModelInfo.from_hf_config(ckpt.config))
+        keyed: list[Unit] = [
+            (None if layer is None else signatures[layer],
+             "" if layer is None else f"model.layers.{layer}.",
+             functools.partial(_into_file, produce))
+            for layer, produce in units.items()
+        ]  # fmt: skip
+        return plan_by_unit(keyed).get("", {})
 
     reuse_within_layers()  # layers are read and freed one after another (the writer trims)
-    _write(Path(model_dir), Path(out_dir), config, section, tensors, max_shard_bytes)
+    _write(Path(model_dir), Path(out_dir), config, section, tensors, max_shard_bytes, planned)
     return section
+
+
+def _into_file(
+    produce: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for name, tensor in produce():
+        yield "", name, tensor
+        del tensor
 
 
 def _layer_of(name: str) -> int | None:
@@ -174,24 +204,25 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
-def _tensors(
+def _units(
     ckpt: Checkpoint,
     quantised: list[str],
     algo: str,
     kv_cache: bool,
     ones_dtype: torch.dtype | None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the conversion, a decoder layer at a time, then the rest of the model:
-    the quantised linears in ModelOpt's layout (W4A16_AWQ: with the pre-quant scale of ones the
-    loader requires on o_proj and down_proj, in `ones_dtype`), everything else as stored."""
+) -> dict[int | None, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Every tensor of the conversion, a decoder layer at a time (each layer's producer, then
+    the rest of the model's under None): the quantised linears in ModelOpt's layout (W4A16_AWQ:
+    with the pre-quant scale of ones the loader requires on o_proj and down_proj, in
+    `ones_dtype`), everything else as stored."""
     rest: dict[int | None, list[str]] = {}
     for name in sorted(set(ckpt.names()) - _owned(ckpt, set(quantised))):
         rest.setdefault(_layer_of(name), []).append(name)
     modules: dict[int | None, list[str]] = {}
     for module in quantised:
         modules.setdefault(_layer_of(module), []).append(module)
-    layers = int(ckpt.config["num_hidden_layers"])
-    for layer in [*range(layers), None]:
+
+    def unit(layer: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         for module in modules.get(layer, []):
             out = _linear(ckpt, module, algo)
             if ones_dtype is not None and module.endswith(("o_proj", "down_proj")):
@@ -207,6 +238,9 @@ def _tensors(
             yield f"{prefix}.k_proj.k_scale", k.to(torch.float32).reshape(())
             yield f"{prefix}.v_proj.v_scale", v.to(torch.float32).reshape(())
 
+    layers = int(ckpt.config["num_hidden_layers"])
+    return {layer: functools.partial(unit, layer) for layer in [*range(layers), None]}
+
 
 def _write(
     src: Path,
@@ -215,6 +249,7 @@ def _write(
     section: dict[str, Any],
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
     max_shard_bytes: int,
+    planned: Callable[[], dict[str, TensorSpec]],
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():  # tokenizer, generation config, chat template
@@ -237,7 +272,8 @@ def _write(
     # RoPE spelled for transformers 4.57 too, which TensorRT-LLM 1.2 reads config.json with.
     spelled = with_legacy_rope({**config, "quantization_config": inline})
     (out / "config.json").write_text(json.dumps(spelled, indent=2) + "\n")
-    save_sharded(out, tensors, metadata={"format": "pt"}, max_shard_bytes=max_shard_bytes)
+    save_sharded(out, tensors, metadata={"format": "pt"}, max_shard_bytes=max_shard_bytes,
+                 specs=planned())  # fmt: skip
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

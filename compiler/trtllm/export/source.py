@@ -101,6 +101,10 @@ class Source:
         lin = self.ckpt.linear("lm_head")
         return lin, self._weight_global("lm_head", lin)
 
+    def layer_signatures(self) -> list[tuple[Any, ...]]:
+        """Each decoder layer's `layer_signatures`."""
+        return layer_signatures(self.ckpt, self.info)
+
     def layer(self, index: int) -> Layer:
         """Decoder layer `index`, read from disk."""
         info, prefix, moe = self.info, f"model.layers.{index}", self.info.moe
@@ -218,6 +222,32 @@ def _recorded_algo(ckpt: Checkpoint) -> str:
         group = quant.groups[0]
         return trtllm_algo(group.weights, group.actorder)
     return quant.quant_algo or "NO_QUANT"
+
+
+def layer_signatures(ckpt: Checkpoint, info: ModelInfo) -> list[tuple[Any, ...]]:
+    """What each decoder layer's export is a function of, known without reading a weight: its
+    stored tensors (names within the layer, dtypes, shapes, off the files' headers), its
+    linears' shapes and quantisation scheme (the config group that quantises each, or none),
+    and whether it is sparse. Layers with equal signatures export to the same tensors under
+    their own index."""
+    by_layer: list[list[tuple[str, tuple[str, tuple[int, ...]]]]] = [
+        [] for _ in range(info.num_layers)
+    ]
+    for name, spec in ckpt.files.stored().items():
+        parts = name.split(".", 3)
+        if parts[:2] == ["model", "layers"] and parts[2].isdigit() and len(parts) == 4:
+            index = int(parts[2])
+            if index < len(by_layer):
+                by_layer[index].append((parts[3], spec))
+    scheme_for = getattr(ckpt.quant, "scheme_for", lambda _: None)
+    out = []
+    for index, stored in enumerate(by_layer):
+        linears = tuple(
+            (name, shape, repr(scheme_for(f"model.layers.{index}.{name}")))
+            for name, shape in info.layer_linears(index).items()
+        )
+        out.append((tuple(sorted(stored)), linears, info.is_sparse(index)))
+    return out
 
 
 def read_source(model_dir: Path, quant_algo: str | None = None) -> Source:

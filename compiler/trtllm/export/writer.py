@@ -10,15 +10,18 @@ checkpoint obeys them.
 
 TensorRT-LLM 1.2 reads exactly one `rank{N}.safetensors` per rank, so a rank file of a 70B
 model cannot be sharded: it is streamed. The model is walked a unit at a time (the embedding,
-lm_head, each decoder layer), each unit read once for every rank, twice over: first to plan
-every rank file's layout, then to write each tensor at its place
-(runtime/formats/safetensors_writer.py). What the walk must know before it starts (which
-linears are quantised, zero points, pre-quant scales) is read off the config and the tensor
-names (source.py), so the export holds about one layer, never the model.
+lm_head, each decoder layer), each unit read once for every rank: first to plan every rank
+file's layout (the embedding, lm_head and each distinct decoder layer; layers alike in their
+stored tensors and schemes take the first one's plan under their own names: `_Walk.plan`),
+then to write each tensor at its place (runtime/formats/safetensors_writer.py). What the walk
+must know before it starts (which linears are quantised, zero points, pre-quant scales) is
+read off the config and the tensor names (source.py), so the export holds about one layer,
+never the model.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,7 +54,7 @@ from kiln.compiler.trtllm.rules.exclusions import (
 )
 from kiln.runtime.base.errors import UsageError
 from kiln.runtime.base.heap import reuse_within_layers
-from kiln.runtime.formats.safetensors_writer import write_files
+from kiln.runtime.formats.safetensors_writer import TensorSpec, Unit, plan_by_unit, write_files
 from kiln.runtime.formats.weights import LinearWeights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,7 +134,7 @@ def export_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     reuse_within_layers()  # layers are read and freed one after another (the writer trims)
     walk = _Walk(src, algo, tp, DTYPES[dtype], pre_quant)
-    files = write_files(out_dir, walk.tensors)
+    files = write_files(out_dir, walk.tensors, specs=walk.plan())
     notes += walk.notes
     config = checkpoint_config(src, algo, tp, dtype, pre_quant, exclude, walk.group_size)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -255,6 +258,18 @@ class _Walk:
         yield from self._lm_head()
         for i in range(self.src.info.num_layers):
             yield from self._layer(i)
+
+    def plan(self) -> dict[str, dict[str, TensorSpec]]:
+        """The rank files' plan of `tensors()` (rank file → {name: spec}), walking each distinct
+        decoder layer once: a layer whose signature (`Source.layer_signatures`: its stored
+        tensors' names, dtypes and shapes, its linears' shapes and schemes) matches one walked
+        already takes that layer's plan under its own names, the walk being a function of those
+        alone (`plan_by_unit`). A Llama's plan so reads the embedding, lm_head and one layer,
+        not the model a second time."""
+        units: list[Unit] = [(None, "", self._shared), (None, "", self._lm_head)]
+        for i, signature in enumerate(self.src.layer_signatures()):
+            units.append((signature, f"transformer.layers.{i}.", functools.partial(self._layer, i)))
+        return plan_by_unit(units)
 
     def _file(self, rank: int) -> str:
         return f"rank{rank}.safetensors"

@@ -82,6 +82,15 @@ class TensorFiles:
             part = part[half * rows : (half + 1) * rows]
         return part.contiguous()
 
+    def stored(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """{name: (safetensors dtype, shape)} of every tensor as stored, read off the files'
+        headers (no tensor is read)."""
+        out = {}
+        for name, handle in self._where.items():
+            part = handle.get_slice(name)
+            out[name] = (str(part.get_dtype()), tuple(int(d) for d in part.get_shape()))
+        return out
+
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self else None
 

@@ -281,7 +281,7 @@ def save_sharded(
     and their index. `produce` runs twice (see `write_files`; once where `specs` is its plan,
     {name: spec} in the order it yields them). Returns the files written."""
     if specs is None:
-        specs = plan(_into("", produce(), {})).get("", {})
+        specs = plan(in_file("", produce(), {})).get("", {})
     split = split_state_dict_into_shards_factory(
         specs,
         get_storage_size=lambda spec: spec.nbytes,
@@ -294,7 +294,7 @@ def save_sharded(
     }
 
     def routed() -> Tensors:
-        return _into("", produce(), where)
+        return in_file("", produce(), where)
 
     written = write_files(out_dir, routed, metadata, files)
     if not split.is_sharded:
@@ -304,7 +304,7 @@ def save_sharded(
     return [*written, INDEX_FILE]
 
 
-def _into(
+def in_file(
     default: str, tensors: Iterable[tuple[str, torch.Tensor]], files: Mapping[str, str]
 ) -> Tensors:
     """(file, name, tensor): `files[name]`, else `default`; each tensor let go once yielded."""

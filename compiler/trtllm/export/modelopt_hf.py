@@ -57,8 +57,10 @@ from kiln.runtime.formats.checkpoint.compressed_tensors import CompressedTensors
 from kiln.runtime.formats.model_info import ModelInfo, with_legacy_rope
 from kiln.runtime.formats.safetensors_writer import (
     SHARD_BYTES,
+    Tensors,
     TensorSpec,
     Unit,
+    in_file,
     plan_by_unit,
     save_sharded,
 )
@@ -177,10 +179,15 @@ def convert_to_modelopt_hf(
         # each distinct decoder layer walked once (the others named from it), as the
         # TensorRT-LLM export plans: the conversion moves values by name and stored shape
         signatures = layer_signatures(ckpt, ModelInfo.from_hf_config(ckpt.config))
+
+        def one_file(
+            produce: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+        ) -> Callable[[], Tensors]:
+            return lambda: in_file("", produce(), {})
+
         keyed: list[Unit] = [
             (None if layer is None else signatures[layer],
-             "" if layer is None else f"model.layers.{layer}.",
-             functools.partial(_into_file, produce))
+             "" if layer is None else f"model.layers.{layer}.", one_file(produce))
             for layer, produce in units.items()
         ]  # fmt: skip
         return plan_by_unit(keyed).get("", {})
@@ -188,14 +195,6 @@ def convert_to_modelopt_hf(
     reuse_within_layers()  # layers are read and freed one after another (the writer trims)
     _write(Path(model_dir), Path(out_dir), config, section, tensors, max_shard_bytes, planned)
     return section
-
-
-def _into_file(
-    produce: Callable[[], Iterator[tuple[str, torch.Tensor]]],
-) -> Iterator[tuple[str, str, torch.Tensor]]:
-    for name, tensor in produce():
-        yield "", name, tensor
-        del tensor
 
 
 def _layer_of(name: str) -> int | None:

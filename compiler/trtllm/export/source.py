@@ -101,10 +101,6 @@ class Source:
         lin = self.ckpt.linear("lm_head")
         return lin, self._weight_global("lm_head", lin)
 
-    def layer_signatures(self) -> list[tuple[Any, ...]]:
-        """Each decoder layer's `layer_signatures`."""
-        return layer_signatures(self.ckpt, self.info)
-
     def layer(self, index: int) -> Layer:
         """Decoder layer `index`, read from disk."""
         info, prefix, moe = self.info, f"model.layers.{index}", self.info.moe

@@ -44,7 +44,14 @@ from kiln.compiler.trtllm.export.linears import (
     pad_linear,
     shard,
 )
-from kiln.compiler.trtllm.export.source import GEMMA_NORMS, QK_NORMS, Layer, Source, read_source
+from kiln.compiler.trtllm.export.source import (
+    GEMMA_NORMS,
+    QK_NORMS,
+    Layer,
+    Source,
+    layer_signatures,
+    read_source,
+)
 from kiln.compiler.trtllm.rules.checkpoint import CHECKPOINT_ALGO, NOT_EXPORTED
 from kiln.compiler.trtllm.rules.exclusions import (
     NO_EXCLUSIONS,
@@ -261,13 +268,13 @@ class _Walk:
 
     def plan(self) -> dict[str, dict[str, TensorSpec]]:
         """The rank files' plan of `tensors()` (rank file → {name: spec}), walking each distinct
-        decoder layer once: a layer whose signature (`Source.layer_signatures`: its stored
+        decoder layer once: a layer whose signature (source.py `layer_signatures`: its stored
         tensors' names, dtypes and shapes, its linears' shapes and schemes) matches one walked
         already takes that layer's plan under its own names, the walk being a function of those
         alone (`plan_by_unit`). A Llama's plan so reads the embedding, lm_head and one layer,
         not the model a second time."""
         units: list[Unit] = [(None, "", self._shared), (None, "", self._lm_head)]
-        for i, signature in enumerate(self.src.layer_signatures()):
+        for i, signature in enumerate(layer_signatures(self.src.ckpt, self.src.info)):
             units.append((signature, f"transformer.layers.{i}.", functools.partial(self._layer, i)))
         return plan_by_unit(units)
 

@@ -84,6 +84,19 @@ def build_recipe(scheme: Scheme, spec: QuantSpec) -> list[Any]:
     return [QuantizationModifier(**quant_args)]  # fp8, fp8_dynamic: round to nearest
 
 
+def propagates(recipe: list[Any]) -> bool:
+    """Whether oneshot's sequential pipeline must run each layer a second time to hand the next
+    layer its outputs: only where a modifier changes the layer's weights before the next one
+    calibrates (GPTQ, AWQ, SmoothQuant). A recipe of QuantizationModifier alone (FP8, round to
+    nearest) only observes: the pipeline calibrates with quantisation disabled and the weights
+    float, so the second pass (`propagate_error`, on by default) computes the first's outputs
+    again, bit for bit, and leaving it out halves the calibration's forwards with the same
+    checkpoint (tests/quant/test_backends.py holds the bytes equal)."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    return not all(type(modifier) is QuantizationModifier for modifier in recipe)
+
+
 def load_offloaded(model_dir: Path, dtype: Any, offload: Path, scheme: Scheme) -> Any:
     """The float model with every weight left on disk (compressed-tensors' offloading reads it
     from the checkpoint's own files; what calibration changes is written under `offload`)
@@ -129,11 +142,13 @@ def run(job: QuantJob) -> None:
         dataset = Dataset.from_dict(
             {"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}
         )
+    recipe = build_recipe(job.scheme, job.spec)
     with llmcompressor_on_cpu(), counted_subgraphs(job.progress):
         oneshot(
             model=job.model,
             tokenizer=job.tokenizer,
-            recipe=build_recipe(job.scheme, job.spec),
+            recipe=recipe,
+            propagate_error=propagates(recipe),
             dataset=dataset,
             num_calibration_samples=max(len(samples), 1),
             max_seq_length=max((len(s) for s in samples), default=None),

@@ -217,3 +217,37 @@ def test_modelopt_awq_weights_dequantise_to_the_calibrated_values(
     _, weights = load_checkpoint(tmp_path)
     for name, weight in expected.items():
         torch.testing.assert_close(weights[name], weight, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["llmcompressor-fp8-kv_fp8", "fp8-no-kv"])
+def test_fp8_calibrated_in_one_pass_is_the_checkpoint_of_two(
+    tiny_llama: Path, tmp_path: Path, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kiln runs FP8's calibration without oneshot's second pass over each layer (it only
+    recomputes the first's outputs where no modifier changes weights): the same bytes as
+    oneshot's default, which runs it; GPTQ, AWQ and SmoothQuant keep it."""
+    import llmcompressor
+
+    from kiln.quant.backends.llmcompressor import build_recipe, propagates
+
+    spec = SPECS.get(key) or QuantSpec(method="fp8", weight_bits=8, activations="fp8_static")
+    scheme = resolve(spec)
+    assert not propagates(build_recipe(scheme, spec))
+    for other in ("llmcompressor-gptq-w8", "llmcompressor-awq-w4-g64-asym",
+                  "llmcompressor-smoothquant-static"):  # fmt: skip
+        assert propagates(build_recipe(resolve(SPECS[other]), SPECS[other]))
+    passes: list[object] = []
+    default: list[bool] = []  # set: run as oneshot's users do, with the second pass
+    real = llmcompressor.oneshot
+
+    def oneshot(**kwargs: object) -> object:
+        passes.append(kwargs["propagate_error"])
+        return real(**{**kwargs, "propagate_error": True} if default else kwargs)
+
+    monkeypatch.setattr(llmcompressor, "oneshot", oneshot)
+    quantize(tiny_llama, scheme, CALIBRATION, tmp_path / "kiln")
+    default.append(True)
+    quantize(tiny_llama, scheme, CALIBRATION, tmp_path / "default")
+    assert passes == [False, False]  # kiln asks for one pass
+    kiln, two_passes = (tmp_path / d / "model.safetensors" for d in ("kiln", "default"))
+    assert kiln.read_bytes() == two_passes.read_bytes()

@@ -13,10 +13,11 @@ exports run at once: one figure for both; their seconds overlap), and the tree's
 read as the kernel counts it (getrusage of the children: the largest single process, as
 `/usr/bin/time -v` reports it). The sampled sum is the stricter figure where processes run at
 once (the quantiser beside the report's float half), though it counts pages they share (the
-libraries both map) once in each. --oneshot runs llm-compressor's
-own `oneshot` + `save_pretrained` on the same model and calibration data beside each FP8
-compile, as its users run it (the whole model loaded in bf16), and prints kiln's wall time over
-it (--pairs N: N compile-then-oneshot pairs, each ratio and their median: a shared host
+libraries both map) once in each. --oneshot runs llm-compressor's own `oneshot` +
+`save_pretrained` on the same model and calibration data beside each FP8 compile, as its users
+run it (the whole model loaded in bf16), and prints kiln's wall time over it (--one-pass:
+oneshot told to skip the second pass over each layer that its default runs and kiln leaves out
+for FP8; --pairs N: N compile-then-oneshot pairs, each ratio and their median: a shared host
 drifts by 10-20% between runs minutes apart). Each run starts with the checkpoint read once
 into the page cache, in this process's environment (`kiln` sets OMP_WAIT_POLICY for itself
 where it is not set; oneshot runs with OpenMP's default, as its users run it: 0.7-1.4 s
@@ -205,6 +206,7 @@ from kiln.quant.backends.cpu_workarounds import llmcompressor_on_cpu
 from kiln.quant.quantize import calibration_samples
 from kiln.quant.spec import CalibrationSpec
 src, out = sys.argv[1], sys.argv[2]
+one_pass = sys.argv[3:] == ["one-pass"]  # oneshot without its second pass, as kiln runs FP8
 tok = AutoTokenizer.from_pretrained(src)
 spec = CalibrationSpec(dataset="builtin:licenses", num_samples=16, max_seq_len=128)
 samples, _ = calibration_samples(spec, tok)
@@ -216,17 +218,18 @@ group = {"targets": ["Linear"],
                                "dynamic": False, "symmetric": True, "observer": "static_minmax"}}
 with llmcompressor_on_cpu():
     oneshot(model=model, tokenizer=tok, dataset=data, num_calibration_samples=len(samples),
-            max_seq_length=128, shuffle_calibration_samples=False,
+            max_seq_length=128, shuffle_calibration_samples=False, propagate_error=not one_pass,
             recipe=[QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])])
 model.save_pretrained(out, save_compressed=True, max_shard_size="5GB")
 """
 
 
-def oneshot_row(model: Path, work: Path) -> dict[str, Any]:
+def oneshot_row(model: Path, work: Path, one_pass: bool = False) -> dict[str, Any]:
     warm(model)
     out = Path(tempfile.mkdtemp(prefix=f"{model.name}-oneshot-", dir=work))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result, _ = measure([sys.executable, "-c", ONESHOT, str(model), str(out / "model")], env)
+    argv = [sys.executable, "-c", ONESHOT, str(model), str(out / "model")]
+    result, _ = measure(argv + (["one-pass"] if one_pass else []), env)
     return {"wall": result["wall"], "maxrss": result["maxrss"], "out": str(out)}
 
 
@@ -238,6 +241,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1,
                         help="With --oneshot: compile and oneshot this many times, one after "
                         "the other (the host's speed drifts), and print each ratio")  # fmt: skip
+    parser.add_argument("--one-pass", action="store_true",
+                        help="With --oneshot: run oneshot without its second pass over each "
+                        "layer (propagate_error=False), as kiln runs FP8, rather than as its "
+                        "users run it by default")  # fmt: skip
     parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-scale"))
     parser.add_argument("--keep", action="store_true", help="Keep each compile's output.")
     args = parser.parse_args()
@@ -253,14 +260,14 @@ def main() -> None:
         for scheme in args.recipes.split(","):
             row = compile_row(model, scheme, args.work)
             if args.oneshot and scheme == "fp8":
-                base = oneshot_row(model, args.work)
+                base = oneshot_row(model, args.work, args.one_pass)
                 row["oneshot_wall"], row["oneshot_maxrss"] = base["wall"], base["maxrss"]
                 subprocess.run(["rm", "-rf", base["out"]], check=False)
                 row["ratios"] = [row["wall"] / base["wall"]]
                 for _ in range(args.pairs - 1):  # compile, then oneshot, again and again
                     again = compile_row(model, scheme, args.work)
                     subprocess.run(["rm", "-rf", again["out"]], check=False)
-                    other = oneshot_row(model, args.work)
+                    other = oneshot_row(model, args.work, args.one_pass)
                     subprocess.run(["rm", "-rf", other["out"]], check=False)
                     row["ratios"].append(again["wall"] / other["wall"])
             rows.append(row)

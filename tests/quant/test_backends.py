@@ -237,10 +237,9 @@ def test_fp8_calibrated_in_one_pass_is_the_checkpoint_of_two(
     expert calibrated); GPTQ, AWQ and SmoothQuant keep it."""
     import llmcompressor
 
-    source: Path = request.getfixturevalue(model)
-
     from kiln.quant.backends.llmcompressor import build_recipe, propagates
 
+    source: Path = request.getfixturevalue(model)
     spec = SPECS.get(key) or QuantSpec(method="fp8", weight_bits=8, activations="fp8_static")
     scheme = resolve(spec)
     assert not propagates(build_recipe(scheme, spec))

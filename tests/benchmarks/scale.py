@@ -286,7 +286,8 @@ def main() -> None:
                   f"{row['artifact'] / row['model_dir']:.2f}x model/ "
                   f"({row['model_dir'] / GB:.2f} GB)")  # fmt: skip
             if "oneshot_wall" in row:
-                print(f"  oneshot     {row['oneshot_wall']:8.1f} s wall, peak "
+                told = " (one pass)" if args.one_pass else ""
+                print(f"  oneshot{told}     {row['oneshot_wall']:8.1f} s wall, peak "
                       f"{row['oneshot_maxrss'] / GB:.2f} GB; kiln compile / oneshot = "
                       f"{row['wall'] / row['oneshot_wall']:.2f}")  # fmt: skip
             if len(row.get("ratios", [])) > 1:
